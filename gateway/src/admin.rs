@@ -1,0 +1,192 @@
+//! The `admin` commands of SPEC 2b: provisioning users, devices, conversations and
+//! membership periods. Each command is one transaction; bad input is a clear error message,
+//! never a partial write. Not used by `serve`.
+
+use crate::store::token_sha256;
+use anyhow::{bail, Context};
+use sqlx::PgPool;
+
+pub const USAGE: &str = "\
+admin commands:
+  im-gateway admin add-user USER
+  im-gateway admin add-device DEVICE --user USER      (prints the device token once)
+  im-gateway admin add-conv CONV --members U1,U2,...
+  im-gateway admin join CONV USER
+  im-gateway admin leave CONV USER
+  im-gateway admin reinstall-device DEVICE            (prints the new token once)
+ids: 1 to 64 characters of A-Z a-z 0-9 . _ -";
+
+fn check_id(kind: &str, id: &str) -> anyhow::Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !ok {
+        bail!("invalid {kind} id {id:?}: use 1 to 64 characters of A-Z a-z 0-9 . _ -");
+    }
+    Ok(())
+}
+
+fn new_token() -> anyhow::Result<String> {
+    let mut buf = [0u8; 32];
+    getrandom::getrandom(&mut buf).map_err(|e| anyhow::anyhow!("no randomness: {e}"))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+async fn exists(pool: &PgPool, sql: &str, id: &str) -> anyhow::Result<bool> {
+    Ok(sqlx::query_scalar::<_, bool>(sql).bind(id).fetch_one(pool).await?)
+}
+
+async fn need_user(pool: &PgPool, user: &str) -> anyhow::Result<()> {
+    if !exists(pool, "SELECT EXISTS (SELECT 1 FROM users WHERE user_id = $1)", user).await? {
+        bail!("unknown user {user:?} (create it with `admin add-user`)");
+    }
+    Ok(())
+}
+
+/// Runs one admin command; returns what to print on stdout (a token, or nothing).
+pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String>> {
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    match a.as_slice() {
+        ["add-user", user] => {
+            check_id("user", user)?;
+            let r = sqlx::query("INSERT INTO users (user_id) VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(user)
+                .execute(pool)
+                .await
+                .context("insert user")?;
+            if r.rows_affected() == 0 {
+                bail!("user {user:?} already exists");
+            }
+            Ok(None)
+        }
+        ["add-device", device, "--user", user] => {
+            check_id("device", device)?;
+            need_user(pool, user).await?;
+            let token = new_token()?;
+            let r = sqlx::query(
+                "INSERT INTO devices (device_id, user_id, install_epoch, token_sha256)
+                 VALUES ($1, $2, 1, $3) ON CONFLICT DO NOTHING",
+            )
+            .bind(device)
+            .bind(user)
+            .bind(token_sha256(&token))
+            .execute(pool)
+            .await
+            .context("insert device")?;
+            if r.rows_affected() == 0 {
+                bail!("device {device:?} already exists");
+            }
+            Ok(Some(token))
+        }
+        ["add-conv", conv, "--members", members] => {
+            check_id("conversation", conv)?;
+            let members: Vec<&str> = members.split(',').filter(|m| !m.is_empty()).collect();
+            if members.is_empty() {
+                bail!("--members needs at least one user");
+            }
+            for m in &members {
+                check_id("user", m)?;
+                need_user(pool, m).await?;
+            }
+            let mut tx = pool.begin().await?;
+            let r = sqlx::query("INSERT INTO conversations (conv_id) VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(conv)
+                .execute(&mut *tx)
+                .await
+                .context("insert conversation")?;
+            if r.rows_affected() == 0 {
+                bail!("conversation {conv:?} already exists");
+            }
+            for m in members {
+                sqlx::query(
+                    "INSERT INTO memberships (conv_id, user_id, from_seq) VALUES ($1, $2, 1)
+                     ON CONFLICT DO NOTHING",
+                )
+                .bind(conv)
+                .bind(m)
+                .execute(&mut *tx)
+                .await
+                .context("insert membership")?;
+            }
+            tx.commit().await?;
+            Ok(None)
+        }
+        ["join", conv, user] | ["leave", conv, user] => {
+            check_id("conversation", conv)?;
+            check_id("user", user)?;
+            need_user(pool, user).await?;
+            let mut tx = pool.begin().await?;
+            // Lock the conversation row as a send does: a period boundary and a seq never race (S1).
+            let next: Option<i64> =
+                sqlx::query_scalar("SELECT next_seq FROM conversations WHERE conv_id = $1 FOR UPDATE")
+                    .bind(conv)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            let Some(next) = next else {
+                bail!("unknown conversation {conv:?}");
+            };
+            let open: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM memberships WHERE conv_id = $1 AND user_id = $2 AND to_seq IS NULL)",
+            )
+            .bind(conv)
+            .bind(user)
+            .fetch_one(&mut *tx)
+            .await?;
+            if a[0] == "join" {
+                if open {
+                    bail!("{user:?} is already a member of {conv:?}");
+                }
+                // A period that would start where the last one ended is merged back into it.
+                let reopened = sqlx::query(
+                    "UPDATE memberships SET to_seq = NULL
+                     WHERE conv_id = $1 AND user_id = $2 AND to_seq = $3",
+                )
+                .bind(conv)
+                .bind(user)
+                .bind(next)
+                .execute(&mut *tx)
+                .await?;
+                if reopened.rows_affected() == 0 {
+                    sqlx::query("INSERT INTO memberships (conv_id, user_id, from_seq) VALUES ($1, $2, $3)")
+                        .bind(conv)
+                        .bind(user)
+                        .bind(next)
+                        .execute(&mut *tx)
+                        .await
+                        .context("insert membership")?;
+                }
+            } else {
+                if !open {
+                    bail!("{user:?} is not a member of {conv:?}");
+                }
+                sqlx::query(
+                    "UPDATE memberships SET to_seq = $3 WHERE conv_id = $1 AND user_id = $2 AND to_seq IS NULL",
+                )
+                .bind(conv)
+                .bind(user)
+                .bind(next)
+                .execute(&mut *tx)
+                .await?;
+            }
+            tx.commit().await?;
+            Ok(None)
+        }
+        ["reinstall-device", device] => {
+            check_id("device", device)?;
+            let token = new_token()?;
+            let r = sqlx::query(
+                "UPDATE devices SET install_epoch = install_epoch + 1, token_sha256 = $2
+                 WHERE device_id = $1",
+            )
+            .bind(device)
+            .bind(token_sha256(&token))
+            .execute(pool)
+            .await?;
+            if r.rows_affected() == 0 {
+                bail!("unknown device {device:?}");
+            }
+            Ok(Some(token))
+        }
+        _ => bail!("unknown or malformed admin command: {}\n{USAGE}", a.join(" ")),
+    }
+}

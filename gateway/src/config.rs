@@ -1,0 +1,95 @@
+//! Configuration of `serve`, read from the environment (SPEC 2b). Owns the limits and their
+//! defaults; it validates values but opens no sockets and touches no database.
+
+use anyhow::{bail, Context};
+use std::time::Duration;
+
+/// Every limit the gateway enforces, with the variable that sets it.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// `IM_DATABASE_URL`: the PostgreSQL the gateway stores everything in.
+    pub database_url: String,
+    /// `IM_LISTEN`: the address `serve` binds (port 0 picks one).
+    pub listen: String,
+    /// `IM_SWEEP_MS`: period of the redelivery sweep (D5).
+    pub sweep_interval_ms: u64,
+    /// `IM_DB_TIMEOUT_MS`: a request whose database work takes longer answers UNAVAILABLE.
+    pub db_timeout_ms: u64,
+    /// `IM_DB_POOL_MAX`: connections in the request pool (the LISTEN connection is extra).
+    pub db_pool_max: u32,
+    /// `IM_MAX_CONNECTIONS`: WebSocket connections served at once; more are refused with 503.
+    pub connections_max: usize,
+    /// `IM_QUEUE_FRAMES_MAX`: outbound frames queued per connection before pushes overflow.
+    pub queue_frames_max: usize,
+    /// `IM_FRAME_MAX_BYTES`: largest inbound text frame; larger gets TOO_LARGE and a close.
+    pub frame_max_bytes: usize,
+    /// `IM_BODY_MAX_BYTES`: largest message body; larger gets TOO_LARGE (connection stays).
+    pub body_max_bytes: usize,
+    /// `IM_SYNC_LIMIT_MAX`: largest sync page; a larger `limit` is clamped to it.
+    pub sync_limit_max: i64,
+    /// `IM_FANOUT_BATCH_MAX`: notifications whose event reads may be in flight at once.
+    pub fanout_inflight_max: usize,
+    /// `IM_SHUTDOWN_GRACE_MS`: how long a graceful shutdown waits for connections to finish.
+    pub shutdown_grace_ms: u64,
+    /// `IM_FAULT`: fault specification (SPEC 4); empty means none.
+    pub fault: String,
+}
+
+/// Default sync page size when a request omits `limit` (SPEC 2).
+pub const SYNC_LIMIT_DEFAULT: i64 = 100;
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn num<T>(name: &str, default: T, min: T, max: T) -> anyhow::Result<T>
+where
+    T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy,
+{
+    let Some(raw) = var(name) else {
+        return Ok(default);
+    };
+    let v: T = raw
+        .trim()
+        .parse()
+        .ok()
+        .with_context(|| format!("{name}={raw:?} is not a number"))?;
+    if v < min || v > max {
+        bail!("{name}={v} is out of range {min}..={max}");
+    }
+    Ok(v)
+}
+
+/// `IM_DATABASE_URL`, required by every command.
+pub fn database_url() -> anyhow::Result<String> {
+    var("IM_DATABASE_URL").context("IM_DATABASE_URL is not set (e.g. postgres://user@host:5432/db)")
+}
+
+/// `IM_DB_TIMEOUT_MS` (default 5000).
+pub fn db_timeout() -> anyhow::Result<Duration> {
+    Ok(Duration::from_millis(num("IM_DB_TIMEOUT_MS", 5000u64, 1, 600_000)?))
+}
+
+impl Config {
+    pub fn from_env() -> anyhow::Result<Config> {
+        Ok(Config {
+            database_url: database_url()?,
+            listen: var("IM_LISTEN").unwrap_or_else(|| "127.0.0.1:8080".to_string()),
+            sweep_interval_ms: num("IM_SWEEP_MS", 1000u64, 10, 3_600_000)?,
+            db_timeout_ms: db_timeout()?.as_millis() as u64,
+            db_pool_max: num("IM_DB_POOL_MAX", 16u32, 1, 1000)?,
+            connections_max: num("IM_MAX_CONNECTIONS", 10_000usize, 1, 1_000_000)?,
+            queue_frames_max: num("IM_QUEUE_FRAMES_MAX", 256usize, 2, 1_000_000)?,
+            frame_max_bytes: num("IM_FRAME_MAX_BYTES", 65_536usize, 256, 16 << 20)?,
+            body_max_bytes: num("IM_BODY_MAX_BYTES", 16_384usize, 1, 8 << 20)?,
+            sync_limit_max: num("IM_SYNC_LIMIT_MAX", 500i64, 1, 10_000)?,
+            fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 16usize, 1, 1024)?,
+            shutdown_grace_ms: num("IM_SHUTDOWN_GRACE_MS", 10_000u64, 0, 600_000)?,
+            fault: std::env::var("IM_FAULT").unwrap_or_default(),
+        })
+    }
+
+    pub fn db_timeout(&self) -> Duration {
+        Duration::from_millis(self.db_timeout_ms)
+    }
+}

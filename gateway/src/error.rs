@@ -1,0 +1,71 @@
+//! The wire errors of SPEC 2: one enum, one exhaustive `code()`. Nothing here may carry SQL,
+//! I/O or other internal detail to a client; the `msg` strings are fixed and generic.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum WireError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Unauthenticated(&'static str),
+    #[error("device was reinstalled: this install is stale")]
+    StaleInstall,
+    #[error("not a member of this conversation")]
+    NotMember,
+    #[error("ack beyond the conversation head ({head})")]
+    CursorAhead { head: i64 },
+    #[error("cmid was already used for another conversation or body")]
+    CmidConflict,
+    #[error("{0}")]
+    TooLarge(String),
+    #[error("database unavailable, retry later")]
+    Unavailable,
+    #[error("internal error")]
+    Internal,
+}
+
+impl WireError {
+    /// The stable error code of SPEC 2.
+    pub fn code(&self) -> &'static str {
+        match self {
+            WireError::BadRequest(_) => "BAD_REQUEST",
+            WireError::Unauthenticated(_) => "UNAUTHENTICATED",
+            WireError::StaleInstall => "STALE_INSTALL",
+            WireError::NotMember => "NOT_MEMBER",
+            WireError::CursorAhead { .. } => "CURSOR_AHEAD",
+            WireError::CmidConflict => "CMID_CONFLICT",
+            WireError::TooLarge(_) => "TOO_LARGE",
+            WireError::Unavailable => "UNAVAILABLE",
+            WireError::Internal => "INTERNAL",
+        }
+    }
+
+    pub fn bad(msg: impl Into<String>) -> WireError {
+        WireError::BadRequest(msg.into())
+    }
+}
+
+/// Classifies a database error: connection trouble is UNAVAILABLE (the client may retry),
+/// anything else is INTERNAL. The detail is logged where the request is handled, never sent.
+pub fn from_db(e: &sqlx::Error) -> WireError {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_) => WireError::Unavailable,
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            // 08: connection exception; 57P: operator intervention (shutdown, crash recovery);
+            // 53: insufficient resources.
+            if code.starts_with("08") || code.starts_with("57P") || code.starts_with("53") {
+                WireError::Unavailable
+            } else {
+                WireError::Internal
+            }
+        }
+        _ => WireError::Internal,
+    }
+}

@@ -1,0 +1,296 @@
+//! Named fault points and the `IM_FAULT` parser (SPEC 4). Owns the list of points, the
+//! validation of a spec, and what each action does when a point fires. It never decides
+//! *where* a point is: the call sites in `store`, `conn` and `server` do, by name.
+//!
+//! Points are evaluated through the `fail` crate, compiled in only with the `faults`
+//! feature. Without it [`check`] is a no-op and [`install`] refuses a non-empty spec.
+//! Every action is non-blocking: `delay` is an async sleep done by the caller, `halt`
+//! is `_exit(137)`; the crate's own `sleep`/`pause`/`panic` actions are never used.
+
+use std::fmt;
+
+/// Every fault point, by the name `IM_FAULT` uses. Listed once; used everywhere.
+pub mod points {
+    /// In the send transaction, after the seq was taken, before the INSERT.
+    pub const SEND_BEFORE_INSERT: &str = "send.before_insert";
+    /// After the INSERT and `pg_notify`, before COMMIT.
+    pub const SEND_BEFORE_COMMIT: &str = "send.before_commit";
+    /// After COMMIT returned, before the `sent` reply is queued.
+    pub const API_AFTER_SEND_COMMIT: &str = "api.after_send_commit";
+    /// The `sent` frame, as it is about to be written to the socket.
+    pub const GW_REPLY_SEND: &str = "gw.reply.send";
+    /// The `acked` frame, as it is about to be written (the note's "lost ack" path).
+    pub const GW_REPLY_ACK: &str = "gw.reply.ack";
+    /// An `event` push, as it is about to be written (hints are not pushes).
+    pub const GW_PUSH: &str = "gw.push";
+
+    pub const ALL: &[&str] = &[
+        SEND_BEFORE_INSERT,
+        SEND_BEFORE_COMMIT,
+        API_AFTER_SEND_COMMIT,
+        GW_REPLY_SEND,
+        GW_REPLY_ACK,
+        GW_PUSH,
+    ];
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// End the process at once with exit status 137: no destructors, no flush, no close frame.
+    Halt,
+    /// Discard the frame (at a transaction point: roll back and send no reply at all).
+    Drop,
+    /// Sleep this many milliseconds (async), then go on.
+    Delay(u64),
+    /// Fail the operation with UNAVAILABLE.
+    Error,
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Action::Halt => write!(f, "halt"),
+            Action::Drop => write!(f, "drop"),
+            Action::Delay(ms) => write!(f, "delay({ms})"),
+            Action::Error => write!(f, "error"),
+        }
+    }
+}
+
+/// One `point:action[:skip[:count]]` of `IM_FAULT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FaultSpec {
+    pub point: &'static str,
+    pub action: Action,
+    /// Hits that pass before the action first fires.
+    pub skip: u64,
+    /// How many times it fires; `None`: every hit after the skipped ones.
+    pub count: Option<u64>,
+}
+
+fn valid_points() -> String {
+    points::ALL.join(", ")
+}
+
+fn parse_action(s: &str) -> Result<Action, String> {
+    match s {
+        "halt" => Ok(Action::Halt),
+        "drop" => Ok(Action::Drop),
+        "error" => Ok(Action::Error),
+        _ => {
+            if let Some(ms) = s.strip_prefix("delay(").and_then(|r| r.strip_suffix(')')) {
+                let ms: u64 = ms
+                    .parse()
+                    .map_err(|_| format!("delay({ms}): MS must be a whole number of milliseconds"))?;
+                if ms > 600_000 {
+                    return Err(format!("delay({ms}): at most 600000 ms"));
+                }
+                return Ok(Action::Delay(ms));
+            }
+            Err(format!(
+                "unknown action {s:?} (valid actions: halt, drop, delay(MS), error)"
+            ))
+        }
+    }
+}
+
+/// Parses and validates a whole `IM_FAULT` value. The error names the bad part and lists the
+/// valid points and actions.
+pub fn parse(spec: &str) -> Result<Vec<FaultSpec>, String> {
+    let mut out: Vec<FaultSpec> = Vec::new();
+    if spec.trim().is_empty() {
+        return Ok(out);
+    }
+    for part in spec.split(',') {
+        let part = part.trim();
+        let fields: Vec<&str> = part.split(':').collect();
+        if part.is_empty() || fields.len() < 2 || fields.len() > 4 {
+            return Err(format!(
+                "IM_FAULT: malformed spec {part:?}: expected point:action[:skip[:count]] \
+                 (valid points: {})",
+                valid_points()
+            ));
+        }
+        let point = points::ALL
+            .iter()
+            .copied()
+            .find(|p| *p == fields[0])
+            .ok_or_else(|| {
+                format!(
+                    "IM_FAULT: unknown fault point {:?} in {part:?} (valid points: {})",
+                    fields[0],
+                    valid_points()
+                )
+            })?;
+        let action = parse_action(fields[1]).map_err(|e| format!("IM_FAULT: {e} in {part:?}"))?;
+        let number = |i: usize, what: &str| -> Result<Option<u64>, String> {
+            fields
+                .get(i)
+                .map(|s| {
+                    s.parse::<u64>()
+                        .map_err(|_| format!("IM_FAULT: {what} {s:?} in {part:?} is not a whole number"))
+                })
+                .transpose()
+        };
+        let skip = number(2, "skip")?.unwrap_or(0);
+        let count = number(3, "count")?;
+        if count == Some(0) {
+            return Err(format!("IM_FAULT: count 0 in {part:?} would never fire"));
+        }
+        if out.iter().any(|s| s.point == point) {
+            return Err(format!("IM_FAULT: point {point} is given twice"));
+        }
+        out.push(FaultSpec { point, action, skip, count });
+    }
+    Ok(out)
+}
+
+/// Whether this binary has fault points compiled in.
+pub const ENABLED: bool = cfg!(feature = "faults");
+
+/// Validates `IM_FAULT` and arms the points. Refuses a non-empty spec when the binary was
+/// built without the `faults` feature.
+pub fn install(spec: &str) -> Result<Vec<FaultSpec>, String> {
+    let specs = parse(spec)?;
+    if !specs.is_empty() && !ENABLED {
+        return Err(
+            "IM_FAULT is set but this im-gateway was built without fault points \
+             (build with `--features faults`, as `make build` does)"
+                .to_string(),
+        );
+    }
+    #[cfg(feature = "faults")]
+    for s in &specs {
+        imp::arm(s)?;
+    }
+    Ok(specs)
+}
+
+/// What a caller must do after passing a point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fired {
+    /// Nothing fired (or a delay already elapsed): go on.
+    Pass,
+    /// Discard the frame / abandon the request without a reply.
+    Drop,
+    /// Fail the operation with UNAVAILABLE.
+    Error,
+}
+
+/// Evaluates the point `point`. `halt` never returns; `delay` sleeps here (async).
+pub async fn check(point: &'static str) -> Fired {
+    match hit(point) {
+        None => Fired::Pass,
+        Some(Action::Delay(ms)) => {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            Fired::Pass
+        }
+        Some(Action::Drop) => Fired::Drop,
+        Some(Action::Error) => Fired::Error,
+        Some(Action::Halt) => unreachable!("hit() halts the process itself"),
+    }
+}
+
+#[cfg(not(feature = "faults"))]
+fn hit(_point: &'static str) -> Option<Action> {
+    None
+}
+
+#[cfg(feature = "faults")]
+fn hit(point: &'static str) -> Option<Action> {
+    imp::hit(point)
+}
+
+#[cfg(feature = "faults")]
+mod imp {
+    use super::{parse_action, points, Action, FaultSpec};
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    /// Hits per point (index in `points::ALL`), counted only for armed points.
+    static HITS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+    /// Which points `IM_FAULT` armed: an unarmed point costs one atomic load.
+    static ARMED: [AtomicBool; 6] = [const { AtomicBool::new(false) }; 6];
+
+    pub(super) fn arm(s: &FaultSpec) -> Result<(), String> {
+        // The action travels through `fail` as the argument of `return(..)`; `delay(MS)`
+        // is encoded without parentheses so fail's own parser cannot misread it.
+        let token = match s.action {
+            Action::Delay(ms) => format!("delay={ms}"),
+            a => a.to_string(),
+        };
+        let mut actions = Vec::new();
+        if s.skip > 0 {
+            actions.push(format!("{}*off", s.skip));
+        }
+        match s.count {
+            Some(n) => actions.push(format!("{n}*return({token})")),
+            None => actions.push(format!("return({token})")),
+        }
+        fail::cfg(s.point, &actions.join("->")).map_err(|e| format!("IM_FAULT: {e}"))?;
+        if let Some(idx) = points::ALL.iter().position(|p| *p == s.point) {
+            ARMED[idx].store(true, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    fn eval(point: &str) -> Option<String> {
+        fail::fail_point!(point, |arg: Option<String>| arg);
+        None
+    }
+
+    pub(super) fn hit(point: &'static str) -> Option<Action> {
+        let idx = points::ALL.iter().position(|p| *p == point)?;
+        if !ARMED[idx].load(Ordering::Relaxed) {
+            return None;
+        }
+        let n = HITS[idx].fetch_add(1, Ordering::SeqCst) + 1;
+        let token = eval(point)?;
+        let action = match token.strip_prefix("delay=") {
+            Some(ms) => Action::Delay(ms.parse().ok()?),
+            None => parse_action(&token).ok()?,
+        };
+        // One unbuffered line before acting (SPEC 4).
+        let line = format!("fault fired: point={point} action={action} hit={n}\n");
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_all(line.as_bytes());
+        let _ = err.flush();
+        if action == Action::Halt {
+            // Like a crash: no destructors, no flushing of buffers, no WebSocket close.
+            unsafe { libc::_exit(137) };
+        }
+        Some(action)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_spec_syntax() {
+        let s = parse("gw.reply.send:drop:0:1,gw.push:delay(25)").unwrap();
+        assert_eq!(
+            s,
+            vec![
+                FaultSpec { point: points::GW_REPLY_SEND, action: Action::Drop, skip: 0, count: Some(1) },
+                FaultSpec { point: points::GW_PUSH, action: Action::Delay(25), skip: 0, count: None },
+            ]
+        );
+        assert_eq!(parse("").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn rejects_typos_naming_the_bad_part() {
+        let e = parse("send.before_comit:halt").unwrap_err();
+        assert!(e.contains("send.before_comit") && e.contains("send.before_commit"), "{e}");
+        let e = parse("gw.push:explode").unwrap_err();
+        assert!(e.contains("explode") && e.contains("delay(MS)"), "{e}");
+        assert!(parse("gw.push").is_err());
+        assert!(parse("gw.push:drop:x").is_err());
+        assert!(parse("gw.push:drop:0:0").is_err());
+        assert!(parse("gw.push:delay(abc)").is_err());
+        assert!(parse("gw.push:drop:1:2:3").is_err());
+        assert!(parse("gw.push:drop,gw.push:halt").is_err());
+    }
+}

@@ -1,0 +1,23 @@
+//! im-gateway: an instant-messaging gateway (WebSocket + PostgreSQL) whose delivery
+//! guarantees are the invariants D1–D6, P1 and S1 of SPEC section 1, with named fault points
+//! (SPEC section 4) compiled in by the `faults` feature.
+//!
+//! Where each invariant is enforced:
+//! - D1, D2, P1: [`store::send`] (and the reply order in `conn`).
+//! - D3, D4: [`store::ack`], the only writer of `device_cursors`.
+//! - D5: [`sweep`] and the LISTEN-loss path of [`fanout`].
+//! - D6: PostgreSQL with `fsync=on`, `synchronous_commit=on`, and D1's reply-after-commit.
+//! - S1: the visibility predicates in [`store`] and `im_visible_head` in `migrations/`.
+
+pub mod admin;
+pub mod config;
+pub mod conn;
+pub mod error;
+pub mod fanout;
+pub mod faults;
+pub mod hub;
+pub mod migrate;
+pub mod protocol;
+pub mod server;
+pub mod store;
+pub mod sweep;

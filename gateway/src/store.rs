@@ -1,0 +1,417 @@
+//! All SQL of the request path: authentication, the send transaction, acks, sub, sync, the
+//! fan-out read and the sweep query. Functions return wire errors (`WireError`) and log the
+//! database detail themselves; they know nothing of sockets or frames.
+
+use crate::error::{from_db, WireError};
+use crate::faults::{self, points, Fired};
+use crate::protocol::Event;
+use sha2::{Digest, Sha256};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::Row;
+use std::time::Duration;
+
+/// The authenticated side of a connection, fixed by `hello`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    pub user: String,
+    pub device: String,
+    /// The install epoch the device said hello with (== `devices.install_epoch` then).
+    pub epoch: i64,
+}
+
+/// The NOTIFY channel of the send transaction (SPEC 3).
+pub const CHANNEL: &str = "im_events";
+
+pub async fn connect(url: &str, max: u32, acquire_timeout: Duration) -> anyhow::Result<PgPool> {
+    use anyhow::Context;
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(acquire_timeout)
+        .test_before_acquire(true)
+        .connect(url)
+        .await
+        .context("connect to PostgreSQL (IM_DATABASE_URL)")
+}
+
+pub fn token_sha256(token: &str) -> String {
+    let digest = Sha256::digest(token.as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Constant-time comparison of two hex digests of equal length.
+fn digest_eq(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn db(op: &'static str) -> impl Fn(sqlx::Error) -> WireError {
+    move |e| {
+        let w = from_db(&e);
+        tracing::warn!(op, code = w.code(), error = %e, "database error");
+        w
+    }
+}
+
+/// `hello`: a wrong token or unknown device is UNAUTHENTICATED; an epoch below the device's
+/// install epoch is STALE_INSTALL (checked first, since a reinstall replaced the token).
+pub async fn authenticate(
+    pool: &PgPool,
+    device: &str,
+    token: &str,
+    epoch: i64,
+) -> Result<Principal, WireError> {
+    let row = sqlx::query(
+        "SELECT user_id, install_epoch::bigint, token_sha256 FROM devices WHERE device_id = $1",
+    )
+    .bind(device)
+    .fetch_optional(pool)
+    .await
+    .map_err(db("authenticate"))?;
+    let Some(row) = row else {
+        return Err(WireError::Unauthenticated("unknown device or wrong token"));
+    };
+    let user: String = row.get(0);
+    let install_epoch: i64 = row.get(1);
+    let stored: String = row.get(2);
+    if epoch < install_epoch {
+        return Err(WireError::StaleInstall);
+    }
+    if epoch > install_epoch || !digest_eq(&token_sha256(token), &stored) {
+        return Err(WireError::Unauthenticated("unknown device or wrong token"));
+    }
+    Ok(Principal { user, device: device.to_string(), epoch })
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sent {
+    pub seq: i64,
+    pub mid: String,
+    pub dup: bool,
+    /// The conversation's sequence epoch.
+    pub epoch: i64,
+}
+
+/// The outcome of a send: a reply, or (after a `drop` fault) none at all.
+#[derive(Debug)]
+pub enum SendOutcome {
+    Reply(Sent),
+    NoReply,
+}
+
+/// Looks up an earlier send of `(user, cmid)`: `Some(Ok)` when it is the same message (a
+/// duplicate, D2), `Some(Err(CMID_CONFLICT))` when the cmid was used for something else.
+async fn earlier_send(
+    pool: &PgPool,
+    user: &str,
+    conv: &str,
+    cmid: &str,
+    body: &str,
+) -> Result<Option<Result<Sent, WireError>>, WireError> {
+    let row = sqlx::query(
+        "SELECT e.conv_id, e.seq, e.mid, e.body, c.epoch::bigint
+         FROM events e JOIN conversations c ON c.conv_id = e.conv_id
+         WHERE e.sender_user = $1 AND e.cmid = $2",
+    )
+    .bind(user)
+    .bind(cmid)
+    .fetch_optional(pool)
+    .await
+    .map_err(db("send.lookup"))?;
+    Ok(row.map(|r| {
+        let (c, b): (String, String) = (r.get(0), r.get(3));
+        if c == conv && b == body {
+            Ok(Sent { seq: r.get(1), mid: r.get(2), dup: true, epoch: r.get(4) })
+        } else {
+            Err(WireError::CmidConflict)
+        }
+    }))
+}
+
+/// The send transaction of SPEC 3.
+///
+/// D1: the caller replies only with what this returns, and this returns only after COMMIT
+/// returned. D2: `(sender_user, cmid)` is unique; a resend, or a concurrent duplicate that
+/// loses the unique race (its INSERT does nothing), rolls back and answers `dup:true` with
+/// the winner's seq and mid. P1: the seq comes from `UPDATE conversations … RETURNING` in the
+/// same transaction, so a rollback gives it back and the row lock orders commits per
+/// conversation: seqs are gapless.
+pub async fn send(
+    pool: &PgPool,
+    who: &Principal,
+    conv: &str,
+    cmid: &str,
+    body: &str,
+) -> Result<SendOutcome, WireError> {
+    if let Some(earlier) = earlier_send(pool, &who.user, conv, cmid, body).await? {
+        return earlier.map(SendOutcome::Reply);
+    }
+    let mut tx = pool.begin().await.map_err(db("send.begin"))?;
+    // Takes the conversation row lock; `admin leave` takes it too, so the membership check
+    // below sees any leave that committed before our seq was taken (S1).
+    let taken = sqlx::query(
+        "UPDATE conversations SET next_seq = next_seq + 1 WHERE conv_id = $1
+         RETURNING next_seq - 1, epoch::bigint",
+    )
+    .bind(conv)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db("send.seq"))?;
+    let Some(taken) = taken else {
+        return Err(WireError::NotMember);
+    };
+    let (seq, conv_epoch): (i64, i64) = (taken.get(0), taken.get(1));
+    // S1: sending needs an open membership period.
+    let open: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM memberships
+                        WHERE conv_id = $1 AND user_id = $2 AND to_seq IS NULL)",
+    )
+    .bind(conv)
+    .bind(&who.user)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db("send.member"))?;
+    if !open {
+        return Err(WireError::NotMember); // the dropped transaction rolls back
+    }
+    match faults::check(points::SEND_BEFORE_INSERT).await {
+        Fired::Pass => {}
+        Fired::Drop => return Ok(SendOutcome::NoReply),
+        Fired::Error => return Err(WireError::Unavailable),
+    }
+    let inserted = sqlx::query(
+        "WITH ins AS (
+             INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (sender_user, cmid) DO NOTHING
+             RETURNING mid)
+         SELECT ins.mid, pg_notify($7, $1 || ':' || $2::text) FROM ins",
+    )
+    .bind(conv)
+    .bind(seq)
+    .bind(&who.user)
+    .bind(&who.device)
+    .bind(cmid)
+    .bind(body)
+    .bind(CHANNEL)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db("send.insert"))?;
+    let Some(inserted) = inserted else {
+        // Lost the unique race to a concurrent send of the same cmid, which has committed.
+        drop(tx);
+        return match earlier_send(pool, &who.user, conv, cmid, body).await? {
+            Some(earlier) => earlier.map(SendOutcome::Reply),
+            None => Err(WireError::Unavailable), // the winner vanished: let the client retry
+        };
+    };
+    let mid: String = inserted.get(0);
+    match faults::check(points::SEND_BEFORE_COMMIT).await {
+        Fired::Pass => {}
+        Fired::Drop => return Ok(SendOutcome::NoReply),
+        Fired::Error => return Err(WireError::Unavailable),
+    }
+    tx.commit().await.map_err(db("send.commit"))?;
+    Ok(SendOutcome::Reply(Sent { seq, mid, dup: false, epoch: conv_epoch }))
+}
+
+/// `ack`: one statement that checks the install epoch, membership and the head, and upserts
+/// the cursor with GREATEST, returning the merged value.
+///
+/// D3: this is the only writer of `delivered_seq`, and it runs only on a device ack.
+/// D4: GREATEST never lowers it; an ack above the user's visible head is CURSOR_AHEAD and
+/// writes nothing. S1: a user without any membership period gets NOT_MEMBER.
+pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result<i64, WireError> {
+    let row = sqlx::query(
+        "WITH chk AS (
+             SELECT d.install_epoch::bigint AS install_epoch,
+                    EXISTS (SELECT 1 FROM memberships m
+                            WHERE m.conv_id = $2 AND m.user_id = d.user_id) AS member,
+                    im_visible_head($2, d.user_id) AS vhead
+             FROM devices d WHERE d.device_id = $1),
+         up AS (
+             INSERT INTO device_cursors (device_id, conv_id, install_epoch, delivered_seq)
+             SELECT $1, $2, $4::integer, $3 FROM chk
+             WHERE chk.install_epoch = $4 AND chk.member AND $3 <= chk.vhead
+             ON CONFLICT (device_id, conv_id) DO UPDATE
+                 SET delivered_seq = GREATEST(device_cursors.delivered_seq, EXCLUDED.delivered_seq),
+                     install_epoch = EXCLUDED.install_epoch,
+                     updated_at = clock_timestamp()
+             RETURNING delivered_seq)
+         SELECT chk.install_epoch, chk.member, chk.vhead, (SELECT delivered_seq FROM up)
+         FROM chk",
+    )
+    .bind(&who.device)
+    .bind(conv)
+    .bind(seq)
+    .bind(who.epoch)
+    .fetch_optional(pool)
+    .await
+    .map_err(db("ack"))?;
+    let Some(row) = row else {
+        return Err(WireError::Unauthenticated("device no longer exists"));
+    };
+    let (install_epoch, member, vhead, delivered): (i64, bool, i64, Option<i64>) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if install_epoch != who.epoch {
+        return Err(WireError::StaleInstall);
+    }
+    if !member {
+        return Err(WireError::NotMember);
+    }
+    if seq > vhead {
+        return Err(WireError::CursorAhead { head: vhead });
+    }
+    match delivered {
+        Some(d) => {
+            // D4 as a hard assertion: the merged cursor is at least what was acked.
+            assert!(d >= seq, "D4 broken: merged cursor {d} below acked {seq}");
+            Ok(d)
+        }
+        None => Err(WireError::Internal),
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvState {
+    pub conv: String,
+    /// The user's visible head (SPEC: head = next_seq - 1, bounded by membership periods).
+    pub head: i64,
+    pub delivered: i64,
+}
+
+/// `sub`: every conversation the user has a membership period in, with head and cursor.
+pub async fn conv_states(
+    pool: &PgPool,
+    who: &Principal,
+    max: i64,
+) -> Result<Vec<ConvState>, WireError> {
+    let rows = sqlx::query(
+        "SELECT m.conv_id, im_visible_head(m.conv_id, $1), COALESCE(dc.delivered_seq, 0)
+         FROM (SELECT DISTINCT conv_id FROM memberships WHERE user_id = $1) m
+         LEFT JOIN device_cursors dc ON dc.device_id = $2 AND dc.conv_id = m.conv_id
+         ORDER BY m.conv_id LIMIT $3",
+    )
+    .bind(&who.user)
+    .bind(&who.device)
+    .bind(max)
+    .fetch_all(pool)
+    .await
+    .map_err(db("sub"))?;
+    Ok(rows
+        .into_iter()
+        .map(|r| ConvState { conv: r.get(0), head: r.get(1), delivered: r.get(2) })
+        .collect())
+}
+
+const EVENT_COLUMNS: &str = "e.conv_id, e.seq, e.kind, e.mid, e.sender_user, e.cmid, e.body,
+     (extract(epoch FROM e.at) * 1000)::bigint";
+
+fn event_from(r: &sqlx::postgres::PgRow) -> Event {
+    Event {
+        conv: r.get(0),
+        seq: r.get(1),
+        kind: r.get(2),
+        mid: r.get(3),
+        sender: r.get(4),
+        cmid: r.get(5),
+        body: r.get(6),
+        at_ms: r.get(7),
+    }
+}
+
+/// A sync page: visible events with `seq > after`, ascending, at most `limit`.
+#[derive(Debug)]
+pub struct Page {
+    pub events: Vec<Event>,
+    pub head: i64,
+    pub complete: bool,
+}
+
+/// `sync` (S1: only events inside the user's membership periods). The head is read first
+/// and the page is bounded by it, so `complete` never claims an event committed after the
+/// head was read: a client may set its cursor to `head` when `complete` is true.
+pub async fn sync(
+    pool: &PgPool,
+    who: &Principal,
+    conv: &str,
+    after: i64,
+    limit: i64,
+) -> Result<Page, WireError> {
+    let row = sqlx::query(
+        "SELECT EXISTS (SELECT 1 FROM memberships WHERE conv_id = $1 AND user_id = $2),
+                im_visible_head($1, $2)",
+    )
+    .bind(conv)
+    .bind(&who.user)
+    .fetch_one(pool)
+    .await
+    .map_err(db("sync.head"))?;
+    let (member, head): (bool, i64) = (row.get(0), row.get(1));
+    if !member {
+        return Err(WireError::NotMember);
+    }
+    let rows = sqlx::query(&format!(
+        "SELECT {EVENT_COLUMNS} FROM events e
+         WHERE e.conv_id = $1 AND e.seq > $2 AND e.seq <= $3
+           AND EXISTS (SELECT 1 FROM memberships m
+                       WHERE m.conv_id = e.conv_id AND m.user_id = $4 AND m.from_seq <= e.seq
+                         AND (m.to_seq IS NULL OR e.seq < m.to_seq))
+         ORDER BY e.seq LIMIT $5"
+    ))
+    .bind(conv)
+    .bind(after)
+    .bind(head)
+    .bind(&who.user)
+    .bind(limit + 1)
+    .fetch_all(pool)
+    .await
+    .map_err(db("sync.page"))?;
+    let complete = rows.len() as i64 <= limit;
+    let events = rows.iter().take(limit as usize).map(event_from).collect();
+    Ok(Page { events, head, complete })
+}
+
+/// Fan-out read: the event and every user who may see it now (S1), in one query.
+pub async fn event_with_audience(
+    pool: &PgPool,
+    conv: &str,
+    seq: i64,
+) -> Result<Option<(Event, Vec<String>)>, sqlx::Error> {
+    let row = sqlx::query(&format!(
+        "SELECT {EVENT_COLUMNS},
+                ARRAY(SELECT DISTINCT m.user_id FROM memberships m
+                      WHERE m.conv_id = e.conv_id AND m.from_seq <= e.seq
+                        AND (m.to_seq IS NULL OR e.seq < m.to_seq))
+         FROM events e WHERE e.conv_id = $1 AND e.seq = $2"
+    ))
+    .bind(conv)
+    .bind(seq)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(|r| (event_from(&r), r.get::<Vec<String>, _>(8))))
+}
+
+/// Sweep (D5): for the given subscribed `(device, user)` pairs, every conversation where the
+/// device's cursor is below the user's visible head. One query for all connections.
+pub async fn lagging(
+    pool: &PgPool,
+    devices: &[String],
+    users: &[String],
+) -> Result<Vec<(String, String, i64)>, sqlx::Error> {
+    let rows = sqlx::query(
+        "WITH subs AS (SELECT DISTINCT * FROM unnest($1::text[], $2::text[]) AS s(device_id, user_id)),
+              pairs AS (
+                  SELECT DISTINCT s.device_id, s.user_id, m.conv_id
+                  FROM subs s JOIN memberships m ON m.user_id = s.user_id),
+              heads AS (
+                  SELECT p.device_id, p.conv_id, im_visible_head(p.conv_id, p.user_id) AS vhead
+                  FROM pairs p)
+         SELECT h.device_id, h.conv_id, h.vhead FROM heads h
+         LEFT JOIN device_cursors dc ON dc.device_id = h.device_id AND dc.conv_id = h.conv_id
+         WHERE COALESCE(dc.delivered_seq, 0) < h.vhead",
+    )
+    .bind(devices)
+    .bind(users)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+}

@@ -1,0 +1,590 @@
+//! The real `im-gateway` binary as a child process (SPEC sections 2b and 5).
+//!
+//! Owns: finding the binary (and refusing a missing or stale one), the admin and
+//! `migrate` commands, and `serve` processes: a cleared environment plus an allow-list,
+//! port 0 with the bound address read back from the `listening on ADDR` line, one log
+//! file per process (stderr, plus every stdout line), the recorded exit status, and
+//! SIGKILL on drop.
+//!
+//! Must not: speak the WebSocket protocol (that is `crate::client`) or touch the
+//! database directly (that is `crate::pg` and the tests). Waits are polling loops of
+//! short async sleeps with a deadline; only `require_faults` (a sync API that runs
+//! `im-gateway version`) and `Drop` block, briefly and boundedly.
+
+use std::fs::{self, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{bail, Context};
+
+use crate::pg::{describe, log_tail, send_signal, set_parent_death_signal};
+
+/// How long `serve` may take to print `listening on ADDR`.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long an admin command, `migrate` or `version` may run.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long we wait for the stdout reader thread to copy the last lines after an exit.
+const READER_DRAIN: Duration = Duration::from_secs(1);
+/// Interval of every polling loop in this module.
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
+/// Lines of a gateway log quoted in errors.
+const LOG_TAIL_LINES: usize = 40;
+/// The readiness line `serve` prints on stdout, followed by the bound address.
+const READY_PREFIX: &str = "listening on ";
+
+/// Numbers gateway log files (`gateway-<n>.log`) within this process.
+static GATEWAY_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The workspace root: the harness crate's parent directory.
+fn workspace_dir() -> PathBuf {
+    let raw = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    fs::canonicalize(raw).unwrap_or_else(|_| raw.to_path_buf())
+}
+
+/// The `im-gateway` binary: `$IM_GATEWAY_BIN` if set (taken as is), else
+/// `<target>/debug/im-gateway` where `<target>` is `$CARGO_TARGET_DIR` (relative paths
+/// are taken from the workspace root) or `<workspace>/target`. The latter must not be
+/// older than any file of `gateway/src`, `gateway/Cargo.toml`, `gateway/build.rs` or
+/// `migrations/`. Decided once per process.
+pub fn gateway_bin() -> anyhow::Result<PathBuf> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(|| find_gateway_bin().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn find_gateway_bin() -> anyhow::Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("IM_GATEWAY_BIN") {
+        let bin = PathBuf::from(bin);
+        if !bin.is_file() {
+            bail!(
+                "IM_GATEWAY_BIN={} is not a file: unset it and run `make build`",
+                bin.display()
+            );
+        }
+        return Ok(bin);
+    }
+    let workspace = workspace_dir();
+    let target = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) if Path::new(&dir).is_absolute() => PathBuf::from(dir),
+        Some(dir) => workspace.join(dir),
+        None => workspace.join("target"),
+    };
+    let bin = target.join("debug").join("im-gateway");
+    let built = fs::metadata(&bin)
+        .and_then(|meta| meta.modified())
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "gateway binary {} not found ({e}): run `make build`",
+                bin.display()
+            )
+        })?;
+    let mut sources = Vec::new();
+    let gateway = workspace.join("gateway");
+    collect_files(&gateway.join("src"), &mut sources)?;
+    sources.push(gateway.join("Cargo.toml"));
+    sources.push(gateway.join("build.rs"));
+    collect_files(&workspace.join("migrations"), &mut sources)?;
+    let mut newest: Option<(SystemTime, PathBuf)> = None;
+    for source in sources {
+        let modified = match fs::metadata(&source) {
+            Ok(meta) => meta
+                .modified()
+                .with_context(|| format!("mtime of {}", source.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e).with_context(|| format!("stat {}", source.display())),
+        };
+        let newer = match &newest {
+            Some((time, _)) => modified > *time,
+            None => true,
+        };
+        if newer {
+            newest = Some((modified, source));
+        }
+    }
+    if let Some((modified, source)) = newest {
+        if modified > built {
+            let lag = modified.duration_since(built).unwrap_or_default();
+            bail!(
+                "gateway binary {} is stale: {} is {:.1} s newer: run `make build` \
+                 (if it is up to date and cargo rebuilt nothing, touch gateway/src/main.rs)",
+                bin.display(),
+                source.display(),
+                lag.as_secs_f64()
+            );
+        }
+    }
+    Ok(bin)
+}
+
+/// Every file below `dir` (recursively), skipping hidden names and editor backups.
+fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("list {}", dir.display())),
+    };
+    for entry in entries {
+        let entry = entry.with_context(|| format!("list {}", dir.display()))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') || name.ends_with('~') {
+            continue;
+        }
+        let kind = entry
+            .file_type()
+            .with_context(|| format!("stat {}", entry.path().display()))?;
+        if kind.is_dir() {
+            collect_files(&entry.path(), out)?;
+        } else {
+            out.push(entry.path());
+        }
+    }
+    Ok(())
+}
+
+/// Fails unless the binary was built with the `faults` feature (`im-gateway version`
+/// says `faults=on`). Runs the binary once per process and blocks while it does: from
+/// async code call it under `spawn_blocking`.
+pub fn require_faults() -> anyhow::Result<()> {
+    static FAULTS: OnceLock<Result<(), String>> = OnceLock::new();
+    FAULTS
+        .get_or_init(|| check_faults().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn check_faults() -> anyhow::Result<()> {
+    let bin = gateway_bin()?;
+    let mut cmd = Command::new(&bin);
+    cmd.arg("version")
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(path) = std::env::var_os("PATH") {
+        cmd.env("PATH", path);
+    }
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("run {} version", bin.display()))?;
+    // The output is one short line: it fits in the pipe, so reading after exit is safe.
+    let deadline = Instant::now() + COMMAND_TIMEOUT;
+    while child.try_wait().context("wait for im-gateway version")?.is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("`im-gateway version` did not exit within {COMMAND_TIMEOUT:?}");
+        }
+        std::thread::sleep(POLL_INTERVAL);
+    }
+    let out = child
+        .wait_with_output()
+        .context("read im-gateway version")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "`{} version` failed ({}): {}{}",
+            bin.display(),
+            describe(out.status),
+            stdout.trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    if stdout.contains("faults=on") {
+        Ok(())
+    } else if stdout.contains("faults=off") {
+        bail!(
+            "{} was built without the faults feature ({}): run `make build`",
+            bin.display(),
+            stdout.trim()
+        )
+    } else {
+        bail!(
+            "`{} version` printed {:?}, which says neither faults=on nor faults=off",
+            bin.display(),
+            stdout.trim()
+        )
+    }
+}
+
+/// Runs `im-gateway admin ARGS…` against `db_url` with a cleared environment (only
+/// `PATH` and `IM_DATABASE_URL`) and returns its trimmed stdout (e.g. a token).
+/// `args` are the words after `admin`: `&["add-user", "alice"]`; a leading `"admin"`
+/// is accepted too. A non-zero exit is an error that quotes stderr.
+pub async fn admin(db_url: &str, args: &[&str]) -> anyhow::Result<String> {
+    let args = match args.first() {
+        Some(&"admin") => &args[1..],
+        _ => args,
+    };
+    let mut full = vec!["admin"];
+    full.extend_from_slice(args);
+    run_command(db_url, &full).await
+}
+
+/// Runs `im-gateway migrate` against `db_url` (idempotent).
+pub async fn migrate(db_url: &str) -> anyhow::Result<()> {
+    run_command(db_url, &["migrate"]).await.map(|_| ())
+}
+
+async fn run_command(db_url: &str, args: &[&str]) -> anyhow::Result<String> {
+    let bin = gateway_bin()?;
+    let shown = format!("im-gateway {}", args.join(" "));
+    let mut cmd = tokio::process::Command::new(&bin);
+    cmd.args(args)
+        .env_clear()
+        .env("IM_DATABASE_URL", db_url)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    if let Some(path) = std::env::var_os("PATH") {
+        cmd.env("PATH", path);
+    }
+    let child = cmd.spawn().with_context(|| format!("spawn `{shown}`"))?;
+    let out = match tokio::time::timeout(COMMAND_TIMEOUT, child.wait_with_output()).await {
+        Ok(out) => out.with_context(|| format!("wait for `{shown}`"))?,
+        Err(_) => bail!("`{shown}` did not exit within {COMMAND_TIMEOUT:?} (killed)"),
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !out.status.success() {
+        bail!(
+            "`{shown}` failed ({}): {}{}",
+            describe(out.status),
+            String::from_utf8_lossy(&out.stderr).trim(),
+            if stdout.is_empty() {
+                String::new()
+            } else {
+                format!("\nstdout: {stdout}")
+            }
+        );
+    }
+    Ok(stdout)
+}
+
+/// How to run `im-gateway serve`: `None` leaves the gateway's default.
+#[derive(Clone, Debug, Default)]
+pub struct GatewayOpts {
+    /// `IM_FAULT`, e.g. `gw.reply.send:drop:0:1`.
+    pub fault: Option<String>,
+    /// `IM_SWEEP_MS`: the sweep interval (D5's repair bound).
+    pub sweep_ms: Option<u64>,
+    /// `IM_DB_TIMEOUT_MS`: how soon an unreachable database answers `UNAVAILABLE`.
+    pub db_timeout_ms: Option<u64>,
+    /// Further variables, applied last: names must start with `IM_` (e.g.
+    /// `IM_QUEUE_FRAMES_MAX`) or be `RUST_LOG` / `RUST_BACKTRACE`.
+    pub env: Vec<(String, String)>,
+}
+
+/// `im-gateway serve` with a cleared environment plus the allow-list.
+fn serve_command(bin: &Path, db_url: &str, opts: &GatewayOpts) -> anyhow::Result<Command> {
+    let mut cmd = Command::new(bin);
+    cmd.arg("serve").env_clear();
+    if let Some(path) = std::env::var_os("PATH") {
+        cmd.env("PATH", path);
+    }
+    cmd.env("RUST_LOG", "info")
+        .env("RUST_BACKTRACE", "1")
+        .env("IM_DATABASE_URL", db_url)
+        .env("IM_LISTEN", "127.0.0.1:0");
+    if let Some(ms) = opts.sweep_ms {
+        cmd.env("IM_SWEEP_MS", ms.to_string());
+    }
+    if let Some(fault) = &opts.fault {
+        cmd.env("IM_FAULT", fault);
+    }
+    if let Some(ms) = opts.db_timeout_ms {
+        cmd.env("IM_DB_TIMEOUT_MS", ms.to_string());
+    }
+    for (name, value) in &opts.env {
+        if !(name.starts_with("IM_") || name == "RUST_LOG" || name == "RUST_BACKTRACE") {
+            bail!("GatewayOpts.env: {name} is not allowed (only IM_*, RUST_LOG, RUST_BACKTRACE)");
+        }
+        cmd.env(name, value);
+    }
+    cmd.stdin(Stdio::null());
+    set_parent_death_signal(&mut cmd, libc::SIGKILL);
+    Ok(cmd)
+}
+
+fn next_log_path(log_dir: &Path) -> anyhow::Result<PathBuf> {
+    fs::create_dir_all(log_dir).with_context(|| format!("create {}", log_dir.display()))?;
+    let n = GATEWAY_COUNTER.fetch_add(1, Ordering::Relaxed);
+    Ok(log_dir.join(format!("gateway-{n}.log")))
+}
+
+/// A running (or exited, not yet dropped) `im-gateway serve`. Dropping it SIGKILLs and
+/// reaps the process if it still runs.
+pub struct Gateway {
+    /// The process; reaped once `exit` is set.
+    child: Child,
+    /// Where it listens, from its `listening on ADDR` line.
+    addr: SocketAddr,
+    /// Its stderr and every stdout line.
+    log_path: PathBuf,
+    /// The exit status once observed (it can be reaped only once).
+    exit: Option<ExitStatus>,
+    /// Copies stdout into the log; finishes at the child's exit.
+    stdout_reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Gateway {
+    /// Spawns `im-gateway serve` against `db_url` on 127.0.0.1 port 0, logging to
+    /// `log_dir/gateway-<n>.log`, and waits (20 s at most) for its `listening on ADDR`
+    /// line. If it exits first, the error has its exit status and the log tail.
+    pub async fn start(
+        db_url: &str,
+        opts: &GatewayOpts,
+        log_dir: &Path,
+    ) -> anyhow::Result<Gateway> {
+        let bin = gateway_bin()?;
+        let log_path = next_log_path(log_dir)?;
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .with_context(|| format!("open {}", log_path.display()))?;
+        let stderr = log
+            .try_clone()
+            .with_context(|| format!("dup {}", log_path.display()))?;
+        let mut cmd = serve_command(&bin, db_url, opts)?;
+        cmd.stdout(Stdio::piped()).stderr(Stdio::from(stderr));
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawn {} serve", bin.display()))?;
+        // From here on `Drop` kills the child.
+        let mut gw = Gateway {
+            child,
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            log_path,
+            exit: None,
+            stdout_reader: None,
+        };
+        let stdout = gw.child.stdout.take().context("gateway stdout not piped")?;
+        let (ready_tx, mut ready_rx) = tokio::sync::oneshot::channel::<String>();
+        gw.stdout_reader = Some(
+            std::thread::Builder::new()
+                .name(format!("gateway-{}-stdout", gw.child.id()))
+                .spawn(move || copy_stdout(stdout, log, ready_tx))
+                .context("spawn the gateway stdout reader")?,
+        );
+
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            match ready_rx.try_recv() {
+                Ok(text) => {
+                    gw.addr = text.parse().with_context(|| {
+                        format!("gateway printed `{READY_PREFIX}{text}`: not an address")
+                    })?;
+                    return Ok(gw);
+                }
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
+                Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
+                    // Stdout closed without the line: the process is (nearly) gone.
+                    let status = gw.wait_exit(Duration::from_secs(2)).await.ok();
+                    bail!(
+                        "gateway closed stdout before `{READY_PREFIX}ADDR` ({}); {}:\n{}",
+                        status.map_or_else(|| "still running".to_string(), describe),
+                        gw.log_path.display(),
+                        gw.tail()
+                    );
+                }
+            }
+            if let Some(status) = gw.try_exit_status() {
+                gw.drain_reader().await;
+                bail!(
+                    "gateway exited ({}) before it was ready; {}:\n{}",
+                    describe(status),
+                    gw.log_path.display(),
+                    gw.tail()
+                );
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "gateway printed no `{READY_PREFIX}ADDR` within {READY_TIMEOUT:?}; {}:\n{}",
+                    gw.log_path.display(),
+                    gw.tail()
+                );
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+
+    /// The address `serve` bound.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `ws://ADDR/ws`.
+    pub fn ws_url(&self) -> String {
+        format!("ws://{}/ws", self.addr)
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The log file (stderr and stdout).
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// The log as it is now (lossy UTF-8; an unreadable log yields a note saying so).
+    pub fn log_text(&self) -> String {
+        match fs::read(&self.log_path) {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(e) => format!("<could not read {}: {e}>", self.log_path.display()),
+        }
+    }
+
+    /// The exit status if the process has exited (recorded), `None` while it runs.
+    pub fn try_exit_status(&mut self) -> Option<ExitStatus> {
+        if self.exit.is_none() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                self.exit = Some(status);
+            }
+        }
+        self.exit
+    }
+
+    /// Waits at most `within` for the process to exit and records the status; also
+    /// waits (briefly) until its last stdout lines are in the log.
+    pub async fn wait_exit(&mut self, within: Duration) -> anyhow::Result<ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.try_exit_status() {
+                self.drain_reader().await;
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "gateway (pid {}) still running after {within:?}; {}:\n{}",
+                    self.pid(),
+                    self.log_path.display(),
+                    self.tail()
+                );
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+
+    /// The recorded exit code: `status.code()`, or 128 + signal when killed by one.
+    /// `None` until an exit was observed.
+    pub fn exit_code(&self) -> Option<i32> {
+        self.exit
+            .and_then(|status| status.code().or_else(|| status.signal().map(|s| 128 + s)))
+    }
+
+    /// Graceful shutdown: SIGTERM, then waits at most `within` (see `wait_exit`).
+    /// If it has exited already, returns the recorded status.
+    pub async fn terminate(&mut self, within: Duration) -> anyhow::Result<ExitStatus> {
+        if let Some(status) = self.try_exit_status() {
+            return Ok(status);
+        }
+        send_signal(self.pid(), libc::SIGTERM).context("SIGTERM the gateway")?;
+        self.wait_exit(within).await
+    }
+
+    /// SIGKILL and reap, recording the status; nothing if it has exited already.
+    pub fn kill(&mut self) {
+        if self.try_exit_status().is_some() {
+            return;
+        }
+        // An error means it exited meanwhile; wait() below reaps it either way.
+        let _ = self.child.kill();
+        if let Ok(status) = self.child.wait() {
+            self.exit = Some(status);
+        }
+    }
+
+    fn tail(&self) -> String {
+        log_tail(&self.log_path, 0, LOG_TAIL_LINES)
+    }
+
+    /// Gives the stdout reader a moment to copy the last lines into the log.
+    async fn drain_reader(&mut self) {
+        let deadline = Instant::now() + READER_DRAIN;
+        while let Some(reader) = &self.stdout_reader {
+            if reader.is_finished() || Instant::now() >= deadline {
+                if reader.is_finished() {
+                    self.stdout_reader = None;
+                }
+                return;
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The stdout reader thread: appends every line to the log and hands the address of
+/// the first `listening on ADDR` line to `start()`.
+fn copy_stdout(
+    stdout: std::process::ChildStdout,
+    mut log: fs::File,
+    ready: tokio::sync::oneshot::Sender<String>,
+) {
+    let mut ready = Some(ready);
+    let mut reader = BufReader::new(stdout);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let text = String::from_utf8_lossy(&line);
+        let text = text.trim_end_matches(['\n', '\r']);
+        // A log write error cannot be reported anywhere better than the log itself.
+        let _ = writeln!(log, "{text}");
+        if let Some(addr) = text.strip_prefix(READY_PREFIX) {
+            if let Some(tx) = ready.take() {
+                // start() may have given up already; then nobody needs the address.
+                let _ = tx.send(addr.trim().to_string());
+            }
+        }
+    }
+}
+
+/// Runs `im-gateway serve` where it must refuse to start (e.g. an unmigrated schema or
+/// a bad `IM_FAULT`): waits at most `within` for it to exit and returns its status and
+/// output (stdout then stderr), also written to `log_dir/gateway-<n>.log`. Still running
+/// after `within` (it did start) is an error; the process is then killed.
+pub async fn run_serve_expect_exit(
+    db_url: &str,
+    opts: &GatewayOpts,
+    log_dir: &Path,
+    within: Duration,
+) -> anyhow::Result<(ExitStatus, String)> {
+    let bin = gateway_bin()?;
+    let log_path = next_log_path(log_dir)?;
+    let mut cmd = tokio::process::Command::from(serve_command(&bin, db_url, opts)?);
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("spawn {} serve", bin.display()))?;
+    let out = match tokio::time::timeout(within, child.wait_with_output()).await {
+        Ok(out) => out.context("wait for im-gateway serve")?,
+        Err(_) => bail!(
+            "`im-gateway serve` was still running after {within:?}: it did not refuse to start"
+        ),
+    };
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    fs::write(&log_path, &text).with_context(|| format!("write {}", log_path.display()))?;
+    Ok((out.status, text))
+}

@@ -1,0 +1,4 @@
+pub mod gateway;
+pub mod pg;
+pub mod world;
+pub mod client;

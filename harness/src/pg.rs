@@ -1,0 +1,924 @@
+//! Throwaway PostgreSQL clusters for one scenario each (SPEC section 5).
+//!
+//! Owns: finding the PostgreSQL server programs, the per-machine initialised template
+//! data directory, each cluster's work directory (`pgdata/`, `sock/`, `logs/`), the
+//! postmaster as *our direct child process* (never `pg_ctl start`), and its crash
+//! (SIGQUIT = immediate shutdown), stop, restart and removal.
+//!
+//! Must not: know the gateway's schema (that is `crate::gateway::migrate`), or block a
+//! tokio worker while waiting (every wait is a polling loop of short async sleeps with
+//! a deadline). The only blocking waits are in `Drop`, bounded, and the template's
+//! `initdb`, which runs under `spawn_blocking`.
+//!
+//! PostgreSQL refuses to run as root: when the harness is root its programs run as the
+//! `postgres` user, which then owns `pgdata/` and `sock/`.
+//!
+//! On Linux the postmaster gets `PR_SET_PDEATHSIG = SIGQUIT`, so a test process killed
+//! by a timeout does not leave a postmaster behind. The signal is tied to the *thread*
+//! that spawned it: start clusters from async code (a test's own thread or a runtime
+//! worker), not from a `spawn_blocking` thread that may exit while the cluster lives.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use sqlx::{Connection, PgConnection};
+
+/// How long a (re)started postmaster may take to accept connections, crash recovery included.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long an immediate shutdown (SIGQUIT) may take before we SIGKILL the postmaster.
+const CRASH_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a fast shutdown (SIGINT, includes a checkpoint) may take.
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+/// `Drop` blocks the current thread at most this long for the SIGQUIT before SIGKILL.
+const DROP_SIGQUIT_WAIT: Duration = Duration::from_secs(5);
+/// Interval of every polling loop in this module.
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
+/// Attempts at a fresh port when the postmaster loses a race for the one we picked.
+const PORT_ATTEMPTS: u32 = 3;
+/// Lines of `postgres.log` quoted in errors.
+const LOG_TAIL_LINES: usize = 30;
+
+/// Settings on the postmaster's command line, after `-D`, `-p` and `-k`.
+/// Durability is on (`fsync`, `synchronous_commit`, `full_page_writes`): D6 is checked
+/// against a real crash, not against a cluster that was allowed to lose commits.
+const SERVER_SETTINGS: &[(&str, &str)] = &[
+    ("listen_addresses", "127.0.0.1"),
+    ("fsync", "on"),
+    ("synchronous_commit", "on"),
+    ("full_page_writes", "on"),
+    ("max_connections", "200"),
+    ("shared_buffers", "32MB"),
+    ("log_min_messages", "warning"),
+];
+
+/// Numbers work directories within this process.
+static CLUSTER_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A PostgreSQL installation: where its server programs are and which major version.
+#[derive(Debug)]
+struct PgInstall {
+    /// Directory holding `initdb` and `postgres`.
+    bin_dir: PathBuf,
+    /// Major version (15 for 15.x): names the template, which only fits one major.
+    major: u32,
+}
+
+/// One throwaway PostgreSQL cluster whose postmaster is a child of this process.
+///
+/// Dropping it shuts the postmaster down (SIGQUIT, then SIGKILL after a bounded wait)
+/// and removes the work directory, unless the thread is panicking (a failed test),
+/// `IMFAULT_KEEP=1` is set, or [`Cluster::keep`] was called: then the path is printed.
+pub struct Cluster {
+    /// Root of everything this cluster owns: `pgdata/`, `sock/`, `logs/` and whatever
+    /// tests put there (e.g. client state). Removed on drop unless kept.
+    work_dir: PathBuf,
+    /// TCP port on 127.0.0.1; fixed for the cluster's life so `url()` survives restarts.
+    port: u16,
+    /// The running postmaster, our direct child; `None` once it exited and was reaped.
+    child: Option<Child>,
+    /// uid/gid the server programs run as: `Some` when we are root (PostgreSQL refuses
+    /// to run as root), `None` to run them as ourselves.
+    owner: Option<(u32, u32)>,
+    /// Where `postgres` lives.
+    install: &'static PgInstall,
+    /// Set by `keep()` or a failed start: keep the work directory on drop.
+    keep: bool,
+}
+
+impl Cluster {
+    /// Starts a fresh, empty cluster (no schema): copies the machine's template data
+    /// directory, picks a free port and waits until it accepts connections.
+    pub async fn start() -> anyhow::Result<Cluster> {
+        let install = pg_install()?;
+        let owner = server_owner()?;
+        let template = tokio::task::spawn_blocking(move || ensure_template(install, owner))
+            .await
+            .context("join the template builder")??;
+        let work_dir = create_work_dir()?;
+        // From here on `Drop` cleans up whatever exists.
+        let mut cluster = Cluster {
+            work_dir,
+            port: 0,
+            child: None,
+            owner,
+            install,
+            keep: false,
+        };
+        if let Err(e) = cluster.prepare(&template).await {
+            cluster.keep = true;
+            return Err(e.context(format!(
+                "prepare cluster work dir {} (kept)",
+                cluster.work_dir.display()
+            )));
+        }
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            cluster.port = free_port()?;
+            match cluster.launch().await {
+                Ok(()) => return Ok(cluster),
+                Err(e) if e.downcast_ref::<PortTaken>().is_some() && attempt < PORT_ATTEMPTS => {
+                    continue
+                }
+                Err(e) => {
+                    cluster.keep = true;
+                    return Err(e.context(format!(
+                        "start PostgreSQL cluster in {} (work dir kept)",
+                        cluster.work_dir.display()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// [`Cluster::start`], then `im-gateway migrate` against it.
+    pub async fn start_migrated() -> anyhow::Result<Cluster> {
+        let cluster = Cluster::start().await?;
+        crate::gateway::migrate(&cluster.url())
+            .await
+            .with_context(|| format!("migrate cluster on port {}", cluster.port))?;
+        Ok(cluster)
+    }
+
+    /// `postgres://postgres@127.0.0.1:PORT/postgres` (trust authentication).
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// The TCP port; the same across `crash()`/`restart()`.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The root work directory (`pgdata/`, `sock/`, `logs/` are inside).
+    pub fn work_dir(&self) -> &Path {
+        &self.work_dir
+    }
+
+    /// `work_dir/logs`: `postgres.log` and the gateway logs.
+    pub fn log_dir(&self) -> PathBuf {
+        self.work_dir.join("logs")
+    }
+
+    /// Keep the work directory when this cluster is dropped, even on success.
+    /// For tests that fail by returning `Err` rather than by panicking.
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+
+    /// A small pool (at most 4 connections, acquire timeout 5 s) for checks.
+    pub async fn pool(&self) -> anyhow::Result<sqlx::PgPool> {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&self.url())
+            .await
+            .with_context(|| format!("connect a pool to {}", self.url()))
+    }
+
+    /// Crashes the database: SIGQUIT to the postmaster (immediate shutdown, as
+    /// `pg_ctl stop -m immediate`; no checkpoint, recovery replays the WAL on restart)
+    /// and waits until it has exited and been reaped.
+    pub async fn crash(&mut self) -> anyhow::Result<()> {
+        self.signal_and_wait(libc::SIGQUIT, CRASH_TIMEOUT, "crash (SIGQUIT)")
+            .await
+            .map(|_| ())
+    }
+
+    /// Fast shutdown: SIGINT to the postmaster, waits until it has exited.
+    pub async fn stop(&mut self) -> anyhow::Result<()> {
+        self.signal_and_wait(libc::SIGINT, STOP_TIMEOUT, "stop (SIGINT)")
+            .await
+            .map(|_| ())
+    }
+
+    /// Starts the postmaster again on the same data directory and port (after a crash
+    /// this performs crash recovery) and waits until it accepts connections.
+    /// Fails if it is still running: `crash()` or `stop()` it first.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        if self.is_running() {
+            bail!(
+                "restart: the postmaster on port {} is still running; crash() or stop() it first",
+                self.port
+            );
+        }
+        self.launch()
+            .await
+            .with_context(|| format!("restart PostgreSQL in {}", self.work_dir.display()))
+    }
+
+    /// Whether the postmaster is still running (reaps it if it has exited).
+    pub fn is_running(&mut self) -> bool {
+        let Some(child) = self.child.as_mut() else {
+            return false;
+        };
+        match child.try_wait() {
+            Ok(None) => true,
+            Ok(Some(_)) => {
+                self.child = None;
+                false
+            }
+            // ECHILD and the like: it is not ours to wait on any more.
+            Err(_) => {
+                self.child = None;
+                false
+            }
+        }
+    }
+
+    /// `SHOW server_version`, e.g. `15.18 (Debian 15.18-0+deb12u1)`.
+    pub async fn server_version(&self) -> anyhow::Result<String> {
+        let mut conn = self.connect().await?;
+        let version: String = sqlx::query_scalar("SHOW server_version")
+            .fetch_one(&mut conn)
+            .await
+            .context("SHOW server_version")?;
+        close_quietly(conn).await;
+        Ok(version)
+    }
+
+    /// `current_setting(name)`, e.g. `fsync` -> `on`.
+    pub async fn setting(&self, name: &str) -> anyhow::Result<String> {
+        let mut conn = self.connect().await?;
+        let value: String = sqlx::query_scalar("SELECT current_setting($1)")
+            .bind(name)
+            .fetch_one(&mut conn)
+            .await
+            .with_context(|| format!("read setting {name}"))?;
+        close_quietly(conn).await;
+        Ok(value)
+    }
+
+    fn pgdata(&self) -> PathBuf {
+        self.work_dir.join("pgdata")
+    }
+
+    fn sock_dir(&self) -> PathBuf {
+        self.work_dir.join("sock")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.log_dir().join("postgres.log")
+    }
+
+    async fn connect(&self) -> anyhow::Result<PgConnection> {
+        let url = self.url();
+        match tokio::time::timeout(Duration::from_secs(5), PgConnection::connect(&url)).await {
+            Ok(conn) => conn.with_context(|| format!("connect to {url}")),
+            Err(_) => bail!("connect to {url}: no answer within 5 s"),
+        }
+    }
+
+    /// Creates `logs/`, `sock/` and `pgdata/` (a copy of the template).
+    async fn prepare(&self, template: &Path) -> anyhow::Result<()> {
+        let logs = self.log_dir();
+        fs::create_dir(&logs).with_context(|| format!("create {}", logs.display()))?;
+        let sock = self.sock_dir();
+        fs::create_dir(&sock).with_context(|| format!("create {}", sock.display()))?;
+        fs::set_permissions(&sock, fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("chmod {}", sock.display()))?;
+        chown_to(&sock, self.owner)?;
+        // `cp -a` keeps the owner (the postgres user) and the 0700 mode PostgreSQL demands.
+        let pgdata = self.pgdata();
+        let out = tokio::process::Command::new("cp")
+            .arg("-a")
+            .arg(template)
+            .arg(&pgdata)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .context("run cp -a")?;
+        if !out.status.success() {
+            bail!(
+                "cp -a {} {} failed ({}): {}",
+                template.display(),
+                pgdata.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
+    }
+
+    /// Spawns the postmaster on `self.port` and waits until it accepts connections.
+    /// An early exit that lost the port is reported as a [`PortTaken`] error.
+    async fn launch(&mut self) -> anyhow::Result<()> {
+        let log_path = self.log_path();
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .with_context(|| format!("open {}", log_path.display()))?;
+        let log_offset = log
+            .metadata()
+            .with_context(|| format!("stat {}", log_path.display()))?
+            .len();
+        let log_err = log
+            .try_clone()
+            .with_context(|| format!("dup {}", log_path.display()))?;
+
+        let mut cmd = server_command(&self.install.bin_dir.join("postgres"), self.owner);
+        cmd.current_dir(&self.work_dir)
+            .arg("-D")
+            .arg(self.pgdata())
+            .arg("-p")
+            .arg(self.port.to_string())
+            .arg("-k")
+            .arg(self.sock_dir())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err));
+        for (name, value) in SERVER_SETTINGS {
+            cmd.arg("-c").arg(format!("{name}={value}"));
+        }
+        set_parent_death_signal(&mut cmd, libc::SIGQUIT);
+        let child = cmd.spawn().context("spawn postgres")?;
+        self.child = Some(child);
+
+        let url = self.url();
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(status) = self.reap()? {
+                let tail = log_tail(&log_path, log_offset, LOG_TAIL_LINES);
+                let msg = format!(
+                    "postgres exited during startup ({}) on port {}; {}:\n{tail}",
+                    describe(status),
+                    self.port,
+                    log_path.display()
+                );
+                if tail.contains("could not create any TCP/IP sockets")
+                    || tail.contains("Address already in use")
+                {
+                    return Err(anyhow::Error::new(PortTaken(msg)));
+                }
+                bail!(msg);
+            }
+            let attempt =
+                tokio::time::timeout(Duration::from_secs(2), PgConnection::connect(&url)).await;
+            if let Ok(Ok(conn)) = attempt {
+                close_quietly(conn).await;
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "postgres on port {} not ready within {:?}; {}:\n{}",
+                    self.port,
+                    READY_TIMEOUT,
+                    log_path.display(),
+                    log_tail(&log_path, log_offset, LOG_TAIL_LINES)
+                );
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+
+    /// `Some(status)` once the postmaster has exited (and is reaped); `None` while it runs.
+    fn reap(&mut self) -> anyhow::Result<Option<ExitStatus>> {
+        let Some(child) = self.child.as_mut() else {
+            bail!("the postmaster is not running");
+        };
+        let status = child.try_wait().context("wait for postgres")?;
+        if status.is_some() {
+            self.child = None;
+        }
+        Ok(status)
+    }
+
+    async fn signal_and_wait(
+        &mut self,
+        signal: libc::c_int,
+        within: Duration,
+        what: &str,
+    ) -> anyhow::Result<ExitStatus> {
+        let Some(child) = self.child.as_mut() else {
+            bail!("{what}: the postmaster on port {} is not running", self.port);
+        };
+        if let Some(status) = child.try_wait().context("wait for postgres")? {
+            self.child = None;
+            bail!(
+                "{what}: the postmaster had already exited ({}); {}:\n{}",
+                describe(status),
+                self.log_path().display(),
+                log_tail(&self.log_path(), 0, LOG_TAIL_LINES)
+            );
+        }
+        send_signal(child.id(), signal).with_context(|| format!("{what}: signal postgres"))?;
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.reap()? {
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                if let Some(mut child) = self.child.take() {
+                    // Best effort: the error below is what matters.
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                bail!(
+                    "{what}: postgres did not exit within {within:?} (SIGKILLed); {}:\n{}",
+                    self.log_path().display(),
+                    log_tail(&self.log_path(), 0, LOG_TAIL_LINES)
+                );
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if let Ok(None) = child.try_wait() {
+                // Drop cannot await: a bounded blocking wait (an immediate shutdown
+                // normally takes a few milliseconds), then SIGKILL.
+                let _ = send_signal(child.id(), libc::SIGQUIT);
+                let deadline = Instant::now() + DROP_SIGQUIT_WAIT;
+                loop {
+                    match child.try_wait() {
+                        Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL_INTERVAL),
+                        Ok(None) => {
+                            let _ = child.kill();
+                            let _ = child.wait();
+                            break;
+                        }
+                        Ok(Some(_)) | Err(_) => break,
+                    }
+                }
+            }
+        }
+        let path = self.work_dir.display();
+        if std::thread::panicking() {
+            eprintln!("imfault: kept cluster work dir {path} (test failed)");
+        } else if keep_requested() {
+            eprintln!("imfault: kept cluster work dir {path} (IMFAULT_KEEP=1)");
+        } else if self.keep {
+            eprintln!("imfault: kept cluster work dir {path}");
+        } else if let Err(e) = fs::remove_dir_all(&self.work_dir) {
+            eprintln!("imfault: could not remove cluster work dir {path}: {e}");
+        }
+    }
+}
+
+/// The postmaster exited at startup because another process took its port first.
+#[derive(Debug)]
+struct PortTaken(String);
+
+impl std::fmt::Display for PortTaken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PortTaken {}
+
+/// `IMFAULT_KEEP=1`: keep every work directory, also on success.
+pub(crate) fn keep_requested() -> bool {
+    std::env::var("IMFAULT_KEEP").is_ok_and(|v| v == "1")
+}
+
+/// Finds the PostgreSQL server programs once per process: `$IMFAULT_PG_BIN_DIR`, else the
+/// newest `/usr/lib/postgresql/<major>/bin` (Debian's layout), else `postgres` on `PATH`.
+fn pg_install() -> anyhow::Result<&'static PgInstall> {
+    static INSTALL: OnceLock<Result<PgInstall, String>> = OnceLock::new();
+    INSTALL
+        .get_or_init(|| find_pg_install().map_err(|e| format!("{e:#}")))
+        .as_ref()
+        .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+fn find_pg_install() -> anyhow::Result<PgInstall> {
+    let bin_dir = if let Some(dir) = std::env::var_os("IMFAULT_PG_BIN_DIR") {
+        PathBuf::from(dir)
+    } else if let Some(dir) = newest_debian_bin_dir() {
+        dir
+    } else if let Some(dir) = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path).find(|dir| dir.join("postgres").is_file())
+    }) {
+        dir
+    } else {
+        bail!(
+            "PostgreSQL server programs not found (no /usr/lib/postgresql/*/bin/postgres, no \
+             `postgres` on PATH): install them (apt-get install postgresql) or set IMFAULT_PG_BIN_DIR"
+        );
+    };
+    for program in ["postgres", "initdb"] {
+        if !bin_dir.join(program).is_file() {
+            bail!("{} has no `{program}`", bin_dir.display());
+        }
+    }
+    let out = Command::new(bin_dir.join("postgres"))
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("run {}/postgres --version", bin_dir.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    // "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"
+    let major = text
+        .split("(PostgreSQL)")
+        .nth(1)
+        .and_then(|rest| rest.trim().split(['.', ' ']).next())
+        .and_then(|major| major.parse::<u32>().ok())
+        .with_context(|| format!("parse the output of postgres --version: {text:?}"))?;
+    Ok(PgInstall { bin_dir, major })
+}
+
+fn newest_debian_bin_dir() -> Option<PathBuf> {
+    let entries = fs::read_dir("/usr/lib/postgresql").ok()?;
+    entries
+        .filter_map(|entry| entry.ok())
+        .filter_map(|entry| {
+            let version = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            let bin = entry.path().join("bin");
+            bin.join("postgres").is_file().then_some((version, bin))
+        })
+        .max_by_key(|(version, _)| *version)
+        .map(|(_, bin)| bin)
+}
+
+/// The uid/gid to run the server programs as: the `postgres` user when we are root.
+fn server_owner() -> anyhow::Result<Option<(u32, u32)>> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Ok(None);
+    }
+    lookup_user("postgres")?
+        .context("PostgreSQL refuses to run as root and there is no `postgres` user to run it as")
+        .map(Some)
+}
+
+/// `(uid, gid)` of a user, via the thread-safe `getpwnam_r`.
+fn lookup_user(name: &str) -> anyhow::Result<Option<(u32, u32)>> {
+    let c_name = std::ffi::CString::new(name).context("user name contains NUL")?;
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: passwd is plain old data; all-zero is a valid (if meaningless) value.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut result: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call and buf.len() is its real length.
+    let rc = unsafe {
+        libc::getpwnam_r(
+            c_name.as_ptr(),
+            &mut pwd,
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::from_raw_os_error(rc))
+            .with_context(|| format!("look up user {name}"));
+    }
+    if result.is_null() {
+        return Ok(None);
+    }
+    Ok(Some((pwd.pw_uid, pwd.pw_gid)))
+}
+
+fn chown_to(path: &Path, owner: Option<(u32, u32)>) -> anyhow::Result<()> {
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::chown(path, Some(uid), Some(gid))
+            .with_context(|| format!("chown {} to the postgres user", path.display()))?;
+    }
+    Ok(())
+}
+
+/// A server program with a cleared environment, run as `owner` when given.
+fn server_command(program: &Path, owner: Option<(u32, u32)>) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.env_clear().env("LC_ALL", "C").stdin(Stdio::null());
+    if let Some(path) = std::env::var_os("PATH") {
+        cmd.env("PATH", path);
+    }
+    if let Some((uid, gid)) = owner {
+        cmd.uid(uid).gid(gid);
+    }
+    cmd
+}
+
+/// Has the kernel send `signal` to the child when the spawning thread dies (Linux only).
+pub(crate) fn set_parent_death_signal(cmd: &mut Command, signal: libc::c_int) {
+    #[cfg(target_os = "linux")]
+    {
+        let parent = std::process::id();
+        // SAFETY: the closure only makes async-signal-safe calls (prctl, getppid) and
+        // allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent may have died before prctl took effect.
+                if libc::getppid() as u32 != parent {
+                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (cmd, signal);
+}
+
+pub(crate) fn send_signal(pid: u32, signal: libc::c_int) -> anyhow::Result<()> {
+    let pid = libc::pid_t::try_from(pid).context("pid out of range")?;
+    // SAFETY: kill has no memory-safety preconditions; pid is our own unreaped child.
+    if unsafe { libc::kill(pid, signal) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("kill({pid}, {signal})"));
+    }
+    Ok(())
+}
+
+/// "exit status 1" or "signal 9 (SIGKILL)".
+pub(crate) fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit status {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        (None, None) => status.to_string(),
+    }
+}
+
+/// Makes the machine's template data directory if it does not exist yet and returns it:
+/// `$TMPDIR/imfault-pg-template-<major>-<euid>`. Blocking (flock, initdb): call it
+/// under `spawn_blocking`. Concurrent test processes serialise on a lock file; the
+/// template is built in a temporary directory and renamed into place, so a template
+/// that exists is complete.
+fn ensure_template(install: &PgInstall, owner: Option<(u32, u32)>) -> anyhow::Result<PathBuf> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let base = std::env::temp_dir();
+    let name = format!("imfault-pg-template-{}-{euid}", install.major);
+    let template = base.join(&name);
+    if template_ready(&template, install.major)? {
+        return Ok(template);
+    }
+    let lock_path = base.join(format!("{name}.lock"));
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("open {}", lock_path.display()))?;
+    flock_exclusive(&lock).with_context(|| format!("lock {}", lock_path.display()))?;
+    // Another process may have built it while we waited for the lock.
+    if template_ready(&template, install.major)? {
+        return Ok(template);
+    }
+    // We hold the lock: leftovers of builders that died are safe to remove.
+    let tmp_prefix = format!("{name}.tmp-");
+    for entry in fs::read_dir(&base).with_context(|| format!("list {}", base.display()))? {
+        let entry = entry.with_context(|| format!("list {}", base.display()))?;
+        if entry.file_name().to_string_lossy().starts_with(&tmp_prefix) {
+            fs::remove_dir_all(entry.path())
+                .with_context(|| format!("remove stale {}", entry.path().display()))?;
+        }
+    }
+    let tmp = base.join(format!("{tmp_prefix}{}", std::process::id()));
+    fs::create_dir(&tmp).with_context(|| format!("create {}", tmp.display()))?;
+    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("chmod {}", tmp.display()))?;
+    chown_to(&tmp, owner)?;
+    let out = server_command(&install.bin_dir.join("initdb"), owner)
+        .current_dir(&base)
+        .arg("-D")
+        .arg(&tmp)
+        .args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--no-locale",
+            "--no-sync",
+        ])
+        .output()
+        .context("run initdb")?;
+    if !out.status.success() {
+        bail!(
+            "initdb -D {} failed ({}):\n{}{}",
+            tmp.display(),
+            describe(out.status),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    fs::rename(&tmp, &template)
+        .with_context(|| format!("rename {} to {}", tmp.display(), template.display()))?;
+    drop(lock);
+    Ok(template)
+}
+
+/// Whether a complete template for `major` exists; an incompatible one is an error.
+fn template_ready(template: &Path, major: u32) -> anyhow::Result<bool> {
+    let version_file = template.join("PG_VERSION");
+    match fs::read_to_string(&version_file) {
+        Ok(version) if version.trim() == major.to_string() => Ok(true),
+        Ok(version) => bail!(
+            "{} says PostgreSQL {}, expected {major}: remove {}",
+            version_file.display(),
+            version.trim(),
+            template.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if template.exists() {
+                bail!(
+                    "template {} has no PG_VERSION: remove it",
+                    template.display()
+                );
+            }
+            Ok(false)
+        }
+        Err(e) => Err(e).with_context(|| format!("read {}", version_file.display())),
+    }
+}
+
+fn flock_exclusive(file: &File) -> std::io::Result<()> {
+    loop {
+        // SAFETY: the fd is valid for as long as `file` lives.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// Creates `$TMPDIR/imfault-<pid>-<counter>-<random>/`, traversable by the postgres user.
+fn create_work_dir() -> anyhow::Result<PathBuf> {
+    let base = std::env::temp_dir();
+    let mut last_err = None;
+    for _ in 0..8 {
+        let n = CLUSTER_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = base.join(format!(
+            "imfault-{}-{n}-{:08x}",
+            std::process::id(),
+            random_u32()
+        ));
+        match fs::create_dir(&dir) {
+            Ok(()) => {
+                fs::set_permissions(&dir, fs::Permissions::from_mode(0o755))
+                    .with_context(|| format!("chmod {}", dir.display()))?;
+                return Ok(dir);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last_err = Some(e),
+            Err(e) => return Err(e).with_context(|| format!("create {}", dir.display())),
+        }
+    }
+    Err(anyhow::anyhow!("{last_err:?}")).context("create a unique cluster work dir")
+}
+
+/// Not cryptographic: only makes work dir names of unrelated runs differ.
+fn random_u32() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.finish() as u32
+}
+
+/// A port that was free a moment ago (the postmaster may still lose a race for it).
+fn free_port() -> anyhow::Result<u16> {
+    let listener =
+        std::net::TcpListener::bind("127.0.0.1:0").context("bind 127.0.0.1:0 to pick a port")?;
+    Ok(listener.local_addr().context("local_addr")?.port())
+}
+
+/// The last `lines` lines of a log file from byte `from` on; never fails (an error
+/// reading the log is shown in its place).
+pub(crate) fn log_tail(path: &Path, from: u64, lines: usize) -> String {
+    let mut text = Vec::new();
+    let read = File::open(path).and_then(|mut file| {
+        let len = file.metadata()?.len();
+        // At most the last 64 KiB: enough for `lines` lines of a log.
+        let start = from.max(len.saturating_sub(64 * 1024));
+        file.seek(SeekFrom::Start(start))?;
+        file.read_to_end(&mut text)
+    });
+    if let Err(e) = read {
+        return format!("<could not read {}: {e}>", path.display());
+    }
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+async fn close_quietly(conn: PgConnection) {
+    // Closing is a courtesy to the server; a failure changes nothing for the caller.
+    let _ = conn.close().await;
+}
+
+#[cfg(test)]
+mod tests {
+    //! These tests need PostgreSQL but not the gateway.
+
+    use super::*;
+
+    /// Proves the cluster is durable as configured: fsync and synchronous_commit are on,
+    /// and a committed row survives an immediate shutdown (SIGQUIT) and crash recovery.
+    #[tokio::test]
+    async fn committed_row_survives_crash_and_restart() -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        let mut cluster = Cluster::start().await?;
+        let started = t0.elapsed();
+        assert_eq!(cluster.setting("fsync").await?, "on");
+        assert_eq!(cluster.setting("synchronous_commit").await?, "on");
+        assert_eq!(cluster.setting("full_page_writes").await?, "on");
+        assert!(cluster.server_version().await?.starts_with(&format!(
+            "{}.",
+            cluster.install.major
+        )));
+
+        let pool = cluster.pool().await?;
+        sqlx::query("CREATE TABLE t (id int PRIMARY KEY, note text NOT NULL)")
+            .execute(&pool)
+            .await?;
+        sqlx::query("INSERT INTO t VALUES (1, 'acknowledged')")
+            .execute(&pool)
+            .await?;
+        pool.close().await;
+
+        let port = cluster.port();
+        let t1 = Instant::now();
+        cluster.crash().await?;
+        let crashed = t1.elapsed();
+        assert!(!cluster.is_running());
+        assert!(cluster.setting("fsync").await.is_err(), "crashed cluster answered");
+
+        let t2 = Instant::now();
+        cluster.restart().await?;
+        let restarted = t2.elapsed();
+        assert!(cluster.is_running());
+        assert_eq!(cluster.port(), port);
+        let pool = cluster.pool().await?;
+        let note: String = sqlx::query_scalar("SELECT note FROM t WHERE id = 1")
+            .fetch_one(&pool)
+            .await?;
+        assert_eq!(note, "acknowledged");
+        pool.close().await;
+        let log = fs::read_to_string(cluster.log_dir().join("postgres.log"))?;
+        assert!(
+            log.contains("not properly shut down") || log.contains("automatic recovery"),
+            "no crash recovery in the log:\n{log}"
+        );
+        eprintln!(
+            "timings: start {started:?}, crash {crashed:?}, restart (recovery) {restarted:?}"
+        );
+        Ok(())
+    }
+
+    /// Proves drop shuts the postmaster down and removes the work dir after a success.
+    #[tokio::test]
+    async fn drop_removes_work_dir() -> anyhow::Result<()> {
+        if keep_requested() {
+            return Ok(());
+        }
+        let cluster = Cluster::start().await?;
+        let dir = cluster.work_dir().to_path_buf();
+        let url = cluster.url();
+        assert!(dir.join("pgdata").join("PG_VERSION").is_file());
+        assert!(dir.join("logs").join("postgres.log").is_file());
+        drop(cluster);
+        assert!(!dir.exists(), "{} still exists", dir.display());
+        let gone = tokio::time::timeout(Duration::from_secs(2), PgConnection::connect(&url)).await;
+        assert!(!matches!(gone, Ok(Ok(_))), "postmaster still answers");
+        Ok(())
+    }
+
+    /// Proves two clusters of one process coexist: distinct ports and work dirs, and
+    /// stopping one (fast shutdown) leaves the other running.
+    #[tokio::test]
+    async fn two_clusters_get_different_ports() -> anyhow::Result<()> {
+        let (a, b) = tokio::join!(Cluster::start(), Cluster::start());
+        let (mut a, b) = (a?, b?);
+        assert_ne!(a.port(), b.port());
+        assert_ne!(a.work_dir(), b.work_dir());
+        a.stop().await?;
+        assert!(!a.is_running());
+        assert_eq!(b.setting("max_connections").await?, "200");
+        assert!(a.restart().await.is_ok());
+        assert!(a.restart().await.is_err(), "restart of a running cluster");
+        Ok(())
+    }
+
+    /// Proves a crash of a cluster that is not running is an error, not a hang.
+    #[tokio::test]
+    async fn crash_twice_is_an_error() -> anyhow::Result<()> {
+        let mut cluster = Cluster::start().await?;
+        cluster.crash().await?;
+        let err = cluster.crash().await.expect_err("second crash");
+        assert!(format!("{err:#}").contains("not running"), "{err:#}");
+        Ok(())
+    }
+}
