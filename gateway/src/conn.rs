@@ -202,6 +202,14 @@ impl Conn {
                 None
             }
             Request::Ack { conv, seq } => {
+                match faults::check(points::GW_RECV_ACK).await {
+                    Fired::Pass => {}
+                    Fired::Drop => return None,
+                    Fired::Error => {
+                        self.reply(rid, Err(WireError::Unavailable)).await;
+                        return None;
+                    }
+                }
                 let w = who.clone();
                 let c = conv.clone();
                 let r = st

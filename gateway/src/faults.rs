@@ -23,6 +23,9 @@ pub mod points {
     pub const GW_REPLY_ACK: &str = "gw.reply.ack";
     /// An `event` push, as it is about to be written (hints are not pushes).
     pub const GW_PUSH: &str = "gw.push";
+    /// An inbound `ack`, as it is read: `drop` loses it before it reaches the database
+    /// (the note's "lost ack frame"; the sweep hints again and the device re-acks).
+    pub const GW_RECV_ACK: &str = "gw.recv.ack";
 
     pub const ALL: &[&str] = &[
         SEND_BEFORE_INSERT,
@@ -31,6 +34,7 @@ pub mod points {
         GW_REPLY_SEND,
         GW_REPLY_ACK,
         GW_PUSH,
+        GW_RECV_ACK,
     ];
 }
 
@@ -87,9 +91,7 @@ fn parse_action(s: &str) -> Result<Action, String> {
                 }
                 return Ok(Action::Delay(ms));
             }
-            Err(format!(
-                "unknown action {s:?} (valid actions: halt, drop, delay(MS), error)"
-            ))
+            Err(format!("unknown action {s:?}"))
         }
     }
 }
@@ -97,6 +99,16 @@ fn parse_action(s: &str) -> Result<Action, String> {
 /// Parses and validates a whole `IM_FAULT` value. The error names the bad part and lists the
 /// valid points and actions.
 pub fn parse(spec: &str) -> Result<Vec<FaultSpec>, String> {
+    parse_specs(spec).map_err(|e| {
+        format!(
+            "IM_FAULT: {e}\n  syntax: point:action[:skip[:count]][,...]\n  valid points: {}\n  \
+             valid actions: halt, drop, delay(MS), error",
+            valid_points()
+        )
+    })
+}
+
+fn parse_specs(spec: &str) -> Result<Vec<FaultSpec>, String> {
     let mut out: Vec<FaultSpec> = Vec::new();
     if spec.trim().is_empty() {
         return Ok(out);
@@ -106,9 +118,7 @@ pub fn parse(spec: &str) -> Result<Vec<FaultSpec>, String> {
         let fields: Vec<&str> = part.split(':').collect();
         if part.is_empty() || fields.len() < 2 || fields.len() > 4 {
             return Err(format!(
-                "IM_FAULT: malformed spec {part:?}: expected point:action[:skip[:count]] \
-                 (valid points: {})",
-                valid_points()
+                "malformed spec {part:?}: expected point:action[:skip[:count]]"
             ));
         }
         let point = points::ALL
@@ -116,29 +126,25 @@ pub fn parse(spec: &str) -> Result<Vec<FaultSpec>, String> {
             .copied()
             .find(|p| *p == fields[0])
             .ok_or_else(|| {
-                format!(
-                    "IM_FAULT: unknown fault point {:?} in {part:?} (valid points: {})",
-                    fields[0],
-                    valid_points()
-                )
+                format!("unknown fault point {:?} in {part:?}", fields[0])
             })?;
-        let action = parse_action(fields[1]).map_err(|e| format!("IM_FAULT: {e} in {part:?}"))?;
+        let action = parse_action(fields[1]).map_err(|e| format!("{e} in {part:?}"))?;
         let number = |i: usize, what: &str| -> Result<Option<u64>, String> {
             fields
                 .get(i)
                 .map(|s| {
                     s.parse::<u64>()
-                        .map_err(|_| format!("IM_FAULT: {what} {s:?} in {part:?} is not a whole number"))
+                        .map_err(|_| format!("{what} {s:?} in {part:?} is not a whole number"))
                 })
                 .transpose()
         };
         let skip = number(2, "skip")?.unwrap_or(0);
         let count = number(3, "count")?;
         if count == Some(0) {
-            return Err(format!("IM_FAULT: count 0 in {part:?} would never fire"));
+            return Err(format!("count 0 in {part:?} would never fire"));
         }
         if out.iter().any(|s| s.point == point) {
-            return Err(format!("IM_FAULT: point {point} is given twice"));
+            return Err(format!("point {point} is given twice"));
         }
         out.push(FaultSpec { point, action, skip, count });
     }
@@ -208,9 +214,9 @@ mod imp {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
     /// Hits per point (index in `points::ALL`), counted only for armed points.
-    static HITS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+    static HITS: [AtomicU64; points::ALL.len()] = [const { AtomicU64::new(0) }; points::ALL.len()];
     /// Which points `IM_FAULT` armed: an unarmed point costs one atomic load.
-    static ARMED: [AtomicBool; 6] = [const { AtomicBool::new(false) }; 6];
+    static ARMED: [AtomicBool; points::ALL.len()] = [const { AtomicBool::new(false) }; points::ALL.len()];
 
     pub(super) fn arm(s: &FaultSpec) -> Result<(), String> {
         // The action travels through `fail` as the argument of `return(..)`; `delay(MS)`

@@ -61,7 +61,8 @@ const SYNC_PAGES_MAX: usize = 10_000;
 /// again (avoids a tight loop while the database is down).
 const ACK_RETRY_MIN: Duration = Duration::from_millis(200);
 /// Error codes after which a send is final: the outbox entry is removed.
-pub const TERMINAL_SEND_CODES: [&str; 4] = ["BAD_REQUEST", "NOT_MEMBER", "CMID_CONFLICT", "TOO_LARGE"];
+pub const TERMINAL_SEND_CODES: [&str; 4] =
+    ["BAD_REQUEST", "NOT_MEMBER", "CMID_CONFLICT", "TOO_LARGE"];
 
 /// Distinguishes temp files of client instances in one process.
 static INSTANCE_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -108,7 +109,11 @@ pub enum ClientError {
     /// The connection was closed (or never open) before the reply arrived.
     Disconnected,
     /// The server answered `error{code,msg}`; `frame` is the whole error frame.
-    Server { code: String, msg: String, frame: Value },
+    Server {
+        code: String,
+        msg: String,
+        frame: Value,
+    },
     /// Anything else: a malformed reply, a state file that could not be written…
     Other(anyhow::Error),
 }
@@ -125,7 +130,8 @@ impl ClientError {
     /// True when a send that failed this way must not be retried: the outbox entry
     /// is dropped (`TERMINAL_SEND_CODES`).
     pub fn is_terminal_for_send(&self) -> bool {
-        self.code().is_some_and(|c| TERMINAL_SEND_CODES.contains(&c))
+        self.code()
+            .is_some_and(|c| TERMINAL_SEND_CODES.contains(&c))
     }
 
     /// True when the same request may succeed later on the same connection.
@@ -299,8 +305,18 @@ impl State {
 
     /// The ack track of `conv`, created from the last known server `delivered`.
     fn ack_track(&mut self, conv: &str) -> &mut AckTrack {
-        let known = self.file.convs.get(conv).and_then(|c| c.server_delivered).unwrap_or(0);
-        self.acks.entry(conv.to_string()).or_insert_with(|| AckTrack { acked: known, ..AckTrack::default() })
+        let known = self
+            .file
+            .convs
+            .get(conv)
+            .and_then(|c| c.server_delivered)
+            .unwrap_or(0);
+        self.acks
+            .entry(conv.to_string())
+            .or_insert_with(|| AckTrack {
+                acked: known,
+                ..AckTrack::default()
+            })
     }
 
     fn record_delivered(&mut self, conv: &str, delivered: i64) {
@@ -342,7 +358,8 @@ fn push_bounded(q: &mut VecDeque<(Instant, Value)>, max: usize, v: Value) {
 fn write_state_file(path: &Path, tmp: &Path, file: &StateFile) -> anyhow::Result<()> {
     let bytes = serde_json::to_vec(file).context("encode client state")?;
     std::fs::write(tmp, bytes).with_context(|| format!("write {}", tmp.display()))?;
-    std::fs::rename(tmp, path).with_context(|| format!("rename {} to {}", tmp.display(), path.display()))?;
+    std::fs::rename(tmp, path)
+        .with_context(|| format!("rename {} to {}", tmp.display(), path.display()))?;
     Ok(())
 }
 
@@ -425,9 +442,14 @@ impl Inner {
         };
         // Removes the pending entry however this function ends (reply, timeout, or the
         // caller dropping the future).
-        let _guard = PendingGuard { inner: self, rid: &rid };
+        let _guard = PendingGuard {
+            inner: self,
+            rid: &rid,
+        };
         let outcome = tokio::time::timeout_at(deadline, async {
-            out.send(Message::text(text)).await.map_err(|_| ClientError::Disconnected)?;
+            out.send(Message::text(text))
+                .await
+                .map_err(|_| ClientError::Disconnected)?;
             rx.await.unwrap_or(Err(ClientError::Disconnected))
         })
         .await;
@@ -446,9 +468,16 @@ impl Inner {
     }
 
     /// Sends an ack and records the reported `delivered`.
-    async fn send_ack(&self, conv: &str, seq: i64, timeout: Duration) -> Result<Value, ClientError> {
+    async fn send_ack(
+        &self,
+        conv: &str,
+        seq: i64,
+        timeout: Duration,
+    ) -> Result<Value, ClientError> {
         self.lock().stats.acks_sent += 1;
-        let r = self.request(json!({"t": "ack", "conv": conv, "seq": seq}), timeout).await;
+        let r = self
+            .request(json!({"t": "ack", "conv": conv, "seq": seq}), timeout)
+            .await;
         {
             let mut st = self.lock();
             match &r {
@@ -475,19 +504,28 @@ impl Inner {
     async fn sync_until_complete(&self, conv: &str, from: i64) -> Result<(), ClientError> {
         let (limit, timeout, mut after) = {
             let st = self.lock();
-            (st.opts.sync_limit, st.opts.request_timeout, from.min(st.cursor(conv)))
+            (
+                st.opts.sync_limit,
+                st.opts.request_timeout,
+                from.min(st.cursor(conv)),
+            )
         };
         for _ in 0..SYNC_PAGES_MAX {
-            let reply =
-                match self.request(json!({"t": "sync", "conv": conv, "after": after, "limit": limit}), timeout).await {
-                    Ok(r) => r,
-                    Err(e) => {
-                        let mut st = self.lock();
-                        st.stats.syncs_run += 1;
-                        st.stats.sync_errors += 1;
-                        return Err(e);
-                    }
-                };
+            let reply = match self
+                .request(
+                    json!({"t": "sync", "conv": conv, "after": after, "limit": limit}),
+                    timeout,
+                )
+                .await
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    let mut st = self.lock();
+                    st.stats.syncs_run += 1;
+                    st.stats.sync_errors += 1;
+                    return Err(e);
+                }
+            };
             let events = reply.get("events").and_then(Value::as_array);
             let head = field_i64(&reply, "head");
             let complete = reply.get("complete").and_then(Value::as_bool);
@@ -496,7 +534,9 @@ impl Inner {
                 st.stats.syncs_run += 1;
                 st.stats.sync_errors += 1;
                 st.stats.malformed_frames += 1;
-                return Err(ClientError::Other(anyhow!("malformed synced reply: {reply}")));
+                return Err(ClientError::Other(anyhow!(
+                    "malformed synced reply: {reply}"
+                )));
             };
             let mut last: Option<i64> = None;
             let persisted = {
@@ -516,12 +556,15 @@ impl Inner {
                         continue;
                     }
                     last = Some(last.map_or(seq, |l| l.max(seq)));
-                    if c.events.contains_key(&seq) {
-                        st.stats.duplicates_ignored += 1;
-                    } else {
-                        c.events.insert(seq, ev.clone());
-                        st.stats.events_synced += 1;
-                        new += 1;
+                    match c.events.entry(seq) {
+                        std::collections::btree_map::Entry::Occupied(_) => {
+                            st.stats.duplicates_ignored += 1;
+                        }
+                        std::collections::btree_map::Entry::Vacant(slot) => {
+                            slot.insert(ev.clone());
+                            st.stats.events_synced += 1;
+                            new += 1;
+                        }
                     }
                 }
                 // Every visible event in (after, last] was returned, so the store holds
@@ -554,7 +597,9 @@ impl Inner {
                 }
             }
         }
-        Err(ClientError::Other(anyhow!("sync of {conv} did not complete within {SYNC_PAGES_MAX} pages")))
+        Err(ClientError::Other(anyhow!(
+            "sync of {conv} did not complete within {SYNC_PAGES_MAX} pages"
+        )))
     }
 
     /// Acks the cursor of `conv` now if it is above what the server has.
@@ -589,7 +634,9 @@ impl Inner {
                 }
                 Err(e) => {
                     tracing::debug!(conv, seq = target, error = %e, "automatic ack failed");
-                    t.due_at = e.is_retryable().then(|| Instant::now() + opts.ack_after.max(ACK_RETRY_MIN));
+                    t.due_at = e
+                        .is_retryable()
+                        .then(|| Instant::now() + opts.ack_after.max(ACK_RETRY_MIN));
                 }
             }
         }
@@ -631,7 +678,11 @@ impl Inner {
         let now = Instant::now();
         let due: Vec<String> = {
             let st = self.lock();
-            st.acks.iter().filter(|(_, t)| t.due_at.is_some_and(|d| d <= now)).map(|(c, _)| c.clone()).collect()
+            st.acks
+                .iter()
+                .filter(|(_, t)| t.due_at.is_some_and(|d| d <= now))
+                .map(|(c, _)| c.clone())
+                .collect()
         };
         for conv in due {
             self.auto_ack(&conv).await;
@@ -641,7 +692,8 @@ impl Inner {
     /// Applies one `event` push (SPEC section 5: contiguous cursor, duplicates, gaps).
     async fn on_event_push(&self, frame: &Value) {
         let ev = frame.get("ev");
-        let parsed = ev.and_then(|ev| Some((field_str(ev, "conv")?.to_string(), field_i64(ev, "seq")?)));
+        let parsed =
+            ev.and_then(|ev| Some((field_str(ev, "conv")?.to_string(), field_i64(ev, "seq")?)));
         let (Some(ev), Some((conv, seq))) = (ev, parsed) else {
             let mut st = self.lock();
             st.stats.pushes_received += 1;
@@ -683,7 +735,8 @@ impl Inner {
     }
 
     /// Applies one `hint` push: sync when the server is ahead, then ack right away
-    /// (the sweep hints only devices whose delivered cursor is below head).
+    /// (the sweep hints only devices whose delivered cursor is below head). This is
+    /// the client's half of D5: a lost push or a lost ack is repaired by the next hint.
     async fn on_hint(&self, frame: &Value) {
         let (Some(conv), Some(head)) = (field_str(frame, "conv"), field_i64(frame, "head")) else {
             self.lock().stats.malformed_frames += 1;
@@ -694,6 +747,10 @@ impl Inner {
             let mut st = self.lock();
             *st.stats.hints_received.entry(why).or_insert(0) += 1;
             st.note_head(conv, head);
+            // A hint means the server's delivered cursor is below `head`: whatever we
+            // believed it had (an ack lost with a crashed database, say), ack again.
+            let t = st.ack_track(conv);
+            t.acked = t.acked.min(head.saturating_sub(1));
             st.cursor(conv)
         };
         self.notify();
@@ -751,7 +808,12 @@ impl Inner {
                 st.conn = None;
                 st.subscribed = false;
             }
-            let rids: Vec<String> = st.pending.iter().filter(|(_, p)| p.conn == conn_id).map(|(r, _)| r.clone()).collect();
+            let rids: Vec<String> = st
+                .pending
+                .iter()
+                .filter(|(_, p)| p.conn == conn_id)
+                .map(|(r, _)| r.clone())
+                .collect();
             rids.iter().filter_map(|r| st.pending.remove(r)).collect()
         };
         for p in failed {
@@ -772,7 +834,12 @@ impl Drop for PendingGuard<'_> {
     }
 }
 
-async fn read_loop(inner: Arc<Inner>, conn_id: u64, mut stream: SplitStream<Ws>, pushes: mpsc::Sender<Value>) {
+async fn read_loop(
+    inner: Arc<Inner>,
+    conn_id: u64,
+    mut stream: SplitStream<Ws>,
+    pushes: mpsc::Sender<Value>,
+) {
     while let Some(msg) = stream.next().await {
         match msg {
             Ok(Message::Text(t)) => inner.on_text(t.as_str(), &pushes),
@@ -846,9 +913,17 @@ pub struct Client {
 
 impl Client {
     /// Creates a new state file for `device` (refuses to overwrite an existing one).
-    pub fn create(state_path: &Path, device: &str, token: &str, epoch: i64) -> anyhow::Result<Client> {
+    pub fn create(
+        state_path: &Path,
+        device: &str,
+        token: &str,
+        epoch: i64,
+    ) -> anyhow::Result<Client> {
         if state_path.exists() {
-            bail!("client state file {} already exists; use Client::load", state_path.display());
+            bail!(
+                "client state file {} already exists; use Client::load",
+                state_path.display()
+            );
         }
         let file = StateFile {
             version: STATE_VERSION,
@@ -861,18 +936,26 @@ impl Client {
         let client = Client::from_file(state_path, file)?;
         {
             let mut st = client.inner.lock();
-            client.inner.persist(&mut st).context("create client state file")?;
+            client
+                .inner
+                .persist(&mut st)
+                .context("create client state file")?;
         }
         Ok(client)
     }
 
     /// Builds a client from an existing state file (a restarted device).
     pub fn load(state_path: &Path) -> anyhow::Result<Client> {
-        let bytes = std::fs::read(state_path).with_context(|| format!("read {}", state_path.display()))?;
-        let file: StateFile =
-            serde_json::from_slice(&bytes).with_context(|| format!("parse client state {}", state_path.display()))?;
+        let bytes =
+            std::fs::read(state_path).with_context(|| format!("read {}", state_path.display()))?;
+        let file: StateFile = serde_json::from_slice(&bytes)
+            .with_context(|| format!("parse client state {}", state_path.display()))?;
         if file.version != STATE_VERSION {
-            bail!("client state {} has version {}, expected {STATE_VERSION}", state_path.display(), file.version);
+            bail!(
+                "client state {} has version {}, expected {STATE_VERSION}",
+                state_path.display(),
+                file.version
+            );
         }
         Client::from_file(state_path, file)
     }
@@ -915,7 +998,10 @@ impl Client {
         let (hello, timeout) = {
             let st = self.inner.lock();
             let f = &st.file;
-            (json!({"t": "hello", "device": f.device, "token": f.token, "epoch": f.epoch}), st.opts.request_timeout)
+            (
+                json!({"t": "hello", "device": f.device, "token": f.token, "epoch": f.epoch}),
+                st.opts.request_timeout,
+            )
         };
         self.inner.request(hello, timeout).await
     }
@@ -924,11 +1010,13 @@ impl Client {
     pub async fn connect_raw(&mut self, ws_url: &str) -> anyhow::Result<()> {
         self.drop_connection().await;
         let timeout = self.inner.opts().request_timeout;
-        let (ws, _response) =
-            tokio::time::timeout(timeout, tokio_tungstenite::connect_async_with_config(ws_url, None, true))
-                .await
-                .map_err(|_| anyhow!("WebSocket connect to {ws_url} timed out after {timeout:?}"))?
-                .with_context(|| format!("WebSocket connect to {ws_url}"))?;
+        let (ws, _response) = tokio::time::timeout(
+            timeout,
+            tokio_tungstenite::connect_async_with_config(ws_url, None, true),
+        )
+        .await
+        .map_err(|_| anyhow!("WebSocket connect to {ws_url} timed out after {timeout:?}"))?
+        .with_context(|| format!("WebSocket connect to {ws_url}"))?;
         let (sink, stream) = ws.split();
         let (out_tx, out_rx) = mpsc::channel(OUT_QUEUE_FRAMES_MAX);
         let (push_tx, push_rx) = mpsc::channel(PUSH_QUEUE_FRAMES_MAX);
@@ -961,36 +1049,59 @@ impl Client {
     pub async fn send_text(&self, text: &str) -> anyhow::Result<()> {
         let out = {
             let mut st = self.inner.lock();
-            let out = st.conn.as_ref().map(|l| l.out.clone()).ok_or_else(|| anyhow!("not connected"))?;
+            let out = st
+                .conn
+                .as_ref()
+                .map(|l| l.out.clone())
+                .ok_or_else(|| anyhow!("not connected"))?;
             let max = st.opts.frames_max;
             push_bounded(&mut st.sent_frames, max, Value::String(text.to_string()));
             out
         };
-        out.send(Message::text(text)).await.map_err(|_| anyhow!("connection closed"))
+        out.send(Message::text(text))
+            .await
+            .map_err(|_| anyhow!("connection closed"))
     }
 
     /// Sends a message through the outbox: the entry is persisted before the first
     /// frame, removed on `sent` or a terminal error, kept otherwise (timeout,
     /// disconnect, `UNAVAILABLE`, `INTERNAL`) for `replay_outbox`.
-    pub async fn send(&self, conv: &str, cmid: &str, body: &str, timeout: Duration) -> Result<Value, ClientError> {
-        let entry = OutboxEntry { conv: conv.to_string(), cmid: cmid.to_string(), body: body.to_string() };
+    pub async fn send(
+        &self,
+        conv: &str,
+        cmid: &str,
+        body: &str,
+        timeout: Duration,
+    ) -> Result<Value, ClientError> {
+        let entry = OutboxEntry {
+            conv: conv.to_string(),
+            cmid: cmid.to_string(),
+            body: body.to_string(),
+        };
         {
             let mut st = self.inner.lock();
             if !st.file.outbox.contains(&entry) {
                 st.file.outbox.push(entry.clone());
             }
-            self.inner.persist(&mut st).context("persist outbox before send")?;
+            self.inner
+                .persist(&mut st)
+                .context("persist outbox before send")?;
         }
         self.inner.notify();
         self.send_entry(&entry, timeout).await
     }
 
-    async fn send_entry(&self, entry: &OutboxEntry, timeout: Duration) -> Result<Value, ClientError> {
-        let frame = json!({"t": "send", "conv": entry.conv, "cmid": entry.cmid, "body": entry.body});
+    async fn send_entry(
+        &self,
+        entry: &OutboxEntry,
+        timeout: Duration,
+    ) -> Result<Value, ClientError> {
+        let frame =
+            json!({"t": "send", "conv": entry.conv, "cmid": entry.cmid, "body": entry.body});
         let r = match self.inner.request(frame, timeout).await {
-            Ok(reply) if field_str(&reply, "t") != Some("sent") => {
-                Err(ClientError::Other(anyhow!("unexpected reply to send: {reply}")))
-            }
+            Ok(reply) if field_str(&reply, "t") != Some("sent") => Err(ClientError::Other(
+                anyhow!("unexpected reply to send: {reply}"),
+            )),
             r => r,
         };
         let done = match &r {
@@ -1001,7 +1112,9 @@ impl Client {
             {
                 let mut st = self.inner.lock();
                 st.file.outbox.retain(|e| e != entry);
-                self.inner.persist(&mut st).context("persist outbox after reply")?;
+                self.inner
+                    .persist(&mut st)
+                    .context("persist outbox after reply")?;
             }
             self.inner.notify();
         }
@@ -1032,14 +1145,30 @@ impl Client {
     /// acks the cursor where it is above `delivered` (unless `auto_ack` is off).
     pub async fn sub(&self) -> Result<Value, ClientError> {
         let opts = self.inner.opts();
-        let reply = self.inner.request(json!({"t": "sub"}), opts.request_timeout).await?;
+        let reply = self
+            .inner
+            .request(json!({"t": "sub"}), opts.request_timeout)
+            .await?;
         let mut convs = Vec::new();
-        for c in reply.get("convs").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default() {
-            match (field_str(c, "conv"), field_i64(c, "head"), field_i64(c, "delivered")) {
-                (Some(conv), Some(head), Some(delivered)) => convs.push((conv.to_string(), head, delivered)),
+        for c in reply
+            .get("convs")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
+            match (
+                field_str(c, "conv"),
+                field_i64(c, "head"),
+                field_i64(c, "delivered"),
+            ) {
+                (Some(conv), Some(head), Some(delivered)) => {
+                    convs.push((conv.to_string(), head, delivered))
+                }
                 _ => {
                     self.inner.lock().stats.malformed_frames += 1;
-                    return Err(ClientError::Other(anyhow!("malformed subbed reply: {reply}")));
+                    return Err(ClientError::Other(anyhow!(
+                        "malformed subbed reply: {reply}"
+                    )));
                 }
             }
         }
@@ -1051,7 +1180,9 @@ impl Client {
                 st.record_delivered(conv, *delivered);
                 st.ack_track(conv).acked = *delivered;
             }
-            self.inner.persist(&mut st).context("persist subbed cursors")?;
+            self.inner
+                .persist(&mut st)
+                .context("persist subbed cursors")?;
         }
         self.inner.notify();
         for (conv, head, delivered) in &convs {
@@ -1062,7 +1193,9 @@ impl Client {
             if opts.auto_ack {
                 let cursor = self.cursor(conv);
                 if cursor > *delivered {
-                    self.inner.send_ack(conv, cursor, opts.request_timeout).await?;
+                    self.inner
+                        .send_ack(conv, cursor, opts.request_timeout)
+                        .await?;
                 }
             }
         }
@@ -1070,8 +1203,19 @@ impl Client {
     }
 
     /// One raw `sync` request; stores nothing, moves nothing.
-    pub async fn sync_once(&self, conv: &str, after: i64, limit: i64, timeout: Duration) -> Result<Value, ClientError> {
-        self.inner.request(json!({"t": "sync", "conv": conv, "after": after, "limit": limit}), timeout).await
+    pub async fn sync_once(
+        &self,
+        conv: &str,
+        after: i64,
+        limit: i64,
+        timeout: Duration,
+    ) -> Result<Value, ClientError> {
+        self.inner
+            .request(
+                json!({"t": "sync", "conv": conv, "after": after, "limit": limit}),
+                timeout,
+            )
+            .await
     }
 
     /// Highest seq through which every visible event is stored (0 if none).
@@ -1081,7 +1225,12 @@ impl Client {
 
     /// Last `delivered` the server reported for this device and `conv`.
     pub fn server_delivered(&self, conv: &str) -> Option<i64> {
-        self.inner.lock().file.convs.get(conv).and_then(|c| c.server_delivered)
+        self.inner
+            .lock()
+            .file
+            .convs
+            .get(conv)
+            .and_then(|c| c.server_delivered)
     }
 
     /// Highest head the server reported for `conv` (subbed, synced, hint).
@@ -1091,11 +1240,23 @@ impl Client {
 
     /// Stored events of `conv` (`ev` objects), ascending by seq.
     pub fn stored(&self, conv: &str) -> Vec<Value> {
-        self.inner.lock().file.convs.get(conv).map(|c| c.events.values().cloned().collect()).unwrap_or_default()
+        self.inner
+            .lock()
+            .file
+            .convs
+            .get(conv)
+            .map(|c| c.events.values().cloned().collect())
+            .unwrap_or_default()
     }
 
     pub fn stored_seqs(&self, conv: &str) -> Vec<i64> {
-        self.inner.lock().file.convs.get(conv).map(|c| c.events.keys().copied().collect()).unwrap_or_default()
+        self.inner
+            .lock()
+            .file
+            .convs
+            .get(conv)
+            .map(|c| c.events.keys().copied().collect())
+            .unwrap_or_default()
     }
 
     /// Conversations the client has any state for.
@@ -1121,7 +1282,12 @@ impl Client {
 
     /// Waits until `f` holds, re-checking after every change of the client's state,
     /// until `within` passed. Returns the time waited.
-    pub async fn wait_for<F: Fn(&Client) -> bool>(&self, what: &str, within: Duration, f: F) -> anyhow::Result<Duration> {
+    pub async fn wait_for<F: Fn(&Client) -> bool>(
+        &self,
+        what: &str,
+        within: Duration,
+        f: F,
+    ) -> anyhow::Result<Duration> {
         let start = Instant::now();
         let deadline = tokio::time::Instant::now() + within;
         let mut changes = self.inner.changed.subscribe();
@@ -1146,20 +1312,37 @@ impl Client {
         }
     }
 
-    pub async fn wait_cursor(&self, conv: &str, at_least: i64, within: Duration) -> anyhow::Result<Duration> {
-        self.wait_for(&format!("cursor of {conv} >= {at_least}"), within, |c| c.cursor(conv) >= at_least).await
+    pub async fn wait_cursor(
+        &self,
+        conv: &str,
+        at_least: i64,
+        within: Duration,
+    ) -> anyhow::Result<Duration> {
+        self.wait_for(&format!("cursor of {conv} >= {at_least}"), within, |c| {
+            c.cursor(conv) >= at_least
+        })
+        .await
     }
 
-    pub async fn wait_server_delivered(&self, conv: &str, at_least: i64, within: Duration) -> anyhow::Result<Duration> {
-        self.wait_for(&format!("server delivered of {conv} >= {at_least}"), within, |c| {
-            c.server_delivered(conv).is_some_and(|d| d >= at_least)
-        })
+    pub async fn wait_server_delivered(
+        &self,
+        conv: &str,
+        at_least: i64,
+        within: Duration,
+    ) -> anyhow::Result<Duration> {
+        self.wait_for(
+            &format!("server delivered of {conv} >= {at_least}"),
+            within,
+            |c| c.server_delivered(conv).is_some_and(|d| d >= at_least),
+        )
         .await
     }
 
     /// Waits until the connection is closed (by the server, or broken).
     pub async fn wait_closed(&self, within: Duration) -> anyhow::Result<()> {
-        self.wait_for("the connection to close", within, |c| !c.is_connected()).await.map(|_| ())
+        self.wait_for("the connection to close", within, |c| !c.is_connected())
+            .await
+            .map(|_| ())
     }
 
     pub fn is_connected(&self) -> bool {
@@ -1189,7 +1372,10 @@ impl Client {
             }
             let out = self.inner.lock().conn.as_ref().map(|l| l.out.clone());
             if let Some(out) = out {
-                let bye = Message::Close(Some(CloseFrame { code: CloseCode::Normal, reason: "bye".into() }));
+                let bye = Message::Close(Some(CloseFrame {
+                    code: CloseCode::Normal,
+                    reason: "bye".into(),
+                }));
                 if out.send(bye).await.is_ok() {
                     if let Err(e) = self.wait_closed(opts.request_timeout).await {
                         tracing::debug!(error = %format!("{e:#}"), "server did not finish the close handshake");
@@ -1205,7 +1391,12 @@ impl Client {
     async fn drop_connection(&mut self) {
         if let Some(tasks) = self.tasks.take() {
             tasks.abort();
-            let ConnTasks { conn_id, reader, writer, pump } = tasks;
+            let ConnTasks {
+                conn_id,
+                reader,
+                writer,
+                pump,
+            } = tasks;
             // Cancellation errors are expected here; a panic in a task would be a bug
             // that the test already saw in its output.
             let _ = reader.await;
@@ -1270,7 +1461,9 @@ mod tests {
         let task = tokio::spawn(async move {
             while let Ok((tcp, _)) = listener.accept().await {
                 let _ = tcp.set_nodelay(true);
-                let Ok(ws) = tokio_tungstenite::accept_async(tcp).await else { continue };
+                let Ok(ws) = tokio_tungstenite::accept_async(tcp).await else {
+                    continue;
+                };
                 let (mut sink, mut stream) = ws.split();
                 let mut saw_close = false;
                 loop {
@@ -1297,7 +1490,12 @@ mod tests {
                 let _ = got_tx.send((Instant::now(), json!({"t": "_eof", "saw_close": saw_close})));
             }
         });
-        Ok(Fake { url: format!("ws://{addr}/ws"), got, push, task })
+        Ok(Fake {
+            url: format!("ws://{addr}/ws"),
+            got,
+            push,
+            task,
+        })
     }
 
     /// A reply to `req` of type `t` with the fields of `extra`, echoing the rid.
@@ -1312,8 +1510,16 @@ mod tests {
     /// `other` for everything else.
     fn responder(other: impl Fn(&Value) -> Vec<Value> + Send + Sync + 'static) -> Responder {
         Arc::new(move |req: &Value| match field_str(req, "t") {
-            Some("hello") => vec![reply(req, "welcome", json!({"user": "u1", "device": req["device"], "epoch": req["epoch"]}))],
-            Some("ack") => vec![reply(req, "acked", json!({"conv": req["conv"], "delivered": req["seq"]}))],
+            Some("hello") => vec![reply(
+                req,
+                "welcome",
+                json!({"user": "u1", "device": req["device"], "epoch": req["epoch"]}),
+            )],
+            Some("ack") => vec![reply(
+                req,
+                "acked",
+                json!({"conv": req["conv"], "delivered": req["seq"]}),
+            )],
             _ => other(req),
         })
     }
@@ -1412,22 +1618,42 @@ mod tests {
         let welcome = c.connect(&s1.url).await?;
         assert_eq!(field_str(&welcome, "t"), Some("welcome"));
         let (_, hello) = expect(&mut s1.got, WAIT, is("hello")).await?;
-        assert_eq!(hello, json!({"t": "hello", "rid": "c1", "device": "d1", "token": "tok1", "epoch": 1}));
+        assert_eq!(
+            hello,
+            json!({"t": "hello", "rid": "c1", "device": "d1", "token": "tok1", "epoch": 1})
+        );
 
-        let r = c.send("conv1", "cm-1", "hi", Duration::from_millis(200)).await;
+        let r = c
+            .send("conv1", "cm-1", "hi", Duration::from_millis(200))
+            .await;
         assert!(matches!(r, Err(ClientError::Timeout)), "{r:?}");
-        let entry = OutboxEntry { conv: "conv1".into(), cmid: "cm-1".into(), body: "hi".into() };
+        let entry = OutboxEntry {
+            conv: "conv1".into(),
+            cmid: "cm-1".into(),
+            body: "hi".into(),
+        };
         let (_, send) = expect(&mut s1.got, WAIT, is("send")).await?;
         assert_eq!(field_str(&send, "rid"), Some("c2"));
-        assert_eq!(*seen_on_disk.lock().unwrap_or_else(PoisonError::into_inner), Some(vec![entry.clone()]));
+        assert_eq!(
+            *seen_on_disk.lock().unwrap_or_else(PoisonError::into_inner),
+            Some(vec![entry.clone()])
+        );
         assert_eq!(c.outbox(), vec![entry.clone()]);
         c.crash().await;
         let (_, eof) = expect(&mut s1.got, WAIT, is("_eof")).await?;
-        assert_eq!(eof["saw_close"], json!(false), "crash must not send a close frame");
+        assert_eq!(
+            eof["saw_close"],
+            json!(false),
+            "crash must not send a close frame"
+        );
 
         let mut s2 = fake(responder(|req| match field_str(req, "t") {
             Some("send") => {
-                vec![reply(req, "sent", json!({"conv": req["conv"], "seq": 1, "mid": "mid-1", "dup": true, "epoch": 1}))]
+                vec![reply(
+                    req,
+                    "sent",
+                    json!({"conv": req["conv"], "seq": 1, "mid": "mid-1", "dup": true, "epoch": 1}),
+                )]
             }
             _ => vec![],
         }))
@@ -1437,15 +1663,29 @@ mod tests {
         c2.connect(&s2.url).await?;
         let results = c2.replay_outbox(WAIT).await;
         assert_eq!(results.len(), 1);
-        let sent = results.into_iter().next().ok_or_else(|| anyhow!("no result"))??;
+        let sent = results
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow!("no result"))??;
         assert_eq!(sent["dup"], json!(true));
         let (_, resend) = expect(&mut s2.got, WAIT, is("send")).await?;
-        assert_eq!((resend["conv"].clone(), resend["cmid"].clone(), resend["body"].clone()), (json!("conv1"), json!("cm-1"), json!("hi")));
+        assert_eq!(
+            (
+                resend["conv"].clone(),
+                resend["cmid"].clone(),
+                resend["body"].clone()
+            ),
+            (json!("conv1"), json!("cm-1"), json!("hi"))
+        );
         assert!(c2.outbox().is_empty());
         assert!(outbox_on_disk(&path)?.is_empty());
         c2.close().await;
         let (_, eof) = expect(&mut s2.got, WAIT, is("_eof")).await?;
-        assert_eq!(eof["saw_close"], json!(true), "close must send a close frame");
+        assert_eq!(
+            eof["saw_close"],
+            json!(true),
+            "close must send a close frame"
+        );
         Ok(())
     }
 
@@ -1469,11 +1709,20 @@ mod tests {
         let mut c = Client::create(&dir.state(), "d1", "t", 1)?;
         c.connect(&s.url).await?;
         let r = c.send("a", "conflict", "x", WAIT).await;
-        assert_eq!(r.as_ref().err().and_then(ClientError::code), Some("CMID_CONFLICT"));
+        assert_eq!(
+            r.as_ref().err().and_then(ClientError::code),
+            Some("CMID_CONFLICT")
+        );
         let r = c.send("a", "notmember", "x", WAIT).await;
-        assert_eq!(r.as_ref().err().and_then(ClientError::code), Some("NOT_MEMBER"));
+        assert_eq!(
+            r.as_ref().err().and_then(ClientError::code),
+            Some("NOT_MEMBER")
+        );
         let r = c.send("a", "unavailable", "x", WAIT).await;
-        assert_eq!(r.as_ref().err().and_then(ClientError::code), Some("UNAVAILABLE"));
+        assert_eq!(
+            r.as_ref().err().and_then(ClientError::code),
+            Some("UNAVAILABLE")
+        );
         let r = c.send("a", "close", "x", WAIT).await;
         assert!(matches!(r, Err(ClientError::Disconnected)), "{r:?}");
         c.wait_closed(WAIT).await?;
@@ -1495,11 +1744,18 @@ mod tests {
         let dir = TestDir::new("store")?;
         let path = dir.state();
         let mut s1 = fake(responder(|req| match field_str(req, "t") {
-            Some("sub") => vec![reply(req, "subbed", json!({"convs": [{"conv": "a", "head": 0, "delivered": 0}]}))],
+            Some("sub") => vec![reply(
+                req,
+                "subbed",
+                json!({"convs": [{"conv": "a", "head": 0, "delivered": 0}]}),
+            )],
             _ => vec![],
         }))
         .await?;
-        let opts = ClientOptions { auto_ack: false, ..ClientOptions::default() };
+        let opts = ClientOptions {
+            auto_ack: false,
+            ..ClientOptions::default()
+        };
         let mut c = Client::create(&path, "d1", "t", 1)?.with_options(opts);
         c.connect(&s1.url).await?;
         c.sub().await?;
@@ -1522,11 +1778,23 @@ mod tests {
 
         // Server 2: head 5, delivered 0; seqs 3 and 5 are not visible to this user.
         let mut s2 = fake(responder(|req| match field_str(req, "t") {
-            Some("sub") => vec![reply(req, "subbed", json!({"convs": [{"conv": "a", "head": 5, "delivered": 0}]}))],
+            Some("sub") => vec![reply(
+                req,
+                "subbed",
+                json!({"convs": [{"conv": "a", "head": 5, "delivered": 0}]}),
+            )],
             Some("sync") => {
                 let after = field_i64(req, "after").unwrap_or(0);
-                let events: Vec<Value> = [1, 2, 4].iter().filter(|s| **s > after).map(|s| ev("a", *s)).collect();
-                vec![reply(req, "synced", json!({"conv": "a", "events": events, "head": 5, "complete": true}))]
+                let events: Vec<Value> = [1, 2, 4]
+                    .iter()
+                    .filter(|s| **s > after)
+                    .map(|s| ev("a", *s))
+                    .collect();
+                vec![reply(
+                    req,
+                    "synced",
+                    json!({"conv": "a", "events": events, "head": 5, "complete": true}),
+                )]
             }
             _ => vec![],
         }))
@@ -1542,7 +1810,10 @@ mod tests {
         assert_eq!(c2.stored_seqs("a"), vec![1, 2, 4]);
         assert_eq!(c2.server_delivered("a"), Some(5));
         let st = c2.stats();
-        assert_eq!((st.duplicates_ignored, st.events_synced, st.syncs_run), (2, 1, 1));
+        assert_eq!(
+            (st.duplicates_ignored, st.events_synced, st.syncs_run),
+            (2, 1, 1)
+        );
         Ok(())
     }
 
@@ -1562,12 +1833,25 @@ mod tests {
         c.wait_cursor("a", 1, WAIT).await?;
         s.push.send(push_ev("a", 3))?;
         let (_, sync) = expect(&mut s.got, WAIT, is("sync")).await?;
-        assert_eq!((sync["conv"].clone(), sync["after"].clone(), sync["limit"].clone()), (json!("a"), json!(1), json!(100)));
+        assert_eq!(
+            (
+                sync["conv"].clone(),
+                sync["after"].clone(),
+                sync["limit"].clone()
+            ),
+            (json!("a"), json!(1), json!(100))
+        );
         c.wait_cursor("a", 3, WAIT).await?;
         assert_eq!(c.stored_seqs("a"), vec![1, 2, 3]);
         let st = c.stats();
         assert_eq!(
-            (st.pushes_received, st.pushes_applied, st.gaps_detected, st.events_synced, st.duplicates_ignored),
+            (
+                st.pushes_received,
+                st.pushes_applied,
+                st.gaps_detected,
+                st.events_synced,
+                st.duplicates_ignored
+            ),
             (2, 2, 1, 1, 1)
         );
         c.wait_server_delivered("a", 3, WAIT).await?;
@@ -1582,26 +1866,51 @@ mod tests {
         let mut s = fake(responder(|req| match field_str(req, "t") {
             Some("sync") => {
                 let after = field_i64(req, "after").unwrap_or(0);
-                let page: Vec<Value> = (after + 1..=(after + 2).min(3)).map(|s| ev("a", s)).collect();
+                let page: Vec<Value> = (after + 1..=(after + 2).min(3))
+                    .map(|s| ev("a", s))
+                    .collect();
                 let complete = after + 2 >= 3;
-                vec![reply(req, "synced", json!({"conv": "a", "events": page, "head": 3, "complete": complete}))]
+                vec![reply(
+                    req,
+                    "synced",
+                    json!({"conv": "a", "events": page, "head": 3, "complete": complete}),
+                )]
             }
             _ => vec![],
         }))
         .await?;
-        let opts = ClientOptions { sync_limit: 2, ..ClientOptions::default() };
+        let opts = ClientOptions {
+            sync_limit: 2,
+            ..ClientOptions::default()
+        };
         let mut c = Client::create(&dir.state(), "d1", "t", 1)?.with_options(opts);
         c.connect(&s.url).await?;
-        s.push.send(json!({"t": "hint", "conv": "a", "head": 3, "why": "sweep"}))?;
+        s.push
+            .send(json!({"t": "hint", "conv": "a", "head": 3, "why": "sweep"}))?;
         let (_, ack) = expect(&mut s.got, WAIT, is("ack")).await?;
         assert_eq!(ack["seq"], json!(3));
         c.wait_server_delivered("a", 3, WAIT).await?;
         let st = c.stats();
         assert_eq!(st.hints_received.get("sweep"), Some(&1));
         assert_eq!((st.syncs_run, st.events_synced), (2, 3));
-        let afters: Vec<Value> =
-            c.sent_frames().into_iter().filter(|(_, f)| is("sync")(f)).map(|(_, f)| f["after"].clone()).collect();
+        let afters: Vec<Value> = c
+            .sent_frames()
+            .into_iter()
+            .filter(|(_, f)| is("sync")(f))
+            .map(|(_, f)| f["after"].clone())
+            .collect();
         assert_eq!(afters, vec![json!(0), json!(2)]);
+
+        // A hint at head 3 while the cursor is 3 means the server lost the ack:
+        // the client acks again without syncing.
+        s.push
+            .send(json!({"t": "hint", "conv": "a", "head": 3, "why": "resync"}))?;
+        let (_, again) = expect(&mut s.got, WAIT, |v| is("ack")(v) || is("sync")(v)).await?;
+        assert_eq!(
+            (again["t"].clone(), again["seq"].clone()),
+            (json!("ack"), json!(3))
+        );
+        assert_eq!(c.stats().syncs_run, 2);
         Ok(())
     }
 
@@ -1611,7 +1920,10 @@ mod tests {
     async fn acks_coalesce_every_four() -> anyhow::Result<()> {
         let dir = TestDir::new("ack4")?;
         let mut s = fake(responder(|_| vec![])).await?;
-        let opts = ClientOptions { ack_after: Duration::from_secs(30), ..ClientOptions::default() };
+        let opts = ClientOptions {
+            ack_after: Duration::from_secs(30),
+            ..ClientOptions::default()
+        };
         let mut c = Client::create(&dir.state(), "d1", "t", 1)?.with_options(opts);
         c.connect(&s.url).await?;
         for seq in 1..=8 {
@@ -1644,12 +1956,18 @@ mod tests {
             .map(|(at, _)| at)
             .ok_or_else(|| anyhow!("push not recorded"))?;
         let waited = acked_at.duration_since(pushed_at);
-        assert!(waited >= Duration::from_millis(45) && waited < Duration::from_secs(1), "ack after {waited:?}");
+        assert!(
+            waited >= Duration::from_millis(45) && waited < Duration::from_secs(1),
+            "ack after {waited:?}"
+        );
         expect_none(&mut s.got, Duration::from_millis(200), is("ack")).await?;
         assert_eq!(c.stats().acks_sent, 1);
 
         // A second push, then a crash before its 50 ms are up: no ack, no close frame.
-        let opts = ClientOptions { ack_after: Duration::from_secs(30), ..ClientOptions::default() };
+        let opts = ClientOptions {
+            ack_after: Duration::from_secs(30),
+            ..ClientOptions::default()
+        };
         let c = c.with_options(opts);
         s.push.send(push_ev("a", 2))?;
         c.wait_cursor("a", 2, WAIT).await?;
@@ -1664,7 +1982,10 @@ mod tests {
     async fn close_flushes_pending_ack() -> anyhow::Result<()> {
         let dir = TestDir::new("close")?;
         let mut s = fake(responder(|_| vec![])).await?;
-        let opts = ClientOptions { ack_after: Duration::from_secs(30), ..ClientOptions::default() };
+        let opts = ClientOptions {
+            ack_after: Duration::from_secs(30),
+            ..ClientOptions::default()
+        };
         let mut c = Client::create(&dir.state(), "d1", "t", 1)?.with_options(opts);
         c.connect(&s.url).await?;
         s.push.send(push_ev("a", 1))?;
@@ -1695,7 +2016,9 @@ mod tests {
         c.connect_raw(&s.url).await?;
         c.send_text("{not json").await?;
         c.wait_for("a BAD_REQUEST frame", WAIT, |c| {
-            c.frames().iter().any(|(_, f)| field_str(f, "code") == Some("BAD_REQUEST"))
+            c.frames()
+                .iter()
+                .any(|(_, f)| field_str(f, "code") == Some("BAD_REQUEST"))
         })
         .await?;
         Ok(())

@@ -176,7 +176,11 @@ fn check_faults() -> anyhow::Result<()> {
         .with_context(|| format!("run {} version", bin.display()))?;
     // The output is one short line: it fits in the pipe, so reading after exit is safe.
     let deadline = Instant::now() + COMMAND_TIMEOUT;
-    while child.try_wait().context("wait for im-gateway version")?.is_none() {
+    while child
+        .try_wait()
+        .context("wait for im-gateway version")?
+        .is_none()
+    {
         if Instant::now() >= deadline {
             let _ = child.kill();
             let _ = child.wait();

@@ -1,4 +1,4 @@
+pub mod client;
 pub mod gateway;
 pub mod pg;
 pub mod world;
-pub mod client;

@@ -399,7 +399,10 @@ impl Cluster {
         what: &str,
     ) -> anyhow::Result<ExitStatus> {
         let Some(child) = self.child.as_mut() else {
-            bail!("{what}: the postmaster on port {} is not running", self.port);
+            bail!(
+                "{what}: the postmaster on port {} is not running",
+                self.port
+            );
         };
         if let Some(status) = child.try_wait().context("wait for postgres")? {
             self.child = None;
@@ -499,9 +502,9 @@ fn find_pg_install() -> anyhow::Result<PgInstall> {
         PathBuf::from(dir)
     } else if let Some(dir) = newest_debian_bin_dir() {
         dir
-    } else if let Some(dir) = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path).find(|dir| dir.join("postgres").is_file())
-    }) {
+    } else if let Some(dir) = std::env::var_os("PATH")
+        .and_then(|path| std::env::split_paths(&path).find(|dir| dir.join("postgres").is_file()))
+    {
         dir
     } else {
         bail!(
@@ -835,10 +838,10 @@ mod tests {
         assert_eq!(cluster.setting("fsync").await?, "on");
         assert_eq!(cluster.setting("synchronous_commit").await?, "on");
         assert_eq!(cluster.setting("full_page_writes").await?, "on");
-        assert!(cluster.server_version().await?.starts_with(&format!(
-            "{}.",
-            cluster.install.major
-        )));
+        assert!(cluster
+            .server_version()
+            .await?
+            .starts_with(&format!("{}.", cluster.install.major)));
 
         let pool = cluster.pool().await?;
         sqlx::query("CREATE TABLE t (id int PRIMARY KEY, note text NOT NULL)")
@@ -854,7 +857,10 @@ mod tests {
         cluster.crash().await?;
         let crashed = t1.elapsed();
         assert!(!cluster.is_running());
-        assert!(cluster.setting("fsync").await.is_err(), "crashed cluster answered");
+        assert!(
+            cluster.setting("fsync").await.is_err(),
+            "crashed cluster answered"
+        );
 
         let t2 = Instant::now();
         cluster.restart().await?;

@@ -73,12 +73,16 @@ impl World {
 
     /// The current gateway. Panics if a test took it out of `gw`.
     pub fn gw(&self) -> &Gateway {
-        self.gw.as_ref().expect("World has no gateway (taken out of World::gw)")
+        self.gw
+            .as_ref()
+            .expect("World has no gateway (taken out of World::gw)")
     }
 
     /// The current gateway, mutably. Panics if a test took it out of `gw`.
     pub fn gw_mut(&mut self) -> &mut Gateway {
-        self.gw.as_mut().expect("World has no gateway (taken out of World::gw)")
+        self.gw
+            .as_mut()
+            .expect("World has no gateway (taken out of World::gw)")
     }
 
     /// The options the current gateway was started with.
@@ -130,10 +134,7 @@ impl World {
 
     /// A check pool on the cluster, made once and then shared.
     pub async fn pool(&self) -> anyhow::Result<sqlx::PgPool> {
-        self.pool
-            .get_or_try_init(|| self.pg.pool())
-            .await
-            .cloned()
+        self.pool.get_or_try_init(|| self.pg.pool()).await.cloned()
     }
 
     /// Rows in `events` for `conv`.

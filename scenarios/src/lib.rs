@@ -1,0 +1,246 @@
+//! Shared pieces of the scenario suite: the evidence [`Record`] every im-06 check writes,
+//! the [`Check`] that accumulates expected-versus-observed values, and the database-wide
+//! invariant checks (P1, D4, S1) run at the end of scenarios. No scenario logic lives here;
+//! the scenarios are the tests in `tests/`.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// The evidence schema written by this version (see evidence/README.md).
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Where each check's record goes: `$IMFAULT_EVIDENCE_DIR` (set by the evidence runner),
+/// else `target/imfault-records/`.
+pub fn records_dir() -> PathBuf {
+    match std::env::var_os("IMFAULT_EVIDENCE_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/imfault-records")),
+    }
+}
+
+/// One check of evidence/im-06/result.json.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    pub id: String,
+    /// normal, failure, boundary, recovery, crash
+    pub kind: String,
+    /// The IM_FAULT the gateway ran with (or another fault injected), null for none.
+    pub fault: Option<String>,
+    /// What the design note says must be seen, by name.
+    pub expected: serde_json::Map<String, Value>,
+    /// What the harness saw, by name (every expected name plus extra observations).
+    pub observed: serde_json::Map<String, Value>,
+    /// PASS, FAIL or NOT_RUN.
+    pub result: String,
+    /// Why it failed or was not run; null on PASS.
+    pub reason: Option<String>,
+    /// Wall time of the check, milliseconds.
+    pub duration_ms: u64,
+    /// PostgreSQL the check ran against: version, fsync, synchronous_commit.
+    pub postgres: Option<Value>,
+}
+
+/// Accumulates a check's expectations and observations, then writes its record and fails
+/// the test if any expectation was not met. A record is written even when the scenario
+/// itself errors out, so a failing check still shows up in the evidence.
+pub struct Check {
+    rec: Record,
+    failures: Vec<String>,
+    started: Instant,
+}
+
+impl Check {
+    pub fn new(id: &str, kind: &str, fault: Option<&str>) -> Check {
+        Check {
+            rec: Record {
+                id: id.to_string(),
+                kind: kind.to_string(),
+                fault: fault.map(str::to_string),
+                expected: Default::default(),
+                observed: Default::default(),
+                result: "FAIL".into(),
+                reason: None,
+                duration_ms: 0,
+                postgres: None,
+            },
+            failures: Vec::new(),
+            started: Instant::now(),
+        }
+    }
+
+    /// Expects `observed == expected` under `name`.
+    pub fn expect(&mut self, name: &str, expected: impl Serialize, observed: impl Serialize) {
+        let e = json!(expected);
+        let o = json!(observed);
+        let ok = e == o;
+        self.expect_that(name, e, o, ok);
+    }
+
+    /// Records `expected` (a value or a description such as "<= 1500") against `observed`,
+    /// with `ok` computed by the caller.
+    pub fn expect_that(&mut self, name: &str, expected: impl Serialize, observed: impl Serialize, ok: bool) {
+        let e = json!(expected);
+        let o = json!(observed);
+        if !ok {
+            self.failures.push(format!("{name}: expected {e}, observed {o}"));
+        }
+        self.rec.expected.insert(name.to_string(), e);
+        self.rec.observed.insert(name.to_string(), o);
+    }
+
+    /// An observation with no expectation attached (context for a reviewer).
+    pub fn observe(&mut self, name: &str, observed: impl Serialize) {
+        self.rec.observed.insert(name.to_string(), json!(observed));
+    }
+
+    pub fn set_postgres(&mut self, v: Value) {
+        self.rec.postgres = Some(v);
+    }
+
+    /// Writes the record and panics (failing the test) unless every expectation held and
+    /// the scenario returned Ok.
+    pub fn finish(mut self, outcome: anyhow::Result<()>) {
+        if let Err(e) = outcome {
+            self.failures.push(format!("scenario error: {e:#}"));
+        }
+        if self.rec.expected.is_empty() && self.failures.is_empty() {
+            self.failures.push("no expectation was checked".into());
+        }
+        self.rec.duration_ms = self.started.elapsed().as_millis() as u64;
+        if self.failures.is_empty() {
+            self.rec.result = "PASS".into();
+        } else {
+            self.rec.result = "FAIL".into();
+            self.rec.reason = Some(self.failures.join("; "));
+        }
+        let dir = records_dir();
+        let write = std::fs::create_dir_all(&dir).and_then(|_| {
+            let path = dir.join(format!("{}.json", self.rec.id));
+            let tmp = dir.join(format!(".{}.json.tmp", self.rec.id));
+            std::fs::write(&tmp, serde_json::to_vec_pretty(&self.rec)?)?;
+            std::fs::rename(tmp, path)
+        });
+        if let Err(e) = write {
+            panic!("cannot write the evidence record of {}: {e}", self.rec.id);
+        }
+        assert!(
+            self.failures.is_empty(),
+            "check {} failed:\n  {}",
+            self.rec.id,
+            self.failures.join("\n  ")
+        );
+    }
+}
+
+/// PostgreSQL's version and durability settings, as the cluster reports them.
+pub async fn postgres_facts(pool: &sqlx::PgPool) -> anyhow::Result<Value> {
+    let (version, fsync, sync_commit): (String, String, String) = sqlx::query_as(
+        "SELECT current_setting('server_version'), current_setting('fsync'),
+                current_setting('synchronous_commit')",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(json!({"version": version, "fsync": fsync, "synchronous_commit": sync_commit}))
+}
+
+/// Database-wide invariants that must hold after any scenario, whatever it did:
+/// P1 (every conversation's seqs are exactly 1..head), D4 (no cursor above its head, none
+/// negative), S1 (no event from a sender outside an open period at its seq).
+/// Returns the list of violations (empty when all hold).
+pub async fn db_invariant_violations(pool: &sqlx::PgPool) -> anyhow::Result<Vec<String>> {
+    let mut v = Vec::new();
+    let p1: Vec<(String, i64, i64, Option<i64>)> = sqlx::query_as(
+        "SELECT c.conv_id, c.next_seq - 1, count(e.seq), max(e.seq)
+         FROM conversations c LEFT JOIN events e ON e.conv_id = c.conv_id
+         GROUP BY c.conv_id, c.next_seq
+         HAVING count(e.seq) <> c.next_seq - 1 OR COALESCE(max(e.seq), 0) <> c.next_seq - 1",
+    )
+    .fetch_all(pool)
+    .await?;
+    for (conv, head, n, max) in p1 {
+        v.push(format!("P1: {conv} head {head} but {n} events, max seq {max:?}"));
+    }
+    let d4: Vec<(String, String, i64, i64)> = sqlx::query_as(
+        "SELECT dc.device_id, dc.conv_id, dc.delivered_seq, c.next_seq - 1
+         FROM device_cursors dc JOIN conversations c ON c.conv_id = dc.conv_id
+         WHERE dc.delivered_seq > c.next_seq - 1 OR dc.delivered_seq < 0",
+    )
+    .fetch_all(pool)
+    .await?;
+    for (d, conv, cur, head) in d4 {
+        v.push(format!("D4: cursor {d}/{conv} = {cur} above head {head}"));
+    }
+    let s1: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT e.conv_id, e.seq FROM events e
+         WHERE NOT EXISTS (SELECT 1 FROM memberships m
+                           WHERE m.conv_id = e.conv_id AND m.user_id = e.sender_user
+                             AND m.from_seq <= e.seq AND (m.to_seq IS NULL OR e.seq < m.to_seq))",
+    )
+    .fetch_all(pool)
+    .await?;
+    for (conv, seq) in s1 {
+        v.push(format!("S1: event {conv}:{seq} sent outside the sender's membership"));
+    }
+    Ok(v)
+}
+
+/// A client for `device`, with its state file in the world's work dir, connected and
+/// authenticated (install epoch 1).
+pub async fn connect(
+    w: &harness::world::World,
+    device: &str,
+    token: &str,
+) -> anyhow::Result<harness::client::Client> {
+    let mut c = harness::client::Client::create(&w.state_path(device), device, token, 1)?;
+    c.connect(&w.ws_url())
+        .await
+        .map_err(|e| anyhow::anyhow!("connect {device}: {e}"))?;
+    Ok(c)
+}
+
+/// Provisions users `alice` (device `a1`) and `bob` (device `b1`) and conversation `c1`
+/// with both as members; returns their connected, subscribed clients.
+pub async fn alice_and_bob(
+    w: &harness::world::World,
+) -> anyhow::Result<(harness::client::Client, harness::client::Client)> {
+    w.add_user("alice").await?;
+    w.add_user("bob").await?;
+    let ta = w.add_device("a1", "alice").await?;
+    let tb = w.add_device("b1", "bob").await?;
+    w.add_conv("c1", &["alice", "bob"]).await?;
+    let a = connect(w, "a1", &ta).await?;
+    let b = connect(w, "b1", &tb).await?;
+    a.sub().await.map_err(|e| anyhow::anyhow!("sub a1: {e}"))?;
+    b.sub().await.map_err(|e| anyhow::anyhow!("sub b1: {e}"))?;
+    Ok((a, b))
+}
+
+/// The `q`-quantile (0..=1) of `xs` by nearest rank; `None` for an empty slice.
+pub fn quantile(xs: &[f64], q: f64) -> Option<f64> {
+    if xs.is_empty() {
+        return None;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    Some(v[rank - 1])
+}
+
+/// Milliseconds with one decimal, for evidence.
+pub fn ms(d: std::time::Duration) -> f64 {
+    (d.as_secs_f64() * 10_000.0).round() / 10.0
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn quantile_is_nearest_rank() {
+        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(super::quantile(&xs, 0.5), Some(50.0));
+        assert_eq!(super::quantile(&xs, 0.95), Some(95.0));
+        assert_eq!(super::quantile(&xs, 1.0), Some(100.0));
+        assert_eq!(super::quantile(&[], 0.5), None);
+    }
+}

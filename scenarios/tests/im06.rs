@@ -1,0 +1,488 @@
+//! The checks of the design note (06, section 8) and of its recovery table (section 9),
+//! each against a real gateway process and a real PostgreSQL cluster, each writing one
+//! evidence record (see evidence/README.md). Test `im06_x_y` is check `06-x-y`.
+
+use futures_util::future::join_all;
+use harness::client::{Client, ClientError, ClientOptions};
+use harness::gateway::GatewayOpts;
+use harness::world::World;
+use scenarios::{alice_and_bob, connect, db_invariant_violations, ms, postgres_facts, quantile, Check};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+async fn start(c: &mut Check, opts: GatewayOpts) -> anyhow::Result<World> {
+    let w = World::start(opts).await?;
+    c.set_postgres(postgres_facts(&w.pool().await?).await?);
+    Ok(w)
+}
+
+async fn invariants(c: &mut Check, w: &World) -> anyhow::Result<()> {
+    let v = db_invariant_violations(&w.pool().await?).await?;
+    c.expect("db_invariant_violations (P1, D4, S1)", Vec::<String>::new(), v);
+    Ok(())
+}
+
+fn first_reply(r: &Result<Value, ClientError>) -> Value {
+    match r {
+        Ok(v) => v.clone(),
+        Err(ClientError::Server { frame, .. }) => frame.clone(),
+        Err(ClientError::Timeout) => json!("none (timeout)"),
+        Err(ClientError::Disconnected) => json!("none (connection lost)"),
+        Err(ClientError::Other(e)) => json!(format!("none ({e})")),
+    }
+}
+
+/// The three crash points of 8.1. The gateway halts at `point` during the first send; the
+/// sender sees no reply; the rows right after the crash tell where it died; a new client
+/// instance loaded from the state file replays the outbox against a healthy gateway and
+/// ends with exactly one row (D1, D2, P1).
+async fn crash_point(c: &mut Check, point: &str, rows_after_crash: i64, dup: bool) -> anyhow::Result<()> {
+    let mut w = start(c, GatewayOpts { fault: Some(format!("{point}:halt")), ..Default::default() }).await?;
+    let (a, _b) = alice_and_bob(&w).await?;
+    let state = a.state_path().to_path_buf();
+    let r = a.send("c1", "cmid-crash-1", "hello across a crash", Duration::from_secs(5)).await;
+    let status = w.gw_mut().wait_exit(T).await?;
+    c.expect("gateway_exit_status", 137, w.gw().exit_code());
+    c.expect("first_reply", "none (connection lost)", first_reply(&r));
+    let line = format!("fault fired: point={point} action=halt hit=1");
+    c.expect("fault_line_on_stderr", true, w.gw().log_text().contains(&line));
+    c.observe("exit_status_raw", status.to_string());
+    let rows = w.count_events("c1").await?;
+    c.expect("rows_after_crash", rows_after_crash, rows);
+    let original_seq: Option<i64> = sqlx::query_scalar("SELECT seq FROM events WHERE cmid = 'cmid-crash-1'")
+        .fetch_optional(&w.pool().await?)
+        .await?;
+    c.expect("outbox_after_crash", 1, a.outbox().len());
+    a.crash().await;
+
+    w.restart_gateway(GatewayOpts::default()).await?;
+    let mut again = Client::load(&state)?;
+    again.connect(&w.ws_url()).await.map_err(|e| anyhow::anyhow!("reconnect: {e}"))?;
+    let replies = again.replay_outbox(T).await;
+    c.expect("replayed", 1, replies.len());
+    let reply = replies.into_iter().next().ok_or_else(|| anyhow::anyhow!("no replay reply"))?;
+    let reply = reply.map_err(|e| anyhow::anyhow!("replay failed: {e}"))?;
+    c.expect("rows_after_resend", 1, w.count_events("c1").await?);
+    c.expect("resend_dup", dup, reply["dup"].as_bool());
+    let expected_seq = original_seq.unwrap_or(1);
+    c.expect("resend_seq", expected_seq, reply["seq"].as_i64());
+    c.observe("seq_before_resend", original_seq);
+    c.expect("outbox_empty", true, again.outbox().is_empty() && Client::load(&state)?.outbox().is_empty());
+    invariants(c, &w).await
+}
+
+/// 8.1: crash before the INSERT: 0 rows, the resend creates the message (dup:false).
+#[tokio::test]
+async fn im06_crash_send_before_insert() {
+    let mut c = Check::new("06-crash-send.before_insert", "crash", Some("send.before_insert:halt"));
+    let r = crash_point(&mut c, "send.before_insert", 0, false).await;
+    c.finish(r);
+}
+
+/// 8.1: crash after INSERT and pg_notify, before COMMIT: PostgreSQL rolls back, 0 rows, the
+/// seq is not consumed (P1), the resend creates the message with seq 1 (dup:false).
+#[tokio::test]
+async fn im06_crash_send_before_commit() {
+    let mut c = Check::new("06-crash-send.before_commit", "crash", Some("send.before_commit:halt"));
+    let r = crash_point(&mut c, "send.before_commit", 0, false).await;
+    c.finish(r);
+}
+
+/// 8.1: crash after COMMIT, before the reply: 1 row already; the resend answers dup:true with
+/// the original seq and mid, still 1 row (D2's key case).
+#[tokio::test]
+async fn im06_crash_api_after_send_commit() {
+    let mut c = Check::new("06-crash-api.after_send_commit", "crash", Some("api.after_send_commit:halt"));
+    let r = crash_point(&mut c, "api.after_send_commit", 1, true).await;
+    c.finish(r);
+}
+
+/// 8.2: the gateway drops the first `sent` reply; the client times out after 1500 ms and
+/// resends the same cmid: dup:true with the original seq, one row, outbox empty.
+#[tokio::test]
+async fn im06_lost_reply_retry() {
+    let fault = "gw.reply.send:drop:0:1";
+    let mut c = Check::new("06-lost-reply-retry", "failure", Some(fault));
+    let r = async {
+        let w = start(&mut c, GatewayOpts { fault: Some(fault.into()), ..Default::default() }).await?;
+        let (a, _b) = alice_and_bob(&w).await?;
+        let first = a.send("c1", "cmid-lost-reply", "body", Duration::from_millis(1500)).await;
+        c.expect("first_reply", "none (timeout)", first_reply(&first));
+        c.expect("outbox_after_timeout", 1, a.outbox().len());
+        let seq: i64 = sqlx::query_scalar("SELECT seq FROM events WHERE cmid = 'cmid-lost-reply'")
+            .fetch_one(&w.pool().await?)
+            .await?;
+        let replies = a.replay_outbox(T).await;
+        let reply = replies.into_iter().next().ok_or_else(|| anyhow::anyhow!("no replay"))?
+            .map_err(|e| anyhow::anyhow!("resend failed: {e}"))?;
+        c.expect("resend_dup", true, reply["dup"].as_bool());
+        c.expect("resend_seq", seq, reply["seq"].as_i64());
+        c.expect("rows", 1, w.count_events("c1").await?);
+        c.expect("outbox_empty", true, a.outbox().is_empty());
+        c.expect("fault_fired_once", 1, w.gw().log_text().matches("fault fired: point=gw.reply.send").count());
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
+/// 8.2 normal path: the receiving device gets the pushes, stores them, acks (coalesced), and
+/// its delivered_seq equals the last message's seq (7), all by push, none by sync (D3).
+#[tokio::test]
+async fn im06_push_ack_advances_cursor() {
+    let mut c = Check::new("06-push-ack-advances-cursor", "normal", None);
+    let r = async {
+        let w = start(&mut c, GatewayOpts::default()).await?;
+        let (a, b) = alice_and_bob(&w).await?;
+        let mut last = 0;
+        for i in 1..=7 {
+            last = a.send("c1", &format!("m{i}"), "hi", T).await.map_err(|e| anyhow::anyhow!("{e}"))?["seq"]
+                .as_i64()
+                .unwrap_or(-1);
+        }
+        let waited = b.wait_server_delivered("c1", last, T).await;
+        c.expect("seq", 7, last);
+        c.expect("delivered_seq", Some(7), w.cursor("b1", "c1").await?);
+        c.expect("waited_within_deadline", true, waited.is_ok());
+        let s = b.stats();
+        c.expect("pushes_applied", 7, s.pushes_applied);
+        c.expect("events_synced", 0, s.events_synced);
+        c.observe("acks_sent", s.acks_sent);
+        c.expect_that("acks_sent_coalesced", "<= 4 for 7 events", s.acks_sent, s.acks_sent <= 4);
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
+/// 8.2 boundary: after delivered reaches 7, an ack of 1 does not lower it (the reply says 7),
+/// and an ack of 107 (beyond the head) is CURSOR_AHEAD and changes nothing (D4).
+#[tokio::test]
+async fn im06_ack_monotonic_and_bounded() {
+    let mut c = Check::new("06-ack-monotonic-and-bounded", "boundary", None);
+    let r = async {
+        let w = start(&mut c, GatewayOpts::default()).await?;
+        let (a, b) = alice_and_bob(&w).await?;
+        for i in 1..=7 {
+            a.send("c1", &format!("m{i}"), "hi", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        b.wait_server_delivered("c1", 7, T).await?;
+        let low = b.ack("c1", 1, T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        c.expect("ack_1_reply_delivered", 7, low["delivered"].as_i64());
+        let ahead = b.ack("c1", 107, T).await;
+        c.expect("ack_107_error", Some("CURSOR_AHEAD"), ahead.as_ref().err().and_then(|e| e.code()));
+        c.expect("delivered_seq_after", Some(7), w.cursor("b1", "c1").await?);
+        c.expect("head", 7, w.head("c1").await?);
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
+/// 8.2 recovery, as a distribution: every push is dropped (`gw.push:drop`), sweep interval
+/// 500 ms. In each of 30 trials a message is sent and the receiver must get it by the sweep's
+/// hint and a sync, and ack it, within sweep interval + 1 s (D5). Repair time = from the
+/// sender's `sent` reply (commit) to the receiver's `acked` reply for that seq.
+#[tokio::test]
+async fn im06_lost_push_swept() {
+    let fault = "gw.push:drop";
+    let sweep_ms = 500u64;
+    let trials = 30;
+    let mut c = Check::new("06-lost-push-swept", "recovery", Some(fault));
+    let r = async {
+        let w = start(&mut c, GatewayOpts { fault: Some(fault.into()), sweep_ms: Some(sweep_ms), ..Default::default() }).await?;
+        let (a, b) = alice_and_bob(&w).await?;
+        let bound = Duration::from_millis(sweep_ms + 1000);
+        let mut repairs = Vec::new();
+        let mut over_bound = 0;
+        for i in 1..=trials {
+            let sent = a.send("c1", &format!("m{i}"), "lost push", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+            let seq = sent["seq"].as_i64().unwrap_or(-1);
+            let t0 = Instant::now();
+            b.wait_server_delivered("c1", seq, bound + Duration::from_secs(2)).await?;
+            let took = t0.elapsed();
+            if took > bound {
+                over_bound += 1;
+            }
+            repairs.push(ms(took));
+        }
+        let s = b.stats();
+        c.expect("trials", trials, repairs.len());
+        c.expect("trials_over_bound", 0, over_bound);
+        c.observe("bound_ms", bound.as_millis() as u64);
+        c.observe("sweep_interval_ms", sweep_ms);
+        c.observe("repair_ms_p50", quantile(&repairs, 0.5));
+        c.observe("repair_ms_p95", quantile(&repairs, 0.95));
+        c.observe("repair_ms_max", quantile(&repairs, 1.0));
+        c.observe("repair_ms_all", &repairs);
+        c.expect("pushes_applied", 0, s.pushes_applied);
+        c.expect("pushes_received", 0, s.pushes_received);
+        c.expect_that("sweep_hints_received", ">= trials", s.hints_received.get("sweep").copied().unwrap_or(0),
+            s.hints_received.get("sweep").copied().unwrap_or(0) >= trials as u64);
+        c.expect("delivered_seq", Some(trials as i64), w.cursor("b1", "c1").await?);
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
+/// 8.2 recovery, scaled up: 4 concurrent senders keep sending; once 200+ messages are
+/// acknowledged, PostgreSQL is stopped with an immediate shutdown (SIGQUIT to the postmaster,
+/// `pg_ctl -m immediate`) while sends are in flight, then restarted (crash recovery). Every
+/// acknowledged message is found, none twice (D6); in-flight sends replayed from the outbox
+/// end with exactly one row each (D2).
+#[tokio::test]
+async fn im06_db_immediate_stop_keeps_acked() {
+    let mut c = Check::new("06-db-immediate-stop-keeps-acked", "recovery", Some("postgres: immediate shutdown (SIGQUIT)"));
+    let r = async {
+        let mut w = start(&mut c, GatewayOpts { db_timeout_ms: Some(1000), ..Default::default() }).await?;
+        let (a, _b) = alice_and_bob(&w).await?;
+        drop(a);
+        let mut senders = Vec::new();
+        for i in 0..4 {
+            let u = format!("s{i}");
+            w.add_user(&u).await?;
+            w.join("c1", &u).await?;
+            let t = w.add_device(&format!("sd{i}"), &u).await?;
+            senders.push(connect(&w, &format!("sd{i}"), &t).await?);
+        }
+        let acked = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, i64)>::new()));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let runs = senders.iter().enumerate().map(|(i, s)| {
+            let acked = acked.clone();
+            let stop = stop.clone();
+            async move {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) && n < 2000 {
+                    let cmid = format!("s{i}-{n}");
+                    n += 1;
+                    match s.send("c1", &cmid, "keep me", Duration::from_secs(3)).await {
+                        Ok(r) => acked.lock().unwrap().push((cmid, r["seq"].as_i64().unwrap_or(-1))),
+                        Err(_) => break, // the database went away under this send
+                    }
+                }
+            }
+        });
+        let watcher = async {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while acked.lock().unwrap().len() < 200 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let rows_before: i64 = w.count_events("c1").await.unwrap_or(-1);
+            w.pg.crash().await.map(|_| rows_before)
+        };
+        let (_, crashed) = tokio::join!(join_all(runs), watcher);
+        let rows_before_stop = crashed?;
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let acked: Vec<(String, i64)> = acked.lock().unwrap().clone();
+        w.pg.restart().await?;
+        let pool = w.pool().await?;
+        let cmids: Vec<String> = acked.iter().map(|(m, _)| m.clone()).collect();
+        let found: Vec<(String, i64)> = sqlx::query_as("SELECT cmid, seq FROM events WHERE cmid = ANY($1)")
+            .bind(&cmids)
+            .fetch_all(&pool)
+            .await?;
+        let found_set: std::collections::HashMap<String, i64> = found.iter().cloned().collect();
+        let missing: Vec<&String> = cmids.iter().filter(|m| !found_set.contains_key(*m)).collect();
+        let wrong_seq = acked.iter().filter(|(m, s)| found_set.get(m).is_some_and(|f| f != s)).count();
+        c.expect_that("acknowledged_before_stop", ">= 200", acked.len(), acked.len() >= 200);
+        c.expect("acknowledged_missing_after_recovery", 0, missing.len());
+        c.expect("acknowledged_found_twice", 0, found.len() - found_set.len());
+        c.expect("acknowledged_with_other_seq", 0, wrong_seq);
+        let rows_after_recovery = w.count_events("c1").await?;
+        c.observe("rows_before_stop", rows_before_stop);
+        c.observe("rows_after_recovery", rows_after_recovery);
+        c.expect_that("rows_after_recovery_vs_acknowledged", ">= acknowledged", rows_after_recovery,
+            rows_after_recovery >= acked.len() as i64);
+        // In-flight sends: replay every outbox; each must end as exactly one row.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut pending = 0;
+        for s in &senders {
+            pending += s.outbox().len();
+            loop {
+                let rs = s.replay_outbox(T).await;
+                if rs.iter().all(|r| r.is_ok()) {
+                    break;
+                }
+                anyhow::ensure!(Instant::now() < deadline, "outbox replay never succeeded: {rs:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        c.observe("in_flight_replayed", pending);
+        let all_sent = acked.len() as i64 + pending as i64;
+        c.expect("rows_after_replay", all_sent, w.count_events("c1").await?);
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
+/// Section 9, "ack frame lost": the receiver's first ack never reaches the database
+/// (`gw.recv.ack:drop:0:1`); the sweep sees the cursor behind the head and hints again; the
+/// device re-acks and the cursor reaches the head within sweep interval + 1 s (D3, D5).
+#[tokio::test]
+async fn im06_lost_ack_swept() {
+    let fault = "gw.recv.ack:drop:0:1";
+    let sweep_ms = 300u64;
+    let mut c = Check::new("06-lost-ack-swept", "recovery", Some(fault));
+    let r = async {
+        let w = start(&mut c, GatewayOpts { fault: Some(fault.into()), sweep_ms: Some(sweep_ms), ..Default::default() }).await?;
+        w.add_user("alice").await?;
+        w.add_user("bob").await?;
+        let ta = w.add_device("a1", "alice").await?;
+        let tb = w.add_device("b1", "bob").await?;
+        w.add_conv("c1", &["alice", "bob"]).await?;
+        let a = connect(&w, "a1", &ta).await?;
+        let b = connect(&w, "b1", &tb).await?
+            .with_options(ClientOptions { request_timeout: Duration::from_millis(500), ..Default::default() });
+        b.sub().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        a.send("c1", "m1", "hi", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let t0 = Instant::now();
+        b.wait_cursor("c1", 1, T).await?;
+        let bound = Duration::from_millis(sweep_ms + 1000);
+        let r = b.wait_server_delivered("c1", 1, bound * 2).await;
+        let took = t0.elapsed();
+        c.expect("fault_fired", 1, w.gw().log_text().matches("fault fired: point=gw.recv.ack action=drop").count());
+        c.expect("delivered_seq", Some(1), w.cursor("b1", "c1").await?);
+        c.expect_that("repair_ms", format!("<= {}", bound.as_millis()), ms(took), r.is_ok() && took <= bound);
+        let s = b.stats();
+        c.expect_that("sweep_hints_received", ">= 1", s.hints_received.get("sweep").copied().unwrap_or(0),
+            s.hints_received.get("sweep").copied().unwrap_or(0) >= 1);
+        c.expect_that("acks_sent", ">= 2 (the lost one and the re-ack)", s.acks_sent, s.acks_sent >= 2);
+        c.expect("stored_seqs", vec![1], b.stored_seqs("c1"));
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
+/// Section 9, "receiver crashed after storing, before acking": the device stores 5 pushed
+/// events and crashes before any ack (delivered stays 0). A new instance loaded from its state
+/// file subscribes, syncs from the server's cursor, gets the 5 events again as duplicates,
+/// keeps one copy of each (dedup by seq), and acks 5.
+#[tokio::test]
+async fn im06_receiver_crash_before_ack() {
+    let mut c = Check::new("06-receiver-crash-before-ack", "recovery", Some("client: crash after store, before ack"));
+    let r = async {
+        let w = start(&mut c, GatewayOpts::default()).await?;
+        w.add_user("alice").await?;
+        w.add_user("bob").await?;
+        let ta = w.add_device("a1", "alice").await?;
+        let tb = w.add_device("b1", "bob").await?;
+        w.add_conv("c1", &["alice", "bob"]).await?;
+        let a = connect(&w, "a1", &ta).await?;
+        let b = connect(&w, "b1", &tb).await?
+            .with_options(ClientOptions { auto_ack: false, ..Default::default() });
+        b.sub().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        for i in 1..=5 {
+            a.send("c1", &format!("m{i}"), "hi", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        b.wait_cursor("c1", 5, T).await?;
+        let state = b.state_path().to_path_buf();
+        c.expect("stored_before_crash", vec![1, 2, 3, 4, 5], b.stored_seqs("c1"));
+        b.crash().await;
+        c.expect("delivered_seq_after_crash", None::<i64>, w.cursor("b1", "c1").await?);
+        let mut b2 = Client::load(&state)?;
+        c.expect("stored_after_restart", vec![1, 2, 3, 4, 5], b2.stored_seqs("c1"));
+        b2.connect(&w.ws_url()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        b2.sub().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        b2.wait_server_delivered("c1", 5, T).await?;
+        let s = b2.stats();
+        c.expect("duplicates_ignored", 5, s.duplicates_ignored);
+        c.expect("stored_after_resync", vec![1, 2, 3, 4, 5], b2.stored_seqs("c1"));
+        c.expect("delivered_seq", Some(5), w.cursor("b1", "c1").await?);
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
+/// Section 9 / SPEC 3: the LISTEN connection is killed from the server side
+/// (`pg_terminate_backend`) while messages are being sent. Notifications in between are
+/// lost; the gateway rebuilds the listener and sweeps at once; the receiver ends with every
+/// message and its cursor at the head (D5).
+#[tokio::test]
+async fn im06_listen_conn_killed_swept() {
+    let mut c = Check::new("06-listen-conn-killed-swept", "recovery", Some("postgres: pg_terminate_backend(LISTEN connection)"));
+    let r = async {
+        let w = start(&mut c, GatewayOpts { sweep_ms: Some(300), ..Default::default() }).await?;
+        let (a, b) = alice_and_bob(&w).await?;
+        let pool = w.pool().await?;
+        let listen_pid = || async {
+            sqlx::query_scalar::<_, i32>(
+                "SELECT pid FROM pg_stat_activity WHERE query ILIKE 'listen%' AND pid <> pg_backend_pid()")
+                .fetch_optional(&pool).await
+        };
+        let old_pid = listen_pid().await?.ok_or_else(|| anyhow::anyhow!("no LISTEN backend"))?;
+        let total = 20;
+        for i in 1..=total {
+            if i == 6 {
+                let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)").bind(old_pid).fetch_one(&pool).await?;
+                c.expect("listen_backend_terminated", true, killed);
+            }
+            a.send("c1", &format!("m{i}"), "hi", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        let t0 = Instant::now();
+        let r = b.wait_server_delivered("c1", total, Duration::from_secs(5)).await;
+        c.expect("receiver_caught_up", true, r.is_ok());
+        c.observe("catch_up_after_last_send_ms", ms(t0.elapsed()));
+        c.expect("stored_seqs", (1..=total).collect::<Vec<i64>>(), b.stored_seqs("c1"));
+        c.expect("delivered_seq", Some(total), w.cursor("b1", "c1").await?);
+        let new_pid = listen_pid().await?;
+        c.expect_that("new_listen_backend", "a LISTEN backend with another pid", new_pid, new_pid.is_some_and(|p| p != old_pid));
+        let log = w.gw().log_text();
+        c.expect("gateway_logged_listen_loss", true, log.contains("LISTEN connection"));
+        let s = b.stats();
+        c.observe("pushes_applied", s.pushes_applied);
+        c.observe("events_synced", s.events_synced);
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
+/// Section 9 / SPEC 2 "overflow": a receiver whose outbound queue (IM_QUEUE_FRAMES_MAX=4)
+/// fills because its pushes are slow (`gw.push:delay(30)`) stops getting pushes, gets
+/// `hint{why:"overflow"}` once the queue drains, syncs, and ends with every message, none
+/// missing; the gateway keeps serving the sender meanwhile.
+#[tokio::test]
+async fn im06_queue_overflow_hint() {
+    let fault = "gw.push:delay(30)";
+    let mut c = Check::new("06-queue-overflow-hint", "recovery", Some(fault));
+    let r = async {
+        let w = start(&mut c, GatewayOpts {
+            fault: Some(fault.into()),
+            sweep_ms: Some(60_000), // keep the sweep out of it: the overflow hint must repair alone
+            env: vec![("IM_QUEUE_FRAMES_MAX".into(), "4".into())],
+            ..Default::default()
+        }).await?;
+        w.add_user("alice").await?;
+        w.add_user("bob").await?;
+        let ta = w.add_device("a1", "alice").await?;
+        let tb = w.add_device("b1", "bob").await?;
+        w.add_conv("c1", &["alice", "bob"]).await?;
+        let a = connect(&w, "a1", &ta).await?; // not subscribed: its sends are not slowed by pushes
+        let b = connect(&w, "b1", &tb).await?;
+        b.sub().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let total = 40i64;
+        let t0 = Instant::now();
+        for i in 1..=total {
+            a.send("c1", &format!("m{i}"), "burst", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        c.observe("send_burst_ms", ms(t0.elapsed()));
+        let r = b.wait_server_delivered("c1", total, Duration::from_secs(15)).await;
+        c.expect("receiver_caught_up", true, r.is_ok());
+        let s = b.stats();
+        let overflow_hints = s.hints_received.get("overflow").copied().unwrap_or(0);
+        c.expect_that("overflow_hints_received", ">= 1", overflow_hints, overflow_hints >= 1);
+        c.expect_that("pushes_applied", format!("< {total} (some pushes were not queued)"), s.pushes_applied, s.pushes_applied < total as u64);
+        c.observe("events_synced", s.events_synced);
+        c.expect("stored_seqs", (1..=total).collect::<Vec<i64>>(), b.stored_seqs("c1"));
+        c.expect("delivered_seq", Some(total), w.cursor("b1", "c1").await?);
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}

@@ -1,0 +1,545 @@
+//! The protocol of SPEC 2 against a real PostgreSQL cluster and the real gateway process:
+//! every request, every error code where the spec says it applies, the limits, and the
+//! invariants D2, D4, P1 and S1 under concurrency. One test = one process = one cluster.
+
+use futures_util::future::join_all;
+use harness::client::{Client, ClientError};
+use harness::gateway::GatewayOpts;
+use harness::world::World;
+use scenarios::{alice_and_bob, connect, db_invariant_violations};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+fn code(r: &Result<Value, ClientError>) -> Option<String> {
+    match r {
+        Err(e) => e.code().map(str::to_string),
+        Ok(_) => None,
+    }
+}
+
+async fn world() -> World {
+    World::start(GatewayOpts::default()).await.expect("start cluster and gateway")
+}
+
+async fn assert_invariants(w: &World) {
+    let v = db_invariant_violations(&w.pool().await.unwrap()).await.unwrap();
+    assert!(v.is_empty(), "database invariants violated: {v:?}");
+}
+
+/// Proves nothing but `hello` is served before hello, that a wrong token, an unknown device
+/// and a future install epoch are UNAUTHENTICATED followed by a close, and that a good hello
+/// answers `welcome` with the user, device and epoch.
+#[tokio::test]
+async fn hello_first_and_bad_credentials_are_unauthenticated_then_closed() {
+    let w = world().await;
+    w.add_user("alice").await.unwrap();
+    let token = w.add_device("a1", "alice").await.unwrap();
+
+    let mut c = Client::create(&w.state_path("raw"), "a1", &token, 1).unwrap();
+    c.connect_raw(&w.ws_url()).await.unwrap();
+    for frame in [json!({"t":"sub"}), json!({"t":"sync","conv":"c1"}), json!({"t":"ack","conv":"c1","seq":1})] {
+        let r = c.request(frame, T).await;
+        assert_eq!(code(&r).as_deref(), Some("UNAUTHENTICATED"), "{r:?}");
+    }
+    let r = c.request(json!({"t":"hello","device":"a1","token":token,"epoch":1}), T).await.unwrap();
+    assert_eq!((r["t"].as_str(), r["user"].as_str(), r["device"].as_str(), r["epoch"].as_i64()),
+               (Some("welcome"), Some("alice"), Some("a1"), Some(1)));
+    let r = c.request(json!({"t":"hello","device":"a1","token":token,"epoch":1}), T).await;
+    assert_eq!(code(&r).as_deref(), Some("BAD_REQUEST"), "a second hello: {r:?}");
+
+    for (i, (device, tok, epoch)) in [("a1", "wrong", 1), ("nope", token.as_str(), 1), ("a1", token.as_str(), 2)].into_iter().enumerate() {
+        let mut c = Client::create(&w.state_path(&format!("bad{i}")), device, tok, epoch).unwrap();
+        let r = c.connect(&w.ws_url()).await;
+        assert_eq!(r.as_ref().err().and_then(|e| e.code()), Some("UNAUTHENTICATED"), "{device}/{tok}/{epoch}: {r:?}");
+        c.wait_closed(T).await.expect("the server closes after UNAUTHENTICATED");
+    }
+}
+
+/// Proves `admin reinstall-device` raises the install epoch: the old install's hello gets
+/// STALE_INSTALL and a close, a connection opened before the reinstall gets STALE_INSTALL on
+/// its next ack, and the new token with the new epoch is welcome.
+#[tokio::test]
+async fn reinstall_makes_older_installs_stale() {
+    let w = world().await;
+    let (_a, b) = alice_and_bob(&w).await.unwrap();
+    let new_token = w.reinstall_device("b1").await.unwrap();
+
+    let r = b.ack("c1", 0, T).await;
+    assert_eq!(code(&r).as_deref(), Some("STALE_INSTALL"), "{r:?}");
+    b.wait_closed(T).await.unwrap();
+
+    let mut old = Client::create(&w.state_path("old"), "b1", "whatever", 1).unwrap();
+    let r = old.connect(&w.ws_url()).await;
+    assert_eq!(r.as_ref().err().and_then(|e| e.code()), Some("STALE_INSTALL"), "{r:?}");
+    old.wait_closed(T).await.unwrap();
+
+    let mut new = Client::create(&w.state_path("new"), "b1", &new_token, 2).unwrap();
+    let r = new.connect(&w.ws_url()).await.unwrap();
+    assert_eq!(r["epoch"], 2);
+}
+
+/// Proves D1/D2 on the happy path: `sent` carries conv, seq, mid, dup:false and the
+/// conversation epoch; a resend of the same cmid, from another device of the same user,
+/// answers dup:true with the same seq and mid; reusing the cmid with another body or another
+/// conversation is CMID_CONFLICT; one row exists.
+#[tokio::test]
+async fn send_is_idempotent_by_sender_and_cmid_across_devices() {
+    let w = world().await;
+    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    w.add_conv("c2", &["alice", "bob"]).await.unwrap();
+    let t2 = w.add_device("a2", "alice").await.unwrap();
+    let a2 = connect(&w, "a2", &t2).await.unwrap();
+
+    let first = a.send("c1", "m-1", "hello", T).await.unwrap();
+    assert_eq!((first["t"].as_str(), first["conv"].as_str(), first["seq"].as_i64(), first["dup"].as_bool(), first["epoch"].as_i64()),
+               (Some("sent"), Some("c1"), Some(1), Some(false), Some(1)));
+    assert!(first["mid"].as_str().is_some_and(|m| !m.is_empty()));
+    let again = a2.send("c1", "m-1", "hello", T).await.unwrap();
+    assert_eq!((again["seq"].clone(), again["mid"].clone(), again["dup"].clone()), (first["seq"].clone(), first["mid"].clone(), json!(true)));
+
+    let r = a.send("c1", "m-1", "another body", T).await;
+    assert_eq!(code(&r).as_deref(), Some("CMID_CONFLICT"));
+    let r = a2.send("c2", "m-1", "hello", T).await;
+    assert_eq!(code(&r).as_deref(), Some("CMID_CONFLICT"));
+    assert!(a.outbox().is_empty() && a2.outbox().is_empty(), "terminal errors clear the outbox");
+    assert_eq!(w.count_events("c1").await.unwrap(), 1);
+    assert_eq!(w.count_events("c2").await.unwrap(), 0);
+    assert_invariants(&w).await;
+}
+
+/// D2 under a race: 12 sends of one cmid at once over two connections (two devices of the
+/// same user) give one row, exactly one dup:false, and the same seq and mid everywhere.
+#[tokio::test]
+async fn concurrent_duplicates_of_one_cmid_give_one_row_d2() {
+    let w = world().await;
+    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    let t2 = w.add_device("a2", "alice").await.unwrap();
+    let a2 = connect(&w, "a2", &t2).await.unwrap();
+    for round in 0..5 {
+        let cmid = format!("race-{round}");
+        let sends = (0..12).map(|i| {
+            let c = if i % 2 == 0 { &a } else { &a2 };
+            let frame = json!({"t":"send","conv":"c1","cmid":cmid,"body":"same"});
+            c.request(frame, T)
+        });
+        let replies: Vec<Value> = join_all(sends).await.into_iter().map(|r| r.expect("sent")).collect();
+        let fresh = replies.iter().filter(|r| r["dup"] == json!(false)).count();
+        assert_eq!(fresh, 1, "exactly one dup:false in {replies:?}");
+        assert!(replies.iter().all(|r| r["seq"] == replies[0]["seq"] && r["mid"] == replies[0]["mid"]), "{replies:?}");
+        assert_eq!(replies[0]["seq"], json!(round + 1));
+    }
+    assert_eq!(w.count_events("c1").await.unwrap(), 5);
+    assert_invariants(&w).await;
+}
+
+/// P1: 8 concurrent senders x 200 messages in one conversation give seqs 1..1600 with no
+/// gap and no repeat, even though 40 of the sends are rolled back after their INSERT by an
+/// injected `send.before_commit:error` fault and retried: a rolled-back send consumes no seq.
+#[tokio::test]
+async fn concurrent_senders_get_gapless_seqs_even_with_rollbacks_p1() {
+    let w = World::start(GatewayOpts {
+        fault: Some("send.before_commit:error:300:40".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    w.add_user("bob").await.unwrap();
+    w.add_conv("big", &["bob"]).await.unwrap();
+    let mut senders = Vec::new();
+    for i in 0..8 {
+        let u = format!("u{i}");
+        w.add_user(&u).await.unwrap();
+        w.join("big", &u).await.unwrap();
+        let t = w.add_device(&format!("d{i}"), &u).await.unwrap();
+        senders.push(connect(&w, &format!("d{i}"), &t).await.unwrap());
+    }
+    let started = Instant::now();
+    let runs = senders.iter().enumerate().map(|(i, c)| async move {
+        let mut seqs = Vec::new();
+        let mut rollbacks = 0;
+        for m in 0..200 {
+            let cmid = format!("s{i}-{m}");
+            loop {
+                match c.send("big", &cmid, &format!("body {i}/{m}"), T).await {
+                    Ok(r) => {
+                        assert_eq!(r["dup"], json!(false));
+                        seqs.push(r["seq"].as_i64().unwrap());
+                        break;
+                    }
+                    Err(e) if e.code() == Some("UNAVAILABLE") => rollbacks += 1,
+                    Err(e) => panic!("send failed: {e}"),
+                }
+            }
+        }
+        (seqs, rollbacks)
+    });
+    let results = join_all(runs).await;
+    let elapsed = started.elapsed();
+    let mut all: Vec<i64> = results.iter().flat_map(|(s, _)| s.clone()).collect();
+    let rollbacks: usize = results.iter().map(|(_, r)| r).sum();
+    all.sort();
+    assert_eq!(rollbacks, 40, "the fault rolled back 40 sends");
+    assert_eq!(all, (1..=1600).collect::<Vec<i64>>(), "seqs are exactly 1..1600");
+    assert_eq!(w.head("big").await.unwrap(), 1600);
+    eprintln!("1600 acknowledged sends from 8 senders in {elapsed:?}");
+    assert_invariants(&w).await;
+}
+
+/// D4: acks sent concurrently and out of order, over several connections of one device,
+/// leave the maximum; every `acked.delivered` is the merged cursor (>= the request); a later
+/// smaller ack does not lower it; an ack above the head is CURSOR_AHEAD and changes nothing;
+/// a negative seq is BAD_REQUEST.
+#[tokio::test]
+async fn out_of_order_concurrent_acks_keep_the_maximum_d4() {
+    let w = world().await;
+    let (a, b) = alice_and_bob(&w).await.unwrap();
+    for i in 0..40 {
+        a.send("c1", &format!("m{i}"), "x", T).await.unwrap();
+    }
+    let tb = w.reinstall_device("b1").await.unwrap();
+    let mut conns = Vec::new();
+    for i in 0..4 {
+        let mut c = Client::create(&w.state_path(&format!("b1x{i}")), "b1", &tb, 2).unwrap();
+        c.connect(&w.ws_url()).await.unwrap();
+        conns.push(c);
+    }
+    drop(b);
+    let mut seqs: Vec<i64> = (1..=40).collect();
+    seqs.reverse();
+    seqs.rotate_left(13);
+    let acks = seqs.iter().enumerate().map(|(i, s)| {
+        let c = &conns[i % conns.len()];
+        async move { (*s, c.request(json!({"t":"ack","conv":"c1","seq":s}), T).await) }
+    });
+    for (s, r) in join_all(acks).await {
+        let r = r.unwrap();
+        assert!(r["delivered"].as_i64().unwrap() >= s, "acked.delivered is merged: {r}");
+    }
+    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(40));
+    let r = conns[0].ack("c1", 3, T).await.unwrap();
+    assert_eq!(r["delivered"], 40, "a smaller ack answers the merged cursor");
+    let r = conns[0].ack("c1", 41, T).await;
+    assert_eq!(code(&r).as_deref(), Some("CURSOR_AHEAD"));
+    let r = conns[0].request(json!({"t":"ack","conv":"c1","seq":-1}), T).await;
+    assert_eq!(code(&r).as_deref(), Some("BAD_REQUEST"));
+    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(40));
+    assert_invariants(&w).await;
+}
+
+/// S1: a user who left sees no later event by push or by sync, cannot send, cannot ack past
+/// what it could see; after rejoining it sees new events but not those of the gap. A user
+/// who never was a member gets NOT_MEMBER for send, ack and sync, and its `subbed` does not
+/// list the conversation.
+#[tokio::test]
+async fn membership_periods_bound_what_a_device_sees_s1() {
+    let w = world().await;
+    let (a, b) = alice_and_bob(&w).await.unwrap();
+    w.add_user("carol").await.unwrap();
+    let tc = w.add_device("k1", "carol").await.unwrap();
+    let carol = connect(&w, "k1", &tc).await.unwrap();
+    let subbed = carol.sub().await.unwrap();
+    assert_eq!(subbed["convs"], json!([]), "a non-member's sub lists nothing");
+    for r in [
+        carol.send("c1", "k-1", "hi", T).await,
+        carol.ack("c1", 0, T).await,
+        carol.sync_once("c1", 0, 10, T).await,
+    ] {
+        assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"), "{r:?}");
+    }
+    let r = carol.sync_once("no-such-conv", 0, 10, T).await;
+    assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"), "an unknown conversation looks the same");
+
+    a.send("c1", "m1", "one", T).await.unwrap();
+    b.wait_cursor("c1", 1, T).await.unwrap();
+    w.leave("c1", "bob").await.unwrap();
+    a.send("c1", "m2", "two", T).await.unwrap();
+    a.send("c1", "m3", "three", T).await.unwrap();
+    let r = b.send("c1", "b-1", "still here?", T).await;
+    assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"));
+    let page = b.sync_once("c1", 0, 10, T).await.unwrap();
+    let seqs: Vec<i64> = page["events"].as_array().unwrap().iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!((seqs, page["head"].clone(), page["complete"].clone()), (vec![1], json!(1), json!(true)));
+    let r = b.ack("c1", 3, T).await;
+    assert_eq!(code(&r).as_deref(), Some("CURSOR_AHEAD"), "cannot ack what it cannot see");
+
+    w.join("c1", "bob").await.unwrap();
+    a.send("c1", "m4", "four", T).await.unwrap();
+    b.wait_cursor("c1", 4, T).await.unwrap();
+    a.wait_cursor("c1", 4, T).await.unwrap();
+    assert_eq!(b.stored_seqs("c1"), vec![1, 4], "bob never saw 2 and 3, by push or sync");
+    assert_eq!(a.stored_seqs("c1"), vec![1, 2, 3, 4]);
+    let pushed: Vec<i64> = b.frames().iter()
+        .filter(|(_, f)| f["t"] == "event").map(|(_, f)| f["ev"]["seq"].as_i64().unwrap()).collect();
+    assert!(!pushed.contains(&2) && !pushed.contains(&3), "pushes to bob: {pushed:?}");
+    b.wait_server_delivered("c1", 4, T).await.unwrap();
+    assert_invariants(&w).await;
+}
+
+/// Two devices of one user both get every push (the sender's other device included) and
+/// keep separate cursors.
+#[tokio::test]
+async fn two_devices_of_one_user_get_pushes_and_keep_separate_cursors() {
+    let w = world().await;
+    let (a, b) = alice_and_bob(&w).await.unwrap();
+    let t2 = w.add_device("b2", "bob").await.unwrap();
+    let b2 = connect(&w, "b2", &t2).await.unwrap().with_options(harness::client::ClientOptions {
+        auto_ack: false,
+        ..Default::default()
+    });
+    b2.sub().await.unwrap();
+    let t3 = w.add_device("a2", "alice").await.unwrap();
+    let a2 = connect(&w, "a2", &t3).await.unwrap();
+    a2.sub().await.unwrap();
+    for i in 0..5 {
+        a.send("c1", &format!("m{i}"), "x", T).await.unwrap();
+    }
+    b.wait_server_delivered("c1", 5, T).await.unwrap();
+    b2.wait_cursor("c1", 5, T).await.unwrap();
+    a2.wait_server_delivered("c1", 5, T).await.unwrap();
+    b2.ack("c1", 2, T).await.unwrap();
+    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(5));
+    assert_eq!(w.cursor("b2", "c1").await.unwrap(), Some(2));
+    assert_eq!(w.cursor("a2", "c1").await.unwrap(), Some(5));
+    assert!(b2.stats().pushes_applied >= 5);
+}
+
+/// `sub` answers every conversation with head and delivered; `sync` pages ascending with
+/// `complete`, a `limit` above IM_SYNC_LIMIT_MAX is clamped to it, a missing `after`/`limit`
+/// defaults to 0/100, and `limit` < 1 is BAD_REQUEST.
+#[tokio::test]
+async fn sub_and_sync_paging() {
+    let w = World::start(GatewayOpts {
+        env: vec![("IM_SYNC_LIMIT_MAX".into(), "7".into())],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, b) = alice_and_bob(&w).await.unwrap();
+    for i in 0..20 {
+        a.send("c1", &format!("m{i}"), &format!("body {i}"), T).await.unwrap();
+    }
+    a.wait_server_delivered("c1", 20, T).await.unwrap();
+    let s = b.request(json!({"t":"sub"}), T).await.unwrap();
+    assert_eq!(s["convs"][0]["conv"], "c1");
+    assert_eq!(s["convs"][0]["head"], 20);
+
+    let p = b.sync_once("c1", 0, 1000, T).await.unwrap();
+    let seqs: Vec<i64> = p["events"].as_array().unwrap().iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!((seqs, p["complete"].clone(), p["head"].clone()), ((1..=7).collect(), json!(false), json!(20)));
+    let p = b.sync_once("c1", 14, 7, T).await.unwrap();
+    let seqs: Vec<i64> = p["events"].as_array().unwrap().iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!((seqs, p["complete"].clone()), ((15..=20).collect(), json!(true)));
+    let ev = &p["events"][0];
+    for f in ["conv", "seq", "kind", "mid", "sender", "cmid", "body", "at"] {
+        assert!(!ev[f].is_null(), "event field {f} in {ev}");
+    }
+    assert_eq!((ev["sender"].as_str(), ev["cmid"].as_str(), ev["body"].as_str()), (Some("alice"), Some("m14"), Some("body 14")));
+    let p = b.request(json!({"t":"sync","conv":"c1"}), T).await.unwrap();
+    assert_eq!(p["events"].as_array().unwrap().len(), 7);
+    let r = b.request(json!({"t":"sync","conv":"c1","after":0,"limit":0}), T).await;
+    assert_eq!(code(&r).as_deref(), Some("BAD_REQUEST"));
+}
+
+/// A device that was not connected when events were sent gets a `hint{why:"sweep"}` after
+/// `sub`, syncs, and acks up to the head; then the hints stop.
+#[tokio::test]
+async fn sweep_hints_a_device_that_missed_events() {
+    let w = World::start(GatewayOpts { sweep_ms: Some(100), ..Default::default() }).await.unwrap();
+    let (a, b) = alice_and_bob(&w).await.unwrap();
+    let (state, _) = (b.state_path().to_path_buf(), ());
+    b.close().await;
+    for i in 0..3 {
+        a.send("c1", &format!("m{i}"), "x", T).await.unwrap();
+    }
+    let mut b = Client::load(&state).unwrap();
+    b.connect(&w.ws_url()).await.unwrap();
+    b.request(json!({"t":"sub"}), T).await.unwrap(); // raw sub: the client does not sync by itself
+    b.wait_server_delivered("c1", 3, T).await.unwrap();
+    let hints = b.frames().iter().filter(|(_, f)| f["t"] == "hint" && f["why"] == "sweep").count();
+    assert!(hints >= 1, "a sweep hint arrived");
+    assert_eq!(b.stored_seqs("c1"), vec![1, 2, 3]);
+}
+
+/// Bad input never breaks the connection: malformed JSON, a non-object, an unknown type,
+/// missing and mistyped fields, a binary frame and an over-long rid all get BAD_REQUEST and
+/// the next request works; an oversize body is TOO_LARGE without a close; an oversize frame
+/// is TOO_LARGE and a close. The gateway stays up for everyone else.
+#[tokio::test]
+async fn bad_input_is_bad_request_and_oversize_is_too_large() {
+    let mut w = World::start(GatewayOpts {
+        env: vec![("IM_FRAME_MAX_BYTES".into(), "4096".into()), ("IM_BODY_MAX_BYTES".into(), "1000".into())],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    let bad = [
+        "{not json".to_string(),
+        "[1,2,3]".into(),
+        "\"just a string\"".into(),
+        r#"{"t":"teleport","rid":"x1"}"#.into(),
+        r#"{"rid":"x2"}"#.into(),
+        r#"{"t":"send","rid":"x3","conv":"c1"}"#.into(),
+        r#"{"t":"send","rid":"x4","conv":"c1","cmid":5,"body":"b"}"#.into(),
+        r#"{"t":"ack","rid":"x5","conv":"c1","seq":"7"}"#.into(),
+        r#"{"t":"ack","rid":"x6","conv":"c1","seq":1e400}"#.into(),
+        r#"{"t":"sync","rid":"x7","conv":["c1"]}"#.into(),
+        format!(r#"{{"t":"sub","rid":"{}"}}"#, "r".repeat(65)),
+        r#"{"t":"send","rid":"x8","conv":"","cmid":"c","body":"b"}"#.into(),
+        "\u{0}\u{1}".into(),
+    ];
+    for text in &bad {
+        a.send_text(text).await.unwrap();
+    }
+    let errors = a.wait_for("13 BAD_REQUEST errors", T, |c| {
+        c.frames().iter().filter(|(_, f)| f["t"] == "error" && f["code"] == "BAD_REQUEST").count() >= bad.len()
+    }).await;
+    assert!(errors.is_ok(), "frames: {:?}", a.frames());
+    let r = a.send("c1", "big-body", &"b".repeat(1001), T).await;
+    assert_eq!(code(&r).as_deref(), Some("TOO_LARGE"));
+    let ok = a.send("c1", "fine", "still works", T).await.unwrap();
+    assert_eq!(ok["seq"], 1);
+
+    a.send_text(&format!(r#"{{"t":"send","rid":"big","conv":"c1","cmid":"huge","body":"{}"}}"#, "x".repeat(5000)))
+        .await
+        .unwrap();
+    a.wait_closed(T).await.expect("oversize frame closes the connection");
+    assert!(a.frames().iter().any(|(_, f)| f["t"] == "error" && f["code"] == "TOO_LARGE"));
+    assert!(w.gw_mut().try_exit_status().is_none(), "the gateway is still running");
+}
+
+/// IM_MAX_CONNECTIONS: connections above the cap are refused at the handshake, and served
+/// again once one closes.
+#[tokio::test]
+async fn connection_cap_refuses_extra_connections() {
+    let w = World::start(GatewayOpts {
+        env: vec![("IM_MAX_CONNECTIONS".into(), "2".into())],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    let mut third = Client::create(&w.state_path("third"), "a1", "x", 1).unwrap();
+    assert!(third.connect_raw(&w.ws_url()).await.is_err(), "third connection refused");
+    a.close().await;
+    let mut fourth = Client::create(&w.state_path("fourth"), "a1", "x", 1).unwrap();
+    let deadline = Instant::now() + T;
+    loop {
+        if fourth.connect_raw(&w.ws_url()).await.is_ok() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a freed slot is reused");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The database killed (immediate shutdown) under a running gateway: requests answer
+/// UNAVAILABLE within IM_DB_TIMEOUT_MS, the gateway keeps running, and once PostgreSQL is
+/// back it serves again (sends, pushes, acks) without a restart.
+#[tokio::test]
+async fn database_down_is_unavailable_then_service_resumes() {
+    let mut w = World::start(GatewayOpts { db_timeout_ms: Some(1000), sweep_ms: Some(200), ..Default::default() })
+        .await
+        .unwrap();
+    let (a, b) = alice_and_bob(&w).await.unwrap();
+    a.send("c1", "before", "x", T).await.unwrap();
+    b.wait_server_delivered("c1", 1, T).await.unwrap();
+    w.pg.crash().await.unwrap();
+    for i in 0..3 {
+        let t0 = Instant::now();
+        let r = a.send("c1", &format!("down-{i}"), "x", T).await;
+        let took = t0.elapsed();
+        assert_eq!(code(&r).as_deref(), Some("UNAVAILABLE"), "{r:?}");
+        assert!(took < Duration::from_millis(1000 + 500), "answered in {took:?}");
+    }
+    assert_eq!(a.outbox().len(), 3, "UNAVAILABLE keeps the outbox");
+    assert!(w.gw_mut().try_exit_status().is_none(), "the gateway keeps running");
+    w.pg.restart().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = a.replay_outbox(T).await;
+        if r.iter().all(|r| r.is_ok()) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "service resumes: {r:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(a.outbox().is_empty());
+    b.wait_server_delivered("c1", 4, Duration::from_secs(20)).await.unwrap();
+    assert_eq!(w.count_events("c1").await.unwrap(), 4);
+    assert_invariants(&w).await;
+}
+
+/// SIGTERM: the gateway stops accepting, closes connections with a close frame, and exits 0.
+#[tokio::test]
+async fn sigterm_closes_connections_and_exits_zero() {
+    let mut w = world().await;
+    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    a.send("c1", "m", "x", T).await.unwrap();
+    let status = w.gw_mut().terminate(T).await.unwrap();
+    assert_eq!(status.code(), Some(0));
+    a.wait_closed(T).await.unwrap();
+    let log = w.gw().log_text();
+    assert!(log.contains("connection closed"), "one line per closed connection:\n{log}");
+}
+
+/// `serve` refuses an unmigrated schema with a message naming `im-gateway migrate`, and a
+/// misspelt IM_FAULT before it binds, naming the bad part and the valid points.
+#[tokio::test]
+async fn serve_refuses_unmigrated_schema_and_bad_fault_specs() {
+    let pg = harness::pg::Cluster::start().await.unwrap();
+    let (status, out) = harness::gateway::run_serve_expect_exit(&pg.url(), &GatewayOpts::default(), &pg.log_dir(), T)
+        .await
+        .unwrap();
+    assert_ne!(status.code(), Some(0));
+    assert!(out.contains("im-gateway migrate") && !out.contains("listening on"), "{out}");
+    harness::gateway::migrate(&pg.url()).await.unwrap();
+    harness::gateway::migrate(&pg.url()).await.expect("migrate is idempotent");
+    for (spec, needle) in [
+        ("send.before_comit:halt", "send.before_comit"),
+        ("gw.push:explode", "explode"),
+        ("gw.push", "malformed"),
+        ("gw.push:drop:x", "skip"),
+    ] {
+        let opts = GatewayOpts { fault: Some(spec.into()), ..Default::default() };
+        let (status, out) = harness::gateway::run_serve_expect_exit(&pg.url(), &opts, &pg.log_dir(), T).await.unwrap();
+        assert_eq!(status.code(), Some(2), "{spec}: {out}");
+        assert!(out.contains(needle) && out.contains("valid points: send.before_insert"), "{spec}: {out}");
+        assert!(!out.contains("listening on"), "{spec} must fail before binding: {out}");
+    }
+}
+
+/// Admin commands refuse bad input with a clear message and change nothing.
+#[tokio::test]
+async fn admin_commands_refuse_bad_input() {
+    let pg = harness::pg::Cluster::start_migrated().await.unwrap();
+    let url = pg.url();
+    let admin = |args: Vec<&'static str>| {
+        let url = url.clone();
+        async move { harness::gateway::admin(&url, &args).await }
+    };
+    admin(vec!["add-user", "alice"]).await.unwrap();
+    for (args, needle) in [
+        (vec!["add-user", "alice"], "already exists"),
+        (vec!["add-user", "bad id"], "invalid user id"),
+        (vec!["add-device", "d1", "--user", "nobody"], "unknown user"),
+        (vec!["add-conv", "c1", "--members", "alice,nobody"], "unknown user"),
+        (vec!["join", "nope", "alice"], "unknown conversation"),
+        (vec!["leave", "nope", "alice"], "unknown conversation"),
+        (vec!["reinstall-device", "nope"], "unknown device"),
+        (vec!["frobnicate"], "unknown or malformed admin command"),
+    ] {
+        let e = admin(args.clone()).await.expect_err("must fail");
+        assert!(format!("{e:#}").contains(needle), "{args:?}: {e:#}");
+    }
+    admin(vec!["add-conv", "c1", "--members", "alice"]).await.unwrap();
+    let e = admin(vec!["join", "c1", "alice"]).await.expect_err("already a member");
+    assert!(format!("{e:#}").contains("already a member"));
+    let token = admin(vec!["add-device", "d1", "--user", "alice"]).await.unwrap();
+    assert_eq!(token.len(), 64, "a 256-bit hex token, printed once");
+    let stored: String = sqlx::query_scalar("SELECT token_sha256 FROM devices WHERE device_id = 'd1'")
+        .fetch_one(&pg.pool().await.unwrap()).await.unwrap();
+    assert_ne!(stored, token, "only the hash is stored");
+}
