@@ -391,13 +391,19 @@ impl Gateway {
                 Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
                 Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
                     // Stdout closed without the line: the process is (nearly) gone.
-                    let status = gw.wait_exit(Duration::from_secs(2)).await.ok();
-                    bail!(
-                        "gateway closed stdout before `{READY_PREFIX}ADDR` ({}); {}:\n{}",
-                        status.map_or_else(|| "still running".to_string(), describe),
-                        gw.log_path.display(),
-                        gw.tail()
-                    );
+                    match gw.wait_exit(Duration::from_secs(2)).await {
+                        Ok(status) => bail!(
+                            "gateway exited ({}) before it was ready; {}:\n{}",
+                            describe(status),
+                            gw.log_path.display(),
+                            gw.tail()
+                        ),
+                        Err(_) => bail!(
+                            "gateway closed stdout before `{READY_PREFIX}ADDR` and still runs; {}:\n{}",
+                            gw.log_path.display(),
+                            gw.tail()
+                        ),
+                    }
                 }
             }
             if let Some(status) = gw.try_exit_status() {

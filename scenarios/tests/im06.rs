@@ -197,7 +197,17 @@ async fn im06_lost_push_swept() {
         let bound = Duration::from_millis(sweep_ms + 1000);
         let mut repairs = Vec::new();
         let mut over_bound = 0;
+        // A seeded phase offset before each send, so the repair times sample the whole sweep
+        // period instead of locking onto the phase of the previous repair.
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut phases = Vec::new();
         for i in 1..=trials {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let phase = Duration::from_millis(rng % sweep_ms);
+            phases.push(phase.as_millis() as u64);
+            tokio::time::sleep(phase).await;
             let sent = a.send("c1", &format!("m{i}"), "lost push", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
             let seq = sent["seq"].as_i64().unwrap_or(-1);
             let t0 = Instant::now();
@@ -217,6 +227,7 @@ async fn im06_lost_push_swept() {
         c.observe("repair_ms_p95", quantile(&repairs, 0.95));
         c.observe("repair_ms_max", quantile(&repairs, 1.0));
         c.observe("repair_ms_all", &repairs);
+        c.observe("phase_offsets_ms", &phases);
         c.expect("pushes_applied", 0, s.pushes_applied);
         c.expect("pushes_received", 0, s.pushes_received);
         c.expect_that("sweep_hints_received", ">= trials", s.hints_received.get("sweep").copied().unwrap_or(0),
