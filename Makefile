@@ -19,11 +19,11 @@ test: build lint
 	$(CARGO) nextest run --workspace $(FEATURES) --no-fail-fast
 
 evidence: build
-	$(CARGO) run -q -p scenarios --bin evidence $(FEATURES)
+	./target/debug/evidence
 
 # make repro FAULT='send.before_commit:halt'
 repro: build
-	$(CARGO) run -q -p scenarios --bin repro $(FEATURES) -- '$(FAULT)'
+	./target/debug/repro '$(FAULT)'
 
 clean:
 	$(CARGO) clean

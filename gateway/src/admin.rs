@@ -19,7 +19,9 @@ ids: 1 to 64 characters of A-Z a-z 0-9 . _ -";
 fn check_id(kind: &str, id: &str) -> anyhow::Result<()> {
     let ok = !id.is_empty()
         && id.len() <= 64
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
     if !ok {
         bail!("invalid {kind} id {id:?}: use 1 to 64 characters of A-Z a-z 0-9 . _ -");
     }
@@ -33,11 +35,20 @@ fn new_token() -> anyhow::Result<String> {
 }
 
 async fn exists(pool: &PgPool, sql: &str, id: &str) -> anyhow::Result<bool> {
-    Ok(sqlx::query_scalar::<_, bool>(sql).bind(id).fetch_one(pool).await?)
+    Ok(sqlx::query_scalar::<_, bool>(sql)
+        .bind(id)
+        .fetch_one(pool)
+        .await?)
 }
 
 async fn need_user(pool: &PgPool, user: &str) -> anyhow::Result<()> {
-    if !exists(pool, "SELECT EXISTS (SELECT 1 FROM users WHERE user_id = $1)", user).await? {
+    if !exists(
+        pool,
+        "SELECT EXISTS (SELECT 1 FROM users WHERE user_id = $1)",
+        user,
+    )
+    .await?
+    {
         bail!("unknown user {user:?} (create it with `admin add-user`)");
     }
     Ok(())
@@ -89,11 +100,13 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
                 need_user(pool, m).await?;
             }
             let mut tx = pool.begin().await?;
-            let r = sqlx::query("INSERT INTO conversations (conv_id) VALUES ($1) ON CONFLICT DO NOTHING")
-                .bind(conv)
-                .execute(&mut *tx)
-                .await
-                .context("insert conversation")?;
+            let r = sqlx::query(
+                "INSERT INTO conversations (conv_id) VALUES ($1) ON CONFLICT DO NOTHING",
+            )
+            .bind(conv)
+            .execute(&mut *tx)
+            .await
+            .context("insert conversation")?;
             if r.rows_affected() == 0 {
                 bail!("conversation {conv:?} already exists");
             }
@@ -117,11 +130,12 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
             need_user(pool, user).await?;
             let mut tx = pool.begin().await?;
             // Lock the conversation row as a send does: a period boundary and a seq never race (S1).
-            let next: Option<i64> =
-                sqlx::query_scalar("SELECT next_seq FROM conversations WHERE conv_id = $1 FOR UPDATE")
-                    .bind(conv)
-                    .fetch_optional(&mut *tx)
-                    .await?;
+            let next: Option<i64> = sqlx::query_scalar(
+                "SELECT next_seq FROM conversations WHERE conv_id = $1 FOR UPDATE",
+            )
+            .bind(conv)
+            .fetch_optional(&mut *tx)
+            .await?;
             let Some(next) = next else {
                 bail!("unknown conversation {conv:?}");
             };
@@ -147,13 +161,15 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
                 .execute(&mut *tx)
                 .await?;
                 if reopened.rows_affected() == 0 {
-                    sqlx::query("INSERT INTO memberships (conv_id, user_id, from_seq) VALUES ($1, $2, $3)")
-                        .bind(conv)
-                        .bind(user)
-                        .bind(next)
-                        .execute(&mut *tx)
-                        .await
-                        .context("insert membership")?;
+                    sqlx::query(
+                        "INSERT INTO memberships (conv_id, user_id, from_seq) VALUES ($1, $2, $3)",
+                    )
+                    .bind(conv)
+                    .bind(user)
+                    .bind(next)
+                    .execute(&mut *tx)
+                    .await
+                    .context("insert membership")?;
                 }
             } else {
                 if !open {
@@ -187,6 +203,9 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
             }
             Ok(Some(token))
         }
-        _ => bail!("unknown or malformed admin command: {}\n{USAGE}", a.join(" ")),
+        _ => bail!(
+            "unknown or malformed admin command: {}\n{USAGE}",
+            a.join(" ")
+        ),
     }
 }

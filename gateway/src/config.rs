@@ -67,7 +67,12 @@ pub fn database_url() -> anyhow::Result<String> {
 
 /// `IM_DB_TIMEOUT_MS` (default 5000).
 pub fn db_timeout() -> anyhow::Result<Duration> {
-    Ok(Duration::from_millis(num("IM_DB_TIMEOUT_MS", 5000u64, 1, 600_000)?))
+    Ok(Duration::from_millis(num(
+        "IM_DB_TIMEOUT_MS",
+        5000u64,
+        1,
+        600_000,
+    )?))
 }
 
 impl Config {

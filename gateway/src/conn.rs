@@ -27,10 +27,18 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     let (sink, mut stream) = ws.split();
     let (tx, rx) = mpsc::channel::<Out>(state.cfg.queue_frames_max);
     let handle_slot: Arc<std::sync::Mutex<Option<Arc<ConnHandle>>>> = Default::default();
-    let writer = state.tracker.spawn(writer(sink, rx, handle_slot.clone(), id));
+    let writer = state
+        .tracker
+        .spawn(writer(sink, rx, handle_slot.clone(), id));
     tracing::info!(conn = id, %peer, "connection opened");
 
-    let mut conn = Conn { state: state.clone(), id, tx: tx.clone(), who: None, handle: None };
+    let mut conn = Conn {
+        state: state.clone(),
+        id,
+        tx: tx.clone(),
+        who: None,
+        handle: None,
+    };
     let close_code = loop {
         let msg = tokio::select! {
             _ = state.cancel.cancelled() => break CloseCode::Away,
@@ -40,7 +48,13 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
             None => break CloseCode::Normal,
             Some(Ok(Message::Text(t))) => t,
             Some(Ok(Message::Binary(_))) => {
-                conn.reply(None, Err(WireError::bad("binary frames are not accepted: send JSON text"))).await;
+                conn.reply(
+                    None,
+                    Err(WireError::bad(
+                        "binary frames are not accepted: send JSON text",
+                    )),
+                )
+                .await;
                 continue;
             }
             Some(Ok(Message::Close(_))) => break CloseCode::Normal,
@@ -67,9 +81,15 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     if let Some(h) = &conn.handle {
         state.hub.remove(h);
     }
-    let device = conn.who.as_ref().map(|w| w.device.clone()).unwrap_or_default();
+    let device = conn
+        .who
+        .as_ref()
+        .map(|w| w.device.clone())
+        .unwrap_or_default();
     if close_code != CloseCode::Abnormal {
-        let _ = tx.send(Out::new(Kind::Close(close_code.into()), String::new())).await;
+        let _ = tx
+            .send(Out::new(Kind::Close(close_code.into()), String::new()))
+            .await;
     }
     drop(conn);
     drop(tx);
@@ -111,7 +131,8 @@ impl Conn {
                 if matches!(e, WireError::Internal) {
                     tracing::error!(conn = self.id, "request failed with INTERNAL");
                 }
-                self.queue(Kind::Reply, protocol::error_frame(rid, &e)).await
+                self.queue(Kind::Reply, protocol::error_frame(rid, &e))
+                    .await
             }
         }
     }
@@ -122,7 +143,8 @@ impl Conn {
             self.state.cfg.frame_max_bytes
         ));
         tracing::info!(conn = self.id, "frame over the size limit: closing");
-        self.queue(Kind::Reply, protocol::error_frame(None, &e)).await;
+        self.queue(Kind::Reply, protocol::error_frame(None, &e))
+            .await;
     }
 
     /// Handles one request; `Some(code)` ends the connection after the reply.
@@ -142,12 +164,18 @@ impl Conn {
         };
         let st = &self.state;
         let Some(who) = self.who.clone() else {
-            let Request::Hello { device, token, epoch } = req else {
-                self.reply(rid, Err(WireError::Unauthenticated("say hello first"))).await;
+            let Request::Hello {
+                device,
+                token,
+                epoch,
+            } = req
+            else {
+                self.reply(rid, Err(WireError::Unauthenticated("say hello first")))
+                    .await;
                 return None;
             };
-            let r = st
-                .db(move |pool| async move {
+            let r =
+                st.db(move |pool| async move {
                     store::authenticate(&pool, &device, &token, epoch).await
                 })
                 .await;
@@ -160,7 +188,8 @@ impl Conn {
                     None
                 }
                 Err(e) => {
-                    let fatal = matches!(e, WireError::Unauthenticated(_) | WireError::StaleInstall);
+                    let fatal =
+                        matches!(e, WireError::Unauthenticated(_) | WireError::StaleInstall);
                     self.reply(rid, Err(e)).await;
                     fatal.then_some(CloseCode::Policy)
                 }
@@ -168,16 +197,15 @@ impl Conn {
         };
         match req {
             Request::Hello { .. } => {
-                self.reply(rid, Err(WireError::bad("already authenticated"))).await;
+                self.reply(rid, Err(WireError::bad("already authenticated")))
+                    .await;
                 None
             }
             Request::Send { conv, cmid, body } => {
                 let w = who.clone();
                 let c = conv.clone();
                 let r = st
-                    .db(move |pool| async move {
-                        store::send(&pool, &w, &c, &cmid, &body).await
-                    })
+                    .db(move |pool| async move { store::send(&pool, &w, &c, &cmid, &body).await })
                     .await;
                 let sent = match r {
                     Ok(SendOutcome::Reply(s)) => s,
@@ -213,13 +241,14 @@ impl Conn {
                 let w = who.clone();
                 let c = conv.clone();
                 let r = st
-                    .db(move |pool| async move {
-                        store::ack(&pool, &w, &c, seq).await
-                    })
+                    .db(move |pool| async move { store::ack(&pool, &w, &c, seq).await })
                     .await;
                 let stale = matches!(r, Err(WireError::StaleInstall));
-                self.reply(rid, r.map(|d| json!({"t": "acked", "conv": conv, "delivered": d})))
-                    .await;
+                self.reply(
+                    rid,
+                    r.map(|d| json!({"t": "acked", "conv": conv, "delivered": d})),
+                )
+                .await;
                 stale.then_some(CloseCode::Policy)
             }
             Request::Sub => {
@@ -237,9 +266,7 @@ impl Conn {
                 let w = who.clone();
                 let max = self.state.cfg.sync_limit_max.max(10_000);
                 let r = st
-                    .db(move |pool| async move {
-                        store::conv_states(&pool, &w, max).await
-                    })
+                    .db(move |pool| async move { store::conv_states(&pool, &w, max).await })
                     .await;
                 let r = r.map(|convs| {
                     let convs: Vec<_> = convs
@@ -252,13 +279,13 @@ impl Conn {
                 None
             }
             Request::Sync { conv, after, limit } => {
-                let limit = limit.unwrap_or(SYNC_LIMIT_DEFAULT).min(self.state.cfg.sync_limit_max);
+                let limit = limit
+                    .unwrap_or(SYNC_LIMIT_DEFAULT)
+                    .min(self.state.cfg.sync_limit_max);
                 let w = who.clone();
                 let c = conv.clone();
                 let r = st
-                    .db(move |pool| async move {
-                        store::sync(&pool, &w, &c, after, limit).await
-                    })
+                    .db(move |pool| async move { store::sync(&pool, &w, &c, after, limit).await })
                     .await;
                 let r = r.map(|p| {
                     let events: Vec<_> = p.events.iter().map(|e| e.to_json()).collect();
@@ -288,7 +315,10 @@ async fn writer(
     while let Some(out) = rx.recv().await {
         let point = match out.kind {
             Kind::Close(code) => {
-                let frame = CloseFrame { code: CloseCode::from(code), reason: "".into() };
+                let frame = CloseFrame {
+                    code: CloseCode::from(code),
+                    reason: "".into(),
+                };
                 let _ = sink.send(Message::Close(Some(frame))).await;
                 let _ = sink.close().await;
                 return;
@@ -321,7 +351,10 @@ async fn writer(
             let h = handle.lock().unwrap_or_else(|p| p.into_inner()).clone();
             if let Some(pending) = h.and_then(|h| h.take_overflow()) {
                 for (conv, head) in pending {
-                    if write(&mut sink, protocol::hint_frame(&conv, head, "overflow")).await.is_err() {
+                    if write(&mut sink, protocol::hint_frame(&conv, head, "overflow"))
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                 }

@@ -93,17 +93,16 @@ pub async fn run(state: Arc<State>, first: PgListener) {
 /// Reads each notified event with its audience and offers it to the audience's connections.
 async fn deliver(state: Arc<State>, rx: mpsc::Receiver<(String, i64)>) {
     let inflight = state.cfg.fanout_inflight_max;
-    let reads = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|x| (x, rx))
-    })
-    .map(|(conv, seq)| {
-        let pool = state.pool.clone();
-        async move {
-            let r = store::event_with_audience(&pool, &conv, seq).await;
-            (conv, seq, r)
-        }
-    })
-    .buffered(inflight);
+    let reads =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) })
+            .map(|(conv, seq)| {
+                let pool = state.pool.clone();
+                async move {
+                    let r = store::event_with_audience(&pool, &conv, seq).await;
+                    (conv, seq, r)
+                }
+            })
+            .buffered(inflight);
     tokio::pin!(reads);
     loop {
         let next = tokio::select! {
@@ -119,7 +118,9 @@ async fn deliver(state: Arc<State>, rx: mpsc::Receiver<(String, i64)>) {
             }
             Ok(None) => tracing::warn!(conv, seq, "notified event not found"),
             // The sweep repairs whatever this push would have delivered.
-            Err(e) => tracing::warn!(conv, seq, error = %e, "fan-out read failed; the sweep will hint"),
+            Err(e) => {
+                tracing::warn!(conv, seq, error = %e, "fan-out read failed; the sweep will hint")
+            }
         }
     }
 }

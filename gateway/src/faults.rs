@@ -83,9 +83,9 @@ fn parse_action(s: &str) -> Result<Action, String> {
         "error" => Ok(Action::Error),
         _ => {
             if let Some(ms) = s.strip_prefix("delay(").and_then(|r| r.strip_suffix(')')) {
-                let ms: u64 = ms
-                    .parse()
-                    .map_err(|_| format!("delay({ms}): MS must be a whole number of milliseconds"))?;
+                let ms: u64 = ms.parse().map_err(|_| {
+                    format!("delay({ms}): MS must be a whole number of milliseconds")
+                })?;
                 if ms > 600_000 {
                     return Err(format!("delay({ms}): at most 600000 ms"));
                 }
@@ -125,9 +125,7 @@ fn parse_specs(spec: &str) -> Result<Vec<FaultSpec>, String> {
             .iter()
             .copied()
             .find(|p| *p == fields[0])
-            .ok_or_else(|| {
-                format!("unknown fault point {:?} in {part:?}", fields[0])
-            })?;
+            .ok_or_else(|| format!("unknown fault point {:?} in {part:?}", fields[0]))?;
         let action = parse_action(fields[1]).map_err(|e| format!("{e} in {part:?}"))?;
         let number = |i: usize, what: &str| -> Result<Option<u64>, String> {
             fields
@@ -146,7 +144,12 @@ fn parse_specs(spec: &str) -> Result<Vec<FaultSpec>, String> {
         if out.iter().any(|s| s.point == point) {
             return Err(format!("point {point} is given twice"));
         }
-        out.push(FaultSpec { point, action, skip, count });
+        out.push(FaultSpec {
+            point,
+            action,
+            skip,
+            count,
+        });
     }
     Ok(out)
 }
@@ -216,7 +219,8 @@ mod imp {
     /// Hits per point (index in `points::ALL`), counted only for armed points.
     static HITS: [AtomicU64; points::ALL.len()] = [const { AtomicU64::new(0) }; points::ALL.len()];
     /// Which points `IM_FAULT` armed: an unarmed point costs one atomic load.
-    static ARMED: [AtomicBool; points::ALL.len()] = [const { AtomicBool::new(false) }; points::ALL.len()];
+    static ARMED: [AtomicBool; points::ALL.len()] =
+        [const { AtomicBool::new(false) }; points::ALL.len()];
 
     pub(super) fn arm(s: &FaultSpec) -> Result<(), String> {
         // The action travels through `fail` as the argument of `return(..)`; `delay(MS)`
@@ -279,8 +283,18 @@ mod tests {
         assert_eq!(
             s,
             vec![
-                FaultSpec { point: points::GW_REPLY_SEND, action: Action::Drop, skip: 0, count: Some(1) },
-                FaultSpec { point: points::GW_PUSH, action: Action::Delay(25), skip: 0, count: None },
+                FaultSpec {
+                    point: points::GW_REPLY_SEND,
+                    action: Action::Drop,
+                    skip: 0,
+                    count: Some(1)
+                },
+                FaultSpec {
+                    point: points::GW_PUSH,
+                    action: Action::Delay(25),
+                    skip: 0,
+                    count: None
+                },
             ]
         );
         assert_eq!(parse("").unwrap(), vec![]);
@@ -289,7 +303,10 @@ mod tests {
     #[test]
     fn rejects_typos_naming_the_bad_part() {
         let e = parse("send.before_comit:halt").unwrap_err();
-        assert!(e.contains("send.before_comit") && e.contains("send.before_commit"), "{e}");
+        assert!(
+            e.contains("send.before_comit") && e.contains("send.before_commit"),
+            "{e}"
+        );
         let e = parse("gw.push:explode").unwrap_err();
         assert!(e.contains("explode") && e.contains("delay(MS)"), "{e}");
         assert!(parse("gw.push").is_err());

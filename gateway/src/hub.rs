@@ -86,17 +86,28 @@ impl ConnHandle {
 
     /// Queues an `event` push unless the queue is full or overflowed.
     pub fn push(&self, ev: &protocol::Event) {
-        self.offer(&ev.conv, ev.seq, Out::new(Kind::Push, protocol::event_frame(ev)));
+        self.offer(
+            &ev.conv,
+            ev.seq,
+            Out::new(Kind::Push, protocol::event_frame(ev)),
+        );
     }
 
     /// Queues a `hint`.
     pub fn hint(&self, conv: &str, head: i64, why: &str) {
-        self.offer(conv, head, Out::new(Kind::Hint, protocol::hint_frame(conv, head, why)));
+        self.offer(
+            conv,
+            head,
+            Out::new(Kind::Hint, protocol::hint_frame(conv, head, why)),
+        );
     }
 
     /// Called by the writer when its queue is empty: the overflow hints to send, if any.
     pub fn take_overflow(&self) -> Option<BTreeMap<String, i64>> {
-        self.overflow.lock().unwrap_or_else(|p| p.into_inner()).take()
+        self.overflow
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 }
 
@@ -132,7 +143,12 @@ impl Hub {
     /// The subscribed connections of these users (the audience of one event).
     pub fn conns_of(&self, users: &[String]) -> Vec<Arc<ConnHandle>> {
         let m = self.by_user.read().unwrap_or_else(|p| p.into_inner());
-        users.iter().filter_map(|u| m.get(u)).flatten().cloned().collect()
+        users
+            .iter()
+            .filter_map(|u| m.get(u))
+            .flatten()
+            .cloned()
+            .collect()
     }
 
     /// Every subscribed connection (for the sweep).

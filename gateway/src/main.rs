@@ -61,7 +61,10 @@ fn main() -> ExitCode {
             }
         }
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("im-gateway: cannot start the runtime: {e}");
@@ -102,7 +105,9 @@ async fn serve() -> anyhow::Result<()> {
     let cfg = config::Config::from_env()?;
     let pool = store::connect(&cfg.database_url, cfg.db_pool_max, cfg.db_timeout()).await?;
     migrate::check(&pool).await?;
-    let pg_listener = fanout::listen(&pool).await.context("open the LISTEN connection")?;
+    let pg_listener = fanout::listen(&pool)
+        .await
+        .context("open the LISTEN connection")?;
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .with_context(|| format!("bind IM_LISTEN={}", cfg.listen))?;
@@ -118,9 +123,10 @@ async fn serve() -> anyhow::Result<()> {
     let c = cancel.clone();
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) =
-            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-        else {
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
             tracing::error!("cannot install signal handlers");
             return;
         };

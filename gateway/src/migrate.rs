@@ -5,8 +5,11 @@ use anyhow::{bail, Context};
 use sqlx::PgPool;
 
 /// `(version, name, sql)`, in order. Files are embedded at build time.
-pub const MIGRATIONS: &[(i32, &str, &str)] =
-    &[(1, "0001_init", include_str!("../../migrations/0001_init.sql"))];
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "0001_init",
+    include_str!("../../migrations/0001_init.sql"),
+)];
 
 /// Arbitrary constant for `pg_advisory_xact_lock`: two concurrent `migrate` runs serialise.
 const MIGRATE_LOCK_KEY: i64 = 0x1f_a017;
@@ -50,7 +53,9 @@ pub async fn run(pool: &PgPool) -> anyhow::Result<Vec<i32>> {
             .execute(&mut *tx)
             .await
             .context("record migration")?;
-        tx.commit().await.with_context(|| format!("commit migration {name}"))?;
+        tx.commit()
+            .await
+            .with_context(|| format!("commit migration {name}"))?;
         applied.push(*version);
     }
     Ok(applied)
@@ -58,11 +63,10 @@ pub async fn run(pool: &PgPool) -> anyhow::Result<Vec<i32>> {
 
 /// Refuses to serve on a schema that lacks any embedded migration.
 pub async fn check(pool: &PgPool) -> anyhow::Result<()> {
-    let exists: bool =
-        sqlx::query_scalar("SELECT to_regclass('schema_migrations') IS NOT NULL")
-            .fetch_one(pool)
-            .await
-            .context("read the schema version")?;
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('schema_migrations') IS NOT NULL")
+        .fetch_one(pool)
+        .await
+        .context("read the schema version")?;
     let versions: Vec<i32> = if exists {
         sqlx::query_scalar("SELECT version FROM schema_migrations ORDER BY version")
             .fetch_all(pool)

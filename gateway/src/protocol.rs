@@ -14,11 +14,26 @@ pub const ID_MAX_BYTES: usize = 64;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Request {
-    Hello { device: String, token: String, epoch: i64 },
-    Send { conv: String, cmid: String, body: String },
-    Ack { conv: String, seq: i64 },
+    Hello {
+        device: String,
+        token: String,
+        epoch: i64,
+    },
+    Send {
+        conv: String,
+        cmid: String,
+        body: String,
+    },
+    Ack {
+        conv: String,
+        seq: i64,
+    },
     Sub,
-    Sync { conv: String, after: i64, limit: Option<i64> },
+    Sync {
+        conv: String,
+        after: i64,
+        limit: Option<i64>,
+    },
 }
 
 /// One parsed inbound frame: its `rid` (when it had a valid one) and the request or the
@@ -210,14 +225,35 @@ mod tests {
     fn malformed_frames_are_bad_request_never_panic() {
         assert_eq!(code("not json"), (None, "BAD_REQUEST"));
         assert_eq!(code("[1,2]"), (None, "BAD_REQUEST"));
-        assert_eq!(code(r#"{"t":"nope","rid":"1"}"#), (Some("1".into()), "BAD_REQUEST"));
+        assert_eq!(
+            code(r#"{"t":"nope","rid":"1"}"#),
+            (Some("1".into()), "BAD_REQUEST")
+        );
         assert_eq!(code(r#"{"t":5,"rid":"1"}"#).1, "BAD_REQUEST");
-        assert_eq!(code(r#"{"t":"ack","rid":"1","conv":"c","seq":"x"}"#).1, "BAD_REQUEST");
-        assert_eq!(code(r#"{"t":"ack","rid":"1","conv":"c","seq":-1}"#).1, "BAD_REQUEST");
-        assert_eq!(code(r#"{"t":"ack","rid":"1","conv":"c","seq":1.5}"#).1, "BAD_REQUEST");
-        assert_eq!(code(r#"{"t":"send","rid":"1","conv":"c","cmid":"m"}"#).1, "BAD_REQUEST");
-        assert_eq!(code(&format!(r#"{{"t":"sub","rid":"{}"}}"#, "r".repeat(65))), (None, "BAD_REQUEST"));
-        assert_eq!(code(r#"{"t":"sync","rid":"1","conv":"c","limit":0}"#).1, "BAD_REQUEST");
+        assert_eq!(
+            code(r#"{"t":"ack","rid":"1","conv":"c","seq":"x"}"#).1,
+            "BAD_REQUEST"
+        );
+        assert_eq!(
+            code(r#"{"t":"ack","rid":"1","conv":"c","seq":-1}"#).1,
+            "BAD_REQUEST"
+        );
+        assert_eq!(
+            code(r#"{"t":"ack","rid":"1","conv":"c","seq":1.5}"#).1,
+            "BAD_REQUEST"
+        );
+        assert_eq!(
+            code(r#"{"t":"send","rid":"1","conv":"c","cmid":"m"}"#).1,
+            "BAD_REQUEST"
+        );
+        assert_eq!(
+            code(&format!(r#"{{"t":"sub","rid":"{}"}}"#, "r".repeat(65))),
+            (None, "BAD_REQUEST")
+        );
+        assert_eq!(
+            code(r#"{"t":"sync","rid":"1","conv":"c","limit":0}"#).1,
+            "BAD_REQUEST"
+        );
     }
 
     #[test]
@@ -233,7 +269,11 @@ mod tests {
         let i = parse(r#"{"t":"sync","rid":"r","conv":"c","after":3}"#, 10);
         assert_eq!(
             i.req.unwrap(),
-            Request::Sync { conv: "c".into(), after: 3, limit: None }
+            Request::Sync {
+                conv: "c".into(),
+                after: 3,
+                limit: None
+            }
         );
     }
 }

@@ -50,7 +50,10 @@ impl State {
                 Err(WireError::Internal)
             }
             Err(_) => {
-                tracing::warn!(timeout_ms = self.cfg.db_timeout_ms, "database deadline passed: UNAVAILABLE");
+                tracing::warn!(
+                    timeout_ms = self.cfg.db_timeout_ms,
+                    "database deadline passed: UNAVAILABLE"
+                );
                 Err(WireError::Unavailable)
             }
         }
@@ -111,10 +114,16 @@ pub async fn serve(
                     r
                 };
                 if req.uri().path() != "/ws" {
-                    return Err(refuse(StatusCode::NOT_FOUND, "the WebSocket endpoint is /ws"));
+                    return Err(refuse(
+                        StatusCode::NOT_FOUND,
+                        "the WebSocket endpoint is /ws",
+                    ));
                 }
                 if full {
-                    return Err(refuse(StatusCode::SERVICE_UNAVAILABLE, "connection limit reached"));
+                    return Err(refuse(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "connection limit reached",
+                    ));
                 }
                 Ok(resp)
             };
@@ -138,8 +147,14 @@ pub async fn serve(
     tracing::info!("shutting down: no longer accepting");
     state.tracker.close();
     let grace = Duration::from_millis(state.cfg.shutdown_grace_ms);
-    if tokio::time::timeout(grace, state.tracker.wait()).await.is_err() {
-        tracing::warn!(grace_ms = state.cfg.shutdown_grace_ms, "shutdown grace exceeded; exiting anyway");
+    if tokio::time::timeout(grace, state.tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            grace_ms = state.cfg.shutdown_grace_ms,
+            "shutdown grace exceeded; exiting anyway"
+        );
     }
     state.pool.close().await;
     tracing::info!("stopped");

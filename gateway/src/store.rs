@@ -40,7 +40,11 @@ pub fn token_sha256(token: &str) -> String {
 
 /// Constant-time comparison of two hex digests of equal length.
 fn digest_eq(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 fn db(op: &'static str) -> impl Fn(sqlx::Error) -> WireError {
@@ -78,7 +82,11 @@ pub async fn authenticate(
     if epoch > install_epoch || !digest_eq(&token_sha256(token), &stored) {
         return Err(WireError::Unauthenticated("unknown device or wrong token"));
     }
-    Ok(Principal { user, device: device.to_string(), epoch })
+    Ok(Principal {
+        user,
+        device: device.to_string(),
+        epoch,
+    })
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,7 +127,12 @@ async fn earlier_send(
     Ok(row.map(|r| {
         let (c, b): (String, String) = (r.get(0), r.get(3));
         if c == conv && b == body {
-            Ok(Sent { seq: r.get(1), mid: r.get(2), dup: true, epoch: r.get(4) })
+            Ok(Sent {
+                seq: r.get(1),
+                mid: r.get(2),
+                dup: true,
+                epoch: r.get(4),
+            })
         } else {
             Err(WireError::CmidConflict)
         }
@@ -210,7 +223,12 @@ pub async fn send(
         Fired::Error => return Err(WireError::Unavailable),
     }
     tx.commit().await.map_err(db("send.commit"))?;
-    Ok(SendOutcome::Reply(Sent { seq, mid, dup: false, epoch: conv_epoch }))
+    Ok(SendOutcome::Reply(Sent {
+        seq,
+        mid,
+        dup: false,
+        epoch: conv_epoch,
+    }))
 }
 
 /// `ack`: one statement that checks the install epoch, membership and the head, and upserts
@@ -298,7 +316,11 @@ pub async fn conv_states(
     .map_err(db("sub"))?;
     Ok(rows
         .into_iter()
-        .map(|r| ConvState { conv: r.get(0), head: r.get(1), delivered: r.get(2) })
+        .map(|r| ConvState {
+            conv: r.get(0),
+            head: r.get(1),
+            delivered: r.get(2),
+        })
         .collect())
 }
 
@@ -367,7 +389,11 @@ pub async fn sync(
     .map_err(db("sync.page"))?;
     let complete = rows.len() as i64 <= limit;
     let events = rows.iter().take(limit as usize).map(event_from).collect();
-    Ok(Page { events, head, complete })
+    Ok(Page {
+        events,
+        head,
+        complete,
+    })
 }
 
 /// Fan-out read: the event and every user who may see it now (S1), in one query.
@@ -413,5 +439,8 @@ pub async fn lagging(
     .bind(users)
     .fetch_all(pool)
     .await?;
-    Ok(rows.into_iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+    Ok(rows
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect())
 }

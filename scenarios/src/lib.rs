@@ -16,7 +16,10 @@ pub const SCHEMA_VERSION: u32 = 1;
 pub fn records_dir() -> PathBuf {
     match std::env::var_os("IMFAULT_EVIDENCE_DIR") {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/imfault-records")),
+        None => PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../target/imfault-records"
+        )),
     }
 }
 
@@ -80,11 +83,18 @@ impl Check {
 
     /// Records `expected` (a value or a description such as "<= 1500") against `observed`,
     /// with `ok` computed by the caller.
-    pub fn expect_that(&mut self, name: &str, expected: impl Serialize, observed: impl Serialize, ok: bool) {
+    pub fn expect_that(
+        &mut self,
+        name: &str,
+        expected: impl Serialize,
+        observed: impl Serialize,
+        ok: bool,
+    ) {
         let e = json!(expected);
         let o = json!(observed);
         if !ok {
-            self.failures.push(format!("{name}: expected {e}, observed {o}"));
+            self.failures
+                .push(format!("{name}: expected {e}, observed {o}"));
         }
         self.rec.expected.insert(name.to_string(), e);
         self.rec.observed.insert(name.to_string(), o);
@@ -160,7 +170,9 @@ pub async fn db_invariant_violations(pool: &sqlx::PgPool) -> anyhow::Result<Vec<
     .fetch_all(pool)
     .await?;
     for (conv, head, n, max) in p1 {
-        v.push(format!("P1: {conv} head {head} but {n} events, max seq {max:?}"));
+        v.push(format!(
+            "P1: {conv} head {head} but {n} events, max seq {max:?}"
+        ));
     }
     let d4: Vec<(String, String, i64, i64)> = sqlx::query_as(
         "SELECT dc.device_id, dc.conv_id, dc.delivered_seq, c.next_seq - 1
@@ -181,7 +193,9 @@ pub async fn db_invariant_violations(pool: &sqlx::PgPool) -> anyhow::Result<Vec<
     .fetch_all(pool)
     .await?;
     for (conv, seq) in s1 {
-        v.push(format!("S1: event {conv}:{seq} sent outside the sender's membership"));
+        v.push(format!(
+            "S1: event {conv}:{seq} sent outside the sender's membership"
+        ));
     }
     Ok(v)
 }
@@ -233,32 +247,44 @@ pub fn ms(d: std::time::Duration) -> f64 {
     (d.as_secs_f64() * 10_000.0).round() / 10.0
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn quantile_is_nearest_rank() {
-        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(super::quantile(&xs, 0.5), Some(50.0));
-        assert_eq!(super::quantile(&xs, 0.95), Some(95.0));
-        assert_eq!(super::quantile(&xs, 1.0), Some(100.0));
-        assert_eq!(super::quantile(&[], 0.5), None);
-    }
-}
-
 /// The im-06 checks: `(evidence id, test name in tests/im06.rs)`. The evidence runner
 /// expects one record per entry; a missing record is a FAIL.
 pub const IM06_CHECKS: &[(&str, &str)] = &[
-    ("06-crash-send.before_insert", "im06_crash_send_before_insert"),
-    ("06-crash-send.before_commit", "im06_crash_send_before_commit"),
-    ("06-crash-api.after_send_commit", "im06_crash_api_after_send_commit"),
+    (
+        "06-crash-send.before_insert",
+        "im06_crash_send_before_insert",
+    ),
+    (
+        "06-crash-send.before_commit",
+        "im06_crash_send_before_commit",
+    ),
+    (
+        "06-crash-api.after_send_commit",
+        "im06_crash_api_after_send_commit",
+    ),
     ("06-lost-reply-retry", "im06_lost_reply_retry"),
-    ("06-push-ack-advances-cursor", "im06_push_ack_advances_cursor"),
-    ("06-ack-monotonic-and-bounded", "im06_ack_monotonic_and_bounded"),
+    (
+        "06-push-ack-advances-cursor",
+        "im06_push_ack_advances_cursor",
+    ),
+    (
+        "06-ack-monotonic-and-bounded",
+        "im06_ack_monotonic_and_bounded",
+    ),
     ("06-lost-push-swept", "im06_lost_push_swept"),
-    ("06-db-immediate-stop-keeps-acked", "im06_db_immediate_stop_keeps_acked"),
+    (
+        "06-db-immediate-stop-keeps-acked",
+        "im06_db_immediate_stop_keeps_acked",
+    ),
     ("06-lost-ack-swept", "im06_lost_ack_swept"),
-    ("06-receiver-crash-before-ack", "im06_receiver_crash_before_ack"),
-    ("06-listen-conn-killed-swept", "im06_listen_conn_killed_swept"),
+    (
+        "06-receiver-crash-before-ack",
+        "im06_receiver_crash_before_ack",
+    ),
+    (
+        "06-listen-conn-killed-swept",
+        "im06_listen_conn_killed_swept",
+    ),
     ("06-queue-overflow-hint", "im06_queue_overflow_hint"),
 ];
 
@@ -301,4 +327,16 @@ pub fn im06_not_run() -> Vec<Record> {
              chapter-02 target scale and its 3% redelivery rate were not run.",
         ),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn quantile_is_nearest_rank() {
+        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(super::quantile(&xs, 0.5), Some(50.0));
+        assert_eq!(super::quantile(&xs, 0.95), Some(95.0));
+        assert_eq!(super::quantile(&xs, 1.0), Some(100.0));
+        assert_eq!(super::quantile(&[], 0.5), None);
+    }
 }

@@ -6,7 +6,9 @@ use futures_util::future::join_all;
 use harness::client::{Client, ClientError, ClientOptions};
 use harness::gateway::GatewayOpts;
 use harness::world::World;
-use scenarios::{alice_and_bob, connect, db_invariant_violations, ms, postgres_facts, quantile, Check};
+use scenarios::{
+    alice_and_bob, connect, db_invariant_violations, ms, postgres_facts, quantile, Check,
+};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -20,7 +22,11 @@ async fn start(c: &mut Check, opts: GatewayOpts) -> anyhow::Result<World> {
 
 async fn invariants(c: &mut Check, w: &World) -> anyhow::Result<()> {
     let v = db_invariant_violations(&w.pool().await?).await?;
-    c.expect("db_invariant_violations (P1, D4, S1)", Vec::<String>::new(), v);
+    c.expect(
+        "db_invariant_violations (P1, D4, S1)",
+        Vec::<String>::new(),
+        v,
+    );
     Ok(())
 }
 
@@ -38,45 +44,83 @@ fn first_reply(r: &Result<Value, ClientError>) -> Value {
 /// sender sees no reply; the rows right after the crash tell where it died; a new client
 /// instance loaded from the state file replays the outbox against a healthy gateway and
 /// ends with exactly one row (D1, D2, P1).
-async fn crash_point(c: &mut Check, point: &str, rows_after_crash: i64, dup: bool) -> anyhow::Result<()> {
-    let mut w = start(c, GatewayOpts { fault: Some(format!("{point}:halt")), ..Default::default() }).await?;
+async fn crash_point(
+    c: &mut Check,
+    point: &str,
+    rows_after_crash: i64,
+    dup: bool,
+) -> anyhow::Result<()> {
+    let mut w = start(
+        c,
+        GatewayOpts {
+            fault: Some(format!("{point}:halt")),
+            ..Default::default()
+        },
+    )
+    .await?;
     let (a, _b) = alice_and_bob(&w).await?;
     let state = a.state_path().to_path_buf();
-    let r = a.send("c1", "cmid-crash-1", "hello across a crash", Duration::from_secs(5)).await;
+    let r = a
+        .send(
+            "c1",
+            "cmid-crash-1",
+            "hello across a crash",
+            Duration::from_secs(5),
+        )
+        .await;
     let status = w.gw_mut().wait_exit(T).await?;
     c.expect("gateway_exit_status", 137, w.gw().exit_code());
     c.expect("first_reply", "none (connection lost)", first_reply(&r));
     let line = format!("fault fired: point={point} action=halt hit=1");
-    c.expect("fault_line_on_stderr", true, w.gw().log_text().contains(&line));
+    c.expect(
+        "fault_line_on_stderr",
+        true,
+        w.gw().log_text().contains(&line),
+    );
     c.observe("exit_status_raw", status.to_string());
     let rows = w.count_events("c1").await?;
     c.expect("rows_after_crash", rows_after_crash, rows);
-    let original_seq: Option<i64> = sqlx::query_scalar("SELECT seq FROM events WHERE cmid = 'cmid-crash-1'")
-        .fetch_optional(&w.pool().await?)
-        .await?;
+    let original_seq: Option<i64> =
+        sqlx::query_scalar("SELECT seq FROM events WHERE cmid = 'cmid-crash-1'")
+            .fetch_optional(&w.pool().await?)
+            .await?;
     c.expect("outbox_after_crash", 1, a.outbox().len());
     a.crash().await;
 
     w.restart_gateway(GatewayOpts::default()).await?;
     let mut again = Client::load(&state)?;
-    again.connect(&w.ws_url()).await.map_err(|e| anyhow::anyhow!("reconnect: {e}"))?;
+    again
+        .connect(&w.ws_url())
+        .await
+        .map_err(|e| anyhow::anyhow!("reconnect: {e}"))?;
     let replies = again.replay_outbox(T).await;
     c.expect("replayed", 1, replies.len());
-    let reply = replies.into_iter().next().ok_or_else(|| anyhow::anyhow!("no replay reply"))?;
+    let reply = replies
+        .into_iter()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no replay reply"))?;
     let reply = reply.map_err(|e| anyhow::anyhow!("replay failed: {e}"))?;
     c.expect("rows_after_resend", 1, w.count_events("c1").await?);
     c.expect("resend_dup", dup, reply["dup"].as_bool());
     let expected_seq = original_seq.unwrap_or(1);
     c.expect("resend_seq", expected_seq, reply["seq"].as_i64());
     c.observe("seq_before_resend", original_seq);
-    c.expect("outbox_empty", true, again.outbox().is_empty() && Client::load(&state)?.outbox().is_empty());
+    c.expect(
+        "outbox_empty",
+        true,
+        again.outbox().is_empty() && Client::load(&state)?.outbox().is_empty(),
+    );
     invariants(c, &w).await
 }
 
 /// 8.1: crash before the INSERT: 0 rows, the resend creates the message (dup:false).
 #[tokio::test]
 async fn im06_crash_send_before_insert() {
-    let mut c = Check::new("06-crash-send.before_insert", "crash", Some("send.before_insert:halt"));
+    let mut c = Check::new(
+        "06-crash-send.before_insert",
+        "crash",
+        Some("send.before_insert:halt"),
+    );
     let r = crash_point(&mut c, "send.before_insert", 0, false).await;
     c.finish(r);
 }
@@ -85,7 +129,11 @@ async fn im06_crash_send_before_insert() {
 /// seq is not consumed (P1), the resend creates the message with seq 1 (dup:false).
 #[tokio::test]
 async fn im06_crash_send_before_commit() {
-    let mut c = Check::new("06-crash-send.before_commit", "crash", Some("send.before_commit:halt"));
+    let mut c = Check::new(
+        "06-crash-send.before_commit",
+        "crash",
+        Some("send.before_commit:halt"),
+    );
     let r = crash_point(&mut c, "send.before_commit", 0, false).await;
     c.finish(r);
 }
@@ -94,7 +142,11 @@ async fn im06_crash_send_before_commit() {
 /// the original seq and mid, still 1 row (D2's key case).
 #[tokio::test]
 async fn im06_crash_api_after_send_commit() {
-    let mut c = Check::new("06-crash-api.after_send_commit", "crash", Some("api.after_send_commit:halt"));
+    let mut c = Check::new(
+        "06-crash-api.after_send_commit",
+        "crash",
+        Some("api.after_send_commit:halt"),
+    );
     let r = crash_point(&mut c, "api.after_send_commit", 1, true).await;
     c.finish(r);
 }
@@ -106,22 +158,41 @@ async fn im06_lost_reply_retry() {
     let fault = "gw.reply.send:drop:0:1";
     let mut c = Check::new("06-lost-reply-retry", "failure", Some(fault));
     let r = async {
-        let w = start(&mut c, GatewayOpts { fault: Some(fault.into()), ..Default::default() }).await?;
+        let w = start(
+            &mut c,
+            GatewayOpts {
+                fault: Some(fault.into()),
+                ..Default::default()
+            },
+        )
+        .await?;
         let (a, _b) = alice_and_bob(&w).await?;
-        let first = a.send("c1", "cmid-lost-reply", "body", Duration::from_millis(1500)).await;
+        let first = a
+            .send("c1", "cmid-lost-reply", "body", Duration::from_millis(1500))
+            .await;
         c.expect("first_reply", "none (timeout)", first_reply(&first));
         c.expect("outbox_after_timeout", 1, a.outbox().len());
         let seq: i64 = sqlx::query_scalar("SELECT seq FROM events WHERE cmid = 'cmid-lost-reply'")
             .fetch_one(&w.pool().await?)
             .await?;
         let replies = a.replay_outbox(T).await;
-        let reply = replies.into_iter().next().ok_or_else(|| anyhow::anyhow!("no replay"))?
+        let reply = replies
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("no replay"))?
             .map_err(|e| anyhow::anyhow!("resend failed: {e}"))?;
         c.expect("resend_dup", true, reply["dup"].as_bool());
         c.expect("resend_seq", seq, reply["seq"].as_i64());
         c.expect("rows", 1, w.count_events("c1").await?);
         c.expect("outbox_empty", true, a.outbox().is_empty());
-        c.expect("fault_fired_once", 1, w.gw().log_text().matches("fault fired: point=gw.reply.send").count());
+        c.expect(
+            "fault_fired_once",
+            1,
+            w.gw()
+                .log_text()
+                .matches("fault fired: point=gw.reply.send")
+                .count(),
+        );
         invariants(&mut c, &w).await
     }
     .await;
@@ -138,7 +209,10 @@ async fn im06_push_ack_advances_cursor() {
         let (a, b) = alice_and_bob(&w).await?;
         let mut last = 0;
         for i in 1..=7 {
-            last = a.send("c1", &format!("m{i}"), "hi", T).await.map_err(|e| anyhow::anyhow!("{e}"))?["seq"]
+            last = a
+                .send("c1", &format!("m{i}"), "hi", T)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?["seq"]
                 .as_i64()
                 .unwrap_or(-1);
         }
@@ -150,7 +224,12 @@ async fn im06_push_ack_advances_cursor() {
         c.expect("pushes_applied", 7, s.pushes_applied);
         c.expect("events_synced", 0, s.events_synced);
         c.observe("acks_sent", s.acks_sent);
-        c.expect_that("acks_sent_coalesced", "<= 4 for 7 events", s.acks_sent, s.acks_sent <= 4);
+        c.expect_that(
+            "acks_sent_coalesced",
+            "<= 4 for 7 events",
+            s.acks_sent,
+            s.acks_sent <= 4,
+        );
         invariants(&mut c, &w).await
     }
     .await;
@@ -166,13 +245,22 @@ async fn im06_ack_monotonic_and_bounded() {
         let w = start(&mut c, GatewayOpts::default()).await?;
         let (a, b) = alice_and_bob(&w).await?;
         for i in 1..=7 {
-            a.send("c1", &format!("m{i}"), "hi", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+            a.send("c1", &format!("m{i}"), "hi", T)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
         }
         b.wait_server_delivered("c1", 7, T).await?;
-        let low = b.ack("c1", 1, T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let low = b
+            .ack("c1", 1, T)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         c.expect("ack_1_reply_delivered", 7, low["delivered"].as_i64());
         let ahead = b.ack("c1", 107, T).await;
-        c.expect("ack_107_error", Some("CURSOR_AHEAD"), ahead.as_ref().err().and_then(|e| e.code()));
+        c.expect(
+            "ack_107_error",
+            Some("CURSOR_AHEAD"),
+            ahead.as_ref().err().and_then(|e| e.code()),
+        );
         c.expect("delivered_seq_after", Some(7), w.cursor("b1", "c1").await?);
         c.expect("head", 7, w.head("c1").await?);
         invariants(&mut c, &w).await
@@ -192,7 +280,15 @@ async fn im06_lost_push_swept() {
     let trials = 30;
     let mut c = Check::new("06-lost-push-swept", "recovery", Some(fault));
     let r = async {
-        let w = start(&mut c, GatewayOpts { fault: Some(fault.into()), sweep_ms: Some(sweep_ms), ..Default::default() }).await?;
+        let w = start(
+            &mut c,
+            GatewayOpts {
+                fault: Some(fault.into()),
+                sweep_ms: Some(sweep_ms),
+                ..Default::default()
+            },
+        )
+        .await?;
         let (a, b) = alice_and_bob(&w).await?;
         let bound = Duration::from_millis(sweep_ms + 1000);
         let mut repairs = Vec::new();
@@ -208,10 +304,14 @@ async fn im06_lost_push_swept() {
             let phase = Duration::from_millis(rng % sweep_ms);
             phases.push(phase.as_millis() as u64);
             tokio::time::sleep(phase).await;
-            let sent = a.send("c1", &format!("m{i}"), "lost push", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+            let sent = a
+                .send("c1", &format!("m{i}"), "lost push", T)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
             let seq = sent["seq"].as_i64().unwrap_or(-1);
             let t0 = Instant::now();
-            b.wait_server_delivered("c1", seq, bound + Duration::from_secs(2)).await?;
+            b.wait_server_delivered("c1", seq, bound + Duration::from_secs(2))
+                .await?;
             let took = t0.elapsed();
             if took > bound {
                 over_bound += 1;
@@ -230,9 +330,17 @@ async fn im06_lost_push_swept() {
         c.observe("phase_offsets_ms", &phases);
         c.expect("pushes_applied", 0, s.pushes_applied);
         c.expect("pushes_received", 0, s.pushes_received);
-        c.expect_that("sweep_hints_received", ">= trials", s.hints_received.get("sweep").copied().unwrap_or(0),
-            s.hints_received.get("sweep").copied().unwrap_or(0) >= trials as u64);
-        c.expect("delivered_seq", Some(trials as i64), w.cursor("b1", "c1").await?);
+        c.expect_that(
+            "sweep_hints_received",
+            ">= trials",
+            s.hints_received.get("sweep").copied().unwrap_or(0),
+            s.hints_received.get("sweep").copied().unwrap_or(0) >= trials as u64,
+        );
+        c.expect(
+            "delivered_seq",
+            Some(trials as i64),
+            w.cursor("b1", "c1").await?,
+        );
         invariants(&mut c, &w).await
     }
     .await;
@@ -246,9 +354,20 @@ async fn im06_lost_push_swept() {
 /// end with exactly one row each (D2).
 #[tokio::test]
 async fn im06_db_immediate_stop_keeps_acked() {
-    let mut c = Check::new("06-db-immediate-stop-keeps-acked", "recovery", Some("postgres: immediate shutdown (SIGQUIT)"));
+    let mut c = Check::new(
+        "06-db-immediate-stop-keeps-acked",
+        "recovery",
+        Some("postgres: immediate shutdown (SIGQUIT)"),
+    );
     let r = async {
-        let mut w = start(&mut c, GatewayOpts { db_timeout_ms: Some(1000), ..Default::default() }).await?;
+        let mut w = start(
+            &mut c,
+            GatewayOpts {
+                db_timeout_ms: Some(1000),
+                ..Default::default()
+            },
+        )
+        .await?;
         let (a, _b) = alice_and_bob(&w).await?;
         drop(a);
         let mut senders = Vec::new();
@@ -270,7 +389,10 @@ async fn im06_db_immediate_stop_keeps_acked() {
                     let cmid = format!("s{i}-{n}");
                     n += 1;
                     match s.send("c1", &cmid, "keep me", Duration::from_secs(3)).await {
-                        Ok(r) => acked.lock().unwrap().push((cmid, r["seq"].as_i64().unwrap_or(-1))),
+                        Ok(r) => acked
+                            .lock()
+                            .unwrap()
+                            .push((cmid, r["seq"].as_i64().unwrap_or(-1))),
                         Err(_) => break, // the database went away under this send
                     }
                 }
@@ -291,22 +413,38 @@ async fn im06_db_immediate_stop_keeps_acked() {
         w.pg.restart().await?;
         let pool = w.pool().await?;
         let cmids: Vec<String> = acked.iter().map(|(m, _)| m.clone()).collect();
-        let found: Vec<(String, i64)> = sqlx::query_as("SELECT cmid, seq FROM events WHERE cmid = ANY($1)")
-            .bind(&cmids)
-            .fetch_all(&pool)
-            .await?;
+        let found: Vec<(String, i64)> =
+            sqlx::query_as("SELECT cmid, seq FROM events WHERE cmid = ANY($1)")
+                .bind(&cmids)
+                .fetch_all(&pool)
+                .await?;
         let found_set: std::collections::HashMap<String, i64> = found.iter().cloned().collect();
-        let missing: Vec<&String> = cmids.iter().filter(|m| !found_set.contains_key(*m)).collect();
-        let wrong_seq = acked.iter().filter(|(m, s)| found_set.get(m).is_some_and(|f| f != s)).count();
-        c.expect_that("acknowledged_before_stop", ">= 200", acked.len(), acked.len() >= 200);
+        let missing: Vec<&String> = cmids
+            .iter()
+            .filter(|m| !found_set.contains_key(*m))
+            .collect();
+        let wrong_seq = acked
+            .iter()
+            .filter(|(m, s)| found_set.get(m).is_some_and(|f| f != s))
+            .count();
+        c.expect_that(
+            "acknowledged_before_stop",
+            ">= 200",
+            acked.len(),
+            acked.len() >= 200,
+        );
         c.expect("acknowledged_missing_after_recovery", 0, missing.len());
         c.expect("acknowledged_found_twice", 0, found.len() - found_set.len());
         c.expect("acknowledged_with_other_seq", 0, wrong_seq);
         let rows_after_recovery = w.count_events("c1").await?;
         c.observe("rows_before_stop", rows_before_stop);
         c.observe("rows_after_recovery", rows_after_recovery);
-        c.expect_that("rows_after_recovery_vs_acknowledged", ">= acknowledged", rows_after_recovery,
-            rows_after_recovery >= acked.len() as i64);
+        c.expect_that(
+            "rows_after_recovery_vs_acknowledged",
+            ">= acknowledged",
+            rows_after_recovery,
+            rows_after_recovery >= acked.len() as i64,
+        );
         // In-flight sends: replay every outbox; each must end as exactly one row.
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut pending = 0;
@@ -317,7 +455,10 @@ async fn im06_db_immediate_stop_keeps_acked() {
                 if rs.iter().all(|r| r.is_ok()) {
                     break;
                 }
-                anyhow::ensure!(Instant::now() < deadline, "outbox replay never succeeded: {rs:?}");
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "outbox replay never succeeded: {rs:?}"
+                );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
@@ -339,29 +480,62 @@ async fn im06_lost_ack_swept() {
     let sweep_ms = 300u64;
     let mut c = Check::new("06-lost-ack-swept", "recovery", Some(fault));
     let r = async {
-        let w = start(&mut c, GatewayOpts { fault: Some(fault.into()), sweep_ms: Some(sweep_ms), ..Default::default() }).await?;
+        let w = start(
+            &mut c,
+            GatewayOpts {
+                fault: Some(fault.into()),
+                sweep_ms: Some(sweep_ms),
+                ..Default::default()
+            },
+        )
+        .await?;
         w.add_user("alice").await?;
         w.add_user("bob").await?;
         let ta = w.add_device("a1", "alice").await?;
         let tb = w.add_device("b1", "bob").await?;
         w.add_conv("c1", &["alice", "bob"]).await?;
         let a = connect(&w, "a1", &ta).await?;
-        let b = connect(&w, "b1", &tb).await?
-            .with_options(ClientOptions { request_timeout: Duration::from_millis(500), ..Default::default() });
+        let b = connect(&w, "b1", &tb).await?.with_options(ClientOptions {
+            request_timeout: Duration::from_millis(500),
+            ..Default::default()
+        });
         b.sub().await.map_err(|e| anyhow::anyhow!("{e}"))?;
-        a.send("c1", "m1", "hi", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        a.send("c1", "m1", "hi", T)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         let t0 = Instant::now();
         b.wait_cursor("c1", 1, T).await?;
         let bound = Duration::from_millis(sweep_ms + 1000);
         let r = b.wait_server_delivered("c1", 1, bound * 2).await;
         let took = t0.elapsed();
-        c.expect("fault_fired", 1, w.gw().log_text().matches("fault fired: point=gw.recv.ack action=drop").count());
+        c.expect(
+            "fault_fired",
+            1,
+            w.gw()
+                .log_text()
+                .matches("fault fired: point=gw.recv.ack action=drop")
+                .count(),
+        );
         c.expect("delivered_seq", Some(1), w.cursor("b1", "c1").await?);
-        c.expect_that("repair_ms", format!("<= {}", bound.as_millis()), ms(took), r.is_ok() && took <= bound);
+        c.expect_that(
+            "repair_ms",
+            format!("<= {}", bound.as_millis()),
+            ms(took),
+            r.is_ok() && took <= bound,
+        );
         let s = b.stats();
-        c.expect_that("sweep_hints_received", ">= 1", s.hints_received.get("sweep").copied().unwrap_or(0),
-            s.hints_received.get("sweep").copied().unwrap_or(0) >= 1);
-        c.expect_that("acks_sent", ">= 2 (the lost one and the re-ack)", s.acks_sent, s.acks_sent >= 2);
+        c.expect_that(
+            "sweep_hints_received",
+            ">= 1",
+            s.hints_received.get("sweep").copied().unwrap_or(0),
+            s.hints_received.get("sweep").copied().unwrap_or(0) >= 1,
+        );
+        c.expect_that(
+            "acks_sent",
+            ">= 2 (the lost one and the re-ack)",
+            s.acks_sent,
+            s.acks_sent >= 2,
+        );
         c.expect("stored_seqs", vec![1], b.stored_seqs("c1"));
         invariants(&mut c, &w).await
     }
@@ -375,7 +549,11 @@ async fn im06_lost_ack_swept() {
 /// keeps one copy of each (dedup by seq), and acks 5.
 #[tokio::test]
 async fn im06_receiver_crash_before_ack() {
-    let mut c = Check::new("06-receiver-crash-before-ack", "recovery", Some("client: crash after store, before ack"));
+    let mut c = Check::new(
+        "06-receiver-crash-before-ack",
+        "recovery",
+        Some("client: crash after store, before ack"),
+    );
     let r = async {
         let w = start(&mut c, GatewayOpts::default()).await?;
         w.add_user("alice").await?;
@@ -384,25 +562,47 @@ async fn im06_receiver_crash_before_ack() {
         let tb = w.add_device("b1", "bob").await?;
         w.add_conv("c1", &["alice", "bob"]).await?;
         let a = connect(&w, "a1", &ta).await?;
-        let b = connect(&w, "b1", &tb).await?
-            .with_options(ClientOptions { auto_ack: false, ..Default::default() });
+        let b = connect(&w, "b1", &tb).await?.with_options(ClientOptions {
+            auto_ack: false,
+            ..Default::default()
+        });
         b.sub().await.map_err(|e| anyhow::anyhow!("{e}"))?;
         for i in 1..=5 {
-            a.send("c1", &format!("m{i}"), "hi", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+            a.send("c1", &format!("m{i}"), "hi", T)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
         }
         b.wait_cursor("c1", 5, T).await?;
         let state = b.state_path().to_path_buf();
-        c.expect("stored_before_crash", vec![1, 2, 3, 4, 5], b.stored_seqs("c1"));
+        c.expect(
+            "stored_before_crash",
+            vec![1, 2, 3, 4, 5],
+            b.stored_seqs("c1"),
+        );
         b.crash().await;
-        c.expect("delivered_seq_after_crash", None::<i64>, w.cursor("b1", "c1").await?);
+        c.expect(
+            "delivered_seq_after_crash",
+            None::<i64>,
+            w.cursor("b1", "c1").await?,
+        );
         let mut b2 = Client::load(&state)?;
-        c.expect("stored_after_restart", vec![1, 2, 3, 4, 5], b2.stored_seqs("c1"));
-        b2.connect(&w.ws_url()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        c.expect(
+            "stored_after_restart",
+            vec![1, 2, 3, 4, 5],
+            b2.stored_seqs("c1"),
+        );
+        b2.connect(&w.ws_url())
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         b2.sub().await.map_err(|e| anyhow::anyhow!("{e}"))?;
         b2.wait_server_delivered("c1", 5, T).await?;
         let s = b2.stats();
         c.expect("duplicates_ignored", 5, s.duplicates_ignored);
-        c.expect("stored_after_resync", vec![1, 2, 3, 4, 5], b2.stored_seqs("c1"));
+        c.expect(
+            "stored_after_resync",
+            vec![1, 2, 3, 4, 5],
+            b2.stored_seqs("c1"),
+        );
         c.expect("delivered_seq", Some(5), w.cursor("b1", "c1").await?);
         invariants(&mut c, &w).await
     }
@@ -416,7 +616,11 @@ async fn im06_receiver_crash_before_ack() {
 /// message and its cursor at the head (D5).
 #[tokio::test]
 async fn im06_listen_conn_killed_swept() {
-    let mut c = Check::new("06-listen-conn-killed-swept", "recovery", Some("postgres: pg_terminate_backend(LISTEN connection)"));
+    let mut c = Check::new(
+        "06-listen-conn-killed-swept",
+        "recovery",
+        Some("postgres: pg_terminate_backend(LISTEN connection)"),
+    );
     let r = async {
         let w = start(&mut c, GatewayOpts { sweep_ms: Some(300), ..Default::default() }).await?;
         let (a, b) = alice_and_bob(&w).await?;
@@ -463,12 +667,16 @@ async fn im06_queue_overflow_hint() {
     let fault = "gw.push:delay(30)";
     let mut c = Check::new("06-queue-overflow-hint", "recovery", Some(fault));
     let r = async {
-        let w = start(&mut c, GatewayOpts {
-            fault: Some(fault.into()),
-            sweep_ms: Some(60_000), // keep the sweep out of it: the overflow hint must repair alone
-            env: vec![("IM_QUEUE_FRAMES_MAX".into(), "4".into())],
-            ..Default::default()
-        }).await?;
+        let w = start(
+            &mut c,
+            GatewayOpts {
+                fault: Some(fault.into()),
+                sweep_ms: Some(60_000), // keep the sweep out of it: the overflow hint must repair alone
+                env: vec![("IM_QUEUE_FRAMES_MAX".into(), "4".into())],
+                ..Default::default()
+            },
+        )
+        .await?;
         w.add_user("alice").await?;
         w.add_user("bob").await?;
         let ta = w.add_device("a1", "alice").await?;
@@ -480,17 +688,35 @@ async fn im06_queue_overflow_hint() {
         let total = 40i64;
         let t0 = Instant::now();
         for i in 1..=total {
-            a.send("c1", &format!("m{i}"), "burst", T).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+            a.send("c1", &format!("m{i}"), "burst", T)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
         }
         c.observe("send_burst_ms", ms(t0.elapsed()));
-        let r = b.wait_server_delivered("c1", total, Duration::from_secs(15)).await;
+        let r = b
+            .wait_server_delivered("c1", total, Duration::from_secs(15))
+            .await;
         c.expect("receiver_caught_up", true, r.is_ok());
         let s = b.stats();
         let overflow_hints = s.hints_received.get("overflow").copied().unwrap_or(0);
-        c.expect_that("overflow_hints_received", ">= 1", overflow_hints, overflow_hints >= 1);
-        c.expect_that("pushes_applied", format!("< {total} (some pushes were not queued)"), s.pushes_applied, s.pushes_applied < total as u64);
+        c.expect_that(
+            "overflow_hints_received",
+            ">= 1",
+            overflow_hints,
+            overflow_hints >= 1,
+        );
+        c.expect_that(
+            "pushes_applied",
+            format!("< {total} (some pushes were not queued)"),
+            s.pushes_applied,
+            s.pushes_applied < total as u64,
+        );
         c.observe("events_synced", s.events_synced);
-        c.expect("stored_seqs", (1..=total).collect::<Vec<i64>>(), b.stored_seqs("c1"));
+        c.expect(
+            "stored_seqs",
+            (1..=total).collect::<Vec<i64>>(),
+            b.stored_seqs("c1"),
+        );
         c.expect("delivered_seq", Some(total), w.cursor("b1", "c1").await?);
         invariants(&mut c, &w).await
     }

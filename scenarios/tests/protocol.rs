@@ -20,11 +20,15 @@ fn code(r: &Result<Value, ClientError>) -> Option<String> {
 }
 
 async fn world() -> World {
-    World::start(GatewayOpts::default()).await.expect("start cluster and gateway")
+    World::start(GatewayOpts::default())
+        .await
+        .expect("start cluster and gateway")
 }
 
 async fn assert_invariants(w: &World) {
-    let v = db_invariant_violations(&w.pool().await.unwrap()).await.unwrap();
+    let v = db_invariant_violations(&w.pool().await.unwrap())
+        .await
+        .unwrap();
     assert!(v.is_empty(), "database invariants violated: {v:?}");
 }
 
@@ -39,21 +43,60 @@ async fn hello_first_and_bad_credentials_are_unauthenticated_then_closed() {
 
     let mut c = Client::create(&w.state_path("raw"), "a1", &token, 1).unwrap();
     c.connect_raw(&w.ws_url()).await.unwrap();
-    for frame in [json!({"t":"sub"}), json!({"t":"sync","conv":"c1"}), json!({"t":"ack","conv":"c1","seq":1})] {
+    for frame in [
+        json!({"t":"sub"}),
+        json!({"t":"sync","conv":"c1"}),
+        json!({"t":"ack","conv":"c1","seq":1}),
+    ] {
         let r = c.request(frame, T).await;
         assert_eq!(code(&r).as_deref(), Some("UNAUTHENTICATED"), "{r:?}");
     }
-    let r = c.request(json!({"t":"hello","device":"a1","token":token,"epoch":1}), T).await.unwrap();
-    assert_eq!((r["t"].as_str(), r["user"].as_str(), r["device"].as_str(), r["epoch"].as_i64()),
-               (Some("welcome"), Some("alice"), Some("a1"), Some(1)));
-    let r = c.request(json!({"t":"hello","device":"a1","token":token,"epoch":1}), T).await;
-    assert_eq!(code(&r).as_deref(), Some("BAD_REQUEST"), "a second hello: {r:?}");
+    let r = c
+        .request(
+            json!({"t":"hello","device":"a1","token":token,"epoch":1}),
+            T,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            r["t"].as_str(),
+            r["user"].as_str(),
+            r["device"].as_str(),
+            r["epoch"].as_i64()
+        ),
+        (Some("welcome"), Some("alice"), Some("a1"), Some(1))
+    );
+    let r = c
+        .request(
+            json!({"t":"hello","device":"a1","token":token,"epoch":1}),
+            T,
+        )
+        .await;
+    assert_eq!(
+        code(&r).as_deref(),
+        Some("BAD_REQUEST"),
+        "a second hello: {r:?}"
+    );
 
-    for (i, (device, tok, epoch)) in [("a1", "wrong", 1), ("nope", token.as_str(), 1), ("a1", token.as_str(), 2)].into_iter().enumerate() {
+    for (i, (device, tok, epoch)) in [
+        ("a1", "wrong", 1),
+        ("nope", token.as_str(), 1),
+        ("a1", token.as_str(), 2),
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let mut c = Client::create(&w.state_path(&format!("bad{i}")), device, tok, epoch).unwrap();
         let r = c.connect(&w.ws_url()).await;
-        assert_eq!(r.as_ref().err().and_then(|e| e.code()), Some("UNAUTHENTICATED"), "{device}/{tok}/{epoch}: {r:?}");
-        c.wait_closed(T).await.expect("the server closes after UNAUTHENTICATED");
+        assert_eq!(
+            r.as_ref().err().and_then(|e| e.code()),
+            Some("UNAUTHENTICATED"),
+            "{device}/{tok}/{epoch}: {r:?}"
+        );
+        c.wait_closed(T)
+            .await
+            .expect("the server closes after UNAUTHENTICATED");
     }
 }
 
@@ -72,7 +115,11 @@ async fn reinstall_makes_older_installs_stale() {
 
     let mut old = Client::create(&w.state_path("old"), "b1", "whatever", 1).unwrap();
     let r = old.connect(&w.ws_url()).await;
-    assert_eq!(r.as_ref().err().and_then(|e| e.code()), Some("STALE_INSTALL"), "{r:?}");
+    assert_eq!(
+        r.as_ref().err().and_then(|e| e.code()),
+        Some("STALE_INSTALL"),
+        "{r:?}"
+    );
     old.wait_closed(T).await.unwrap();
 
     let mut new = Client::create(&w.state_path("new"), "b1", &new_token, 2).unwrap();
@@ -93,17 +140,35 @@ async fn send_is_idempotent_by_sender_and_cmid_across_devices() {
     let a2 = connect(&w, "a2", &t2).await.unwrap();
 
     let first = a.send("c1", "m-1", "hello", T).await.unwrap();
-    assert_eq!((first["t"].as_str(), first["conv"].as_str(), first["seq"].as_i64(), first["dup"].as_bool(), first["epoch"].as_i64()),
-               (Some("sent"), Some("c1"), Some(1), Some(false), Some(1)));
+    assert_eq!(
+        (
+            first["t"].as_str(),
+            first["conv"].as_str(),
+            first["seq"].as_i64(),
+            first["dup"].as_bool(),
+            first["epoch"].as_i64()
+        ),
+        (Some("sent"), Some("c1"), Some(1), Some(false), Some(1))
+    );
     assert!(first["mid"].as_str().is_some_and(|m| !m.is_empty()));
     let again = a2.send("c1", "m-1", "hello", T).await.unwrap();
-    assert_eq!((again["seq"].clone(), again["mid"].clone(), again["dup"].clone()), (first["seq"].clone(), first["mid"].clone(), json!(true)));
+    assert_eq!(
+        (
+            again["seq"].clone(),
+            again["mid"].clone(),
+            again["dup"].clone()
+        ),
+        (first["seq"].clone(), first["mid"].clone(), json!(true))
+    );
 
     let r = a.send("c1", "m-1", "another body", T).await;
     assert_eq!(code(&r).as_deref(), Some("CMID_CONFLICT"));
     let r = a2.send("c2", "m-1", "hello", T).await;
     assert_eq!(code(&r).as_deref(), Some("CMID_CONFLICT"));
-    assert!(a.outbox().is_empty() && a2.outbox().is_empty(), "terminal errors clear the outbox");
+    assert!(
+        a.outbox().is_empty() && a2.outbox().is_empty(),
+        "terminal errors clear the outbox"
+    );
     assert_eq!(w.count_events("c1").await.unwrap(), 1);
     assert_eq!(w.count_events("c2").await.unwrap(), 0);
     assert_invariants(&w).await;
@@ -124,10 +189,19 @@ async fn concurrent_duplicates_of_one_cmid_give_one_row_d2() {
             let frame = json!({"t":"send","conv":"c1","cmid":cmid,"body":"same"});
             c.request(frame, T)
         });
-        let replies: Vec<Value> = join_all(sends).await.into_iter().map(|r| r.expect("sent")).collect();
+        let replies: Vec<Value> = join_all(sends)
+            .await
+            .into_iter()
+            .map(|r| r.expect("sent"))
+            .collect();
         let fresh = replies.iter().filter(|r| r["dup"] == json!(false)).count();
         assert_eq!(fresh, 1, "exactly one dup:false in {replies:?}");
-        assert!(replies.iter().all(|r| r["seq"] == replies[0]["seq"] && r["mid"] == replies[0]["mid"]), "{replies:?}");
+        assert!(
+            replies
+                .iter()
+                .all(|r| r["seq"] == replies[0]["seq"] && r["mid"] == replies[0]["mid"]),
+            "{replies:?}"
+        );
         assert_eq!(replies[0]["seq"], json!(round + 1));
     }
     assert_eq!(w.count_events("c1").await.unwrap(), 5);
@@ -181,7 +255,11 @@ async fn concurrent_senders_get_gapless_seqs_even_with_rollbacks_p1() {
     let rollbacks: usize = results.iter().map(|(_, r)| r).sum();
     all.sort();
     assert_eq!(rollbacks, 40, "the fault rolled back 40 sends");
-    assert_eq!(all, (1..=1600).collect::<Vec<i64>>(), "seqs are exactly 1..1600");
+    assert_eq!(
+        all,
+        (1..=1600).collect::<Vec<i64>>(),
+        "seqs are exactly 1..1600"
+    );
     assert_eq!(w.head("big").await.unwrap(), 1600);
     eprintln!("1600 acknowledged sends from 8 senders in {elapsed:?}");
     assert_invariants(&w).await;
@@ -211,18 +289,31 @@ async fn out_of_order_concurrent_acks_keep_the_maximum_d4() {
     seqs.rotate_left(13);
     let acks = seqs.iter().enumerate().map(|(i, s)| {
         let c = &conns[i % conns.len()];
-        async move { (*s, c.request(json!({"t":"ack","conv":"c1","seq":s}), T).await) }
+        async move {
+            (
+                *s,
+                c.request(json!({"t":"ack","conv":"c1","seq":s}), T).await,
+            )
+        }
     });
     for (s, r) in join_all(acks).await {
         let r = r.unwrap();
-        assert!(r["delivered"].as_i64().unwrap() >= s, "acked.delivered is merged: {r}");
+        assert!(
+            r["delivered"].as_i64().unwrap() >= s,
+            "acked.delivered is merged: {r}"
+        );
     }
     assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(40));
     let r = conns[0].ack("c1", 3, T).await.unwrap();
-    assert_eq!(r["delivered"], 40, "a smaller ack answers the merged cursor");
+    assert_eq!(
+        r["delivered"], 40,
+        "a smaller ack answers the merged cursor"
+    );
     let r = conns[0].ack("c1", 41, T).await;
     assert_eq!(code(&r).as_deref(), Some("CURSOR_AHEAD"));
-    let r = conns[0].request(json!({"t":"ack","conv":"c1","seq":-1}), T).await;
+    let r = conns[0]
+        .request(json!({"t":"ack","conv":"c1","seq":-1}), T)
+        .await;
     assert_eq!(code(&r).as_deref(), Some("BAD_REQUEST"));
     assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(40));
     assert_invariants(&w).await;
@@ -240,7 +331,11 @@ async fn membership_periods_bound_what_a_device_sees_s1() {
     let tc = w.add_device("k1", "carol").await.unwrap();
     let carol = connect(&w, "k1", &tc).await.unwrap();
     let subbed = carol.sub().await.unwrap();
-    assert_eq!(subbed["convs"], json!([]), "a non-member's sub lists nothing");
+    assert_eq!(
+        subbed["convs"],
+        json!([]),
+        "a non-member's sub lists nothing"
+    );
     for r in [
         carol.send("c1", "k-1", "hi", T).await,
         carol.ack("c1", 0, T).await,
@@ -249,7 +344,11 @@ async fn membership_periods_bound_what_a_device_sees_s1() {
         assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"), "{r:?}");
     }
     let r = carol.sync_once("no-such-conv", 0, 10, T).await;
-    assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"), "an unknown conversation looks the same");
+    assert_eq!(
+        code(&r).as_deref(),
+        Some("NOT_MEMBER"),
+        "an unknown conversation looks the same"
+    );
 
     a.send("c1", "m1", "one", T).await.unwrap();
     b.wait_cursor("c1", 1, T).await.unwrap();
@@ -259,20 +358,43 @@ async fn membership_periods_bound_what_a_device_sees_s1() {
     let r = b.send("c1", "b-1", "still here?", T).await;
     assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"));
     let page = b.sync_once("c1", 0, 10, T).await.unwrap();
-    let seqs: Vec<i64> = page["events"].as_array().unwrap().iter().map(|e| e["seq"].as_i64().unwrap()).collect();
-    assert_eq!((seqs, page["head"].clone(), page["complete"].clone()), (vec![1], json!(1), json!(true)));
+    let seqs: Vec<i64> = page["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        (seqs, page["head"].clone(), page["complete"].clone()),
+        (vec![1], json!(1), json!(true))
+    );
     let r = b.ack("c1", 3, T).await;
-    assert_eq!(code(&r).as_deref(), Some("CURSOR_AHEAD"), "cannot ack what it cannot see");
+    assert_eq!(
+        code(&r).as_deref(),
+        Some("CURSOR_AHEAD"),
+        "cannot ack what it cannot see"
+    );
 
     w.join("c1", "bob").await.unwrap();
     a.send("c1", "m4", "four", T).await.unwrap();
     b.wait_cursor("c1", 4, T).await.unwrap();
     a.wait_cursor("c1", 4, T).await.unwrap();
-    assert_eq!(b.stored_seqs("c1"), vec![1, 4], "bob never saw 2 and 3, by push or sync");
+    assert_eq!(
+        b.stored_seqs("c1"),
+        vec![1, 4],
+        "bob never saw 2 and 3, by push or sync"
+    );
     assert_eq!(a.stored_seqs("c1"), vec![1, 2, 3, 4]);
-    let pushed: Vec<i64> = b.frames().iter()
-        .filter(|(_, f)| f["t"] == "event").map(|(_, f)| f["ev"]["seq"].as_i64().unwrap()).collect();
-    assert!(!pushed.contains(&2) && !pushed.contains(&3), "pushes to bob: {pushed:?}");
+    let pushed: Vec<i64> = b
+        .frames()
+        .iter()
+        .filter(|(_, f)| f["t"] == "event")
+        .map(|(_, f)| f["ev"]["seq"].as_i64().unwrap())
+        .collect();
+    assert!(
+        !pushed.contains(&2) && !pushed.contains(&3),
+        "pushes to bob: {pushed:?}"
+    );
     b.wait_server_delivered("c1", 4, T).await.unwrap();
     assert_invariants(&w).await;
 }
@@ -284,10 +406,13 @@ async fn two_devices_of_one_user_get_pushes_and_keep_separate_cursors() {
     let w = world().await;
     let (a, b) = alice_and_bob(&w).await.unwrap();
     let t2 = w.add_device("b2", "bob").await.unwrap();
-    let b2 = connect(&w, "b2", &t2).await.unwrap().with_options(harness::client::ClientOptions {
-        auto_ack: false,
-        ..Default::default()
-    });
+    let b2 = connect(&w, "b2", &t2)
+        .await
+        .unwrap()
+        .with_options(harness::client::ClientOptions {
+            auto_ack: false,
+            ..Default::default()
+        });
     b2.sub().await.unwrap();
     let t3 = w.add_device("a2", "alice").await.unwrap();
     let a2 = connect(&w, "a2", &t3).await.unwrap();
@@ -318,7 +443,9 @@ async fn sub_and_sync_paging() {
     .unwrap();
     let (a, b) = alice_and_bob(&w).await.unwrap();
     for i in 0..20 {
-        a.send("c1", &format!("m{i}"), &format!("body {i}"), T).await.unwrap();
+        a.send("c1", &format!("m{i}"), &format!("body {i}"), T)
+            .await
+            .unwrap();
     }
     a.wait_server_delivered("c1", 20, T).await.unwrap();
     let s = b.request(json!({"t":"sub"}), T).await.unwrap();
@@ -326,19 +453,44 @@ async fn sub_and_sync_paging() {
     assert_eq!(s["convs"][0]["head"], 20);
 
     let p = b.sync_once("c1", 0, 1000, T).await.unwrap();
-    let seqs: Vec<i64> = p["events"].as_array().unwrap().iter().map(|e| e["seq"].as_i64().unwrap()).collect();
-    assert_eq!((seqs, p["complete"].clone(), p["head"].clone()), ((1..=7).collect(), json!(false), json!(20)));
+    let seqs: Vec<i64> = p["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        (seqs, p["complete"].clone(), p["head"].clone()),
+        ((1..=7).collect(), json!(false), json!(20))
+    );
     let p = b.sync_once("c1", 14, 7, T).await.unwrap();
-    let seqs: Vec<i64> = p["events"].as_array().unwrap().iter().map(|e| e["seq"].as_i64().unwrap()).collect();
-    assert_eq!((seqs, p["complete"].clone()), ((15..=20).collect(), json!(true)));
+    let seqs: Vec<i64> = p["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        (seqs, p["complete"].clone()),
+        ((15..=20).collect(), json!(true))
+    );
     let ev = &p["events"][0];
     for f in ["conv", "seq", "kind", "mid", "sender", "cmid", "body", "at"] {
         assert!(!ev[f].is_null(), "event field {f} in {ev}");
     }
-    assert_eq!((ev["sender"].as_str(), ev["cmid"].as_str(), ev["body"].as_str()), (Some("alice"), Some("m14"), Some("body 14")));
+    assert_eq!(
+        (
+            ev["sender"].as_str(),
+            ev["cmid"].as_str(),
+            ev["body"].as_str()
+        ),
+        (Some("alice"), Some("m14"), Some("body 14"))
+    );
     let p = b.request(json!({"t":"sync","conv":"c1"}), T).await.unwrap();
     assert_eq!(p["events"].as_array().unwrap().len(), 7);
-    let r = b.request(json!({"t":"sync","conv":"c1","after":0,"limit":0}), T).await;
+    let r = b
+        .request(json!({"t":"sync","conv":"c1","after":0,"limit":0}), T)
+        .await;
     assert_eq!(code(&r).as_deref(), Some("BAD_REQUEST"));
 }
 
@@ -346,7 +498,12 @@ async fn sub_and_sync_paging() {
 /// `sub`, syncs, and acks up to the head; then the hints stop.
 #[tokio::test]
 async fn sweep_hints_a_device_that_missed_events() {
-    let w = World::start(GatewayOpts { sweep_ms: Some(100), ..Default::default() }).await.unwrap();
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(100),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let (a, b) = alice_and_bob(&w).await.unwrap();
     let (state, _) = (b.state_path().to_path_buf(), ());
     b.close().await;
@@ -357,7 +514,11 @@ async fn sweep_hints_a_device_that_missed_events() {
     b.connect(&w.ws_url()).await.unwrap();
     b.request(json!({"t":"sub"}), T).await.unwrap(); // raw sub: the client does not sync by itself
     b.wait_server_delivered("c1", 3, T).await.unwrap();
-    let hints = b.frames().iter().filter(|(_, f)| f["t"] == "hint" && f["why"] == "sweep").count();
+    let hints = b
+        .frames()
+        .iter()
+        .filter(|(_, f)| f["t"] == "hint" && f["why"] == "sweep")
+        .count();
     assert!(hints >= 1, "a sweep hint arrived");
     assert_eq!(b.stored_seqs("c1"), vec![1, 2, 3]);
 }
@@ -369,7 +530,10 @@ async fn sweep_hints_a_device_that_missed_events() {
 #[tokio::test]
 async fn bad_input_is_bad_request_and_oversize_is_too_large() {
     let mut w = World::start(GatewayOpts {
-        env: vec![("IM_FRAME_MAX_BYTES".into(), "4096".into()), ("IM_BODY_MAX_BYTES".into(), "1000".into())],
+        env: vec![
+            ("IM_FRAME_MAX_BYTES".into(), "4096".into()),
+            ("IM_BODY_MAX_BYTES".into(), "1000".into()),
+        ],
         ..Default::default()
     })
     .await
@@ -393,21 +557,38 @@ async fn bad_input_is_bad_request_and_oversize_is_too_large() {
     for text in &bad {
         a.send_text(text).await.unwrap();
     }
-    let errors = a.wait_for("13 BAD_REQUEST errors", T, |c| {
-        c.frames().iter().filter(|(_, f)| f["t"] == "error" && f["code"] == "BAD_REQUEST").count() >= bad.len()
-    }).await;
+    let errors = a
+        .wait_for("13 BAD_REQUEST errors", T, |c| {
+            c.frames()
+                .iter()
+                .filter(|(_, f)| f["t"] == "error" && f["code"] == "BAD_REQUEST")
+                .count()
+                >= bad.len()
+        })
+        .await;
     assert!(errors.is_ok(), "frames: {:?}", a.frames());
     let r = a.send("c1", "big-body", &"b".repeat(1001), T).await;
     assert_eq!(code(&r).as_deref(), Some("TOO_LARGE"));
     let ok = a.send("c1", "fine", "still works", T).await.unwrap();
     assert_eq!(ok["seq"], 1);
 
-    a.send_text(&format!(r#"{{"t":"send","rid":"big","conv":"c1","cmid":"huge","body":"{}"}}"#, "x".repeat(5000)))
+    a.send_text(&format!(
+        r#"{{"t":"send","rid":"big","conv":"c1","cmid":"huge","body":"{}"}}"#,
+        "x".repeat(5000)
+    ))
+    .await
+    .unwrap();
+    a.wait_closed(T)
         .await
-        .unwrap();
-    a.wait_closed(T).await.expect("oversize frame closes the connection");
-    assert!(a.frames().iter().any(|(_, f)| f["t"] == "error" && f["code"] == "TOO_LARGE"));
-    assert!(w.gw_mut().try_exit_status().is_none(), "the gateway is still running");
+        .expect("oversize frame closes the connection");
+    assert!(a
+        .frames()
+        .iter()
+        .any(|(_, f)| f["t"] == "error" && f["code"] == "TOO_LARGE"));
+    assert!(
+        w.gw_mut().try_exit_status().is_none(),
+        "the gateway is still running"
+    );
 }
 
 /// IM_MAX_CONNECTIONS: connections above the cap are refused at the handshake, and served
@@ -422,7 +603,10 @@ async fn connection_cap_refuses_extra_connections() {
     .unwrap();
     let (a, _b) = alice_and_bob(&w).await.unwrap();
     let mut third = Client::create(&w.state_path("third"), "a1", "x", 1).unwrap();
-    assert!(third.connect_raw(&w.ws_url()).await.is_err(), "third connection refused");
+    assert!(
+        third.connect_raw(&w.ws_url()).await.is_err(),
+        "third connection refused"
+    );
     a.close().await;
     let mut fourth = Client::create(&w.state_path("fourth"), "a1", "x", 1).unwrap();
     let deadline = Instant::now() + T;
@@ -440,9 +624,13 @@ async fn connection_cap_refuses_extra_connections() {
 /// back it serves again (sends, pushes, acks) without a restart.
 #[tokio::test]
 async fn database_down_is_unavailable_then_service_resumes() {
-    let mut w = World::start(GatewayOpts { db_timeout_ms: Some(1000), sweep_ms: Some(200), ..Default::default() })
-        .await
-        .unwrap();
+    let mut w = World::start(GatewayOpts {
+        db_timeout_ms: Some(1000),
+        sweep_ms: Some(200),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let (a, b) = alice_and_bob(&w).await.unwrap();
     a.send("c1", "before", "x", T).await.unwrap();
     b.wait_server_delivered("c1", 1, T).await.unwrap();
@@ -452,10 +640,16 @@ async fn database_down_is_unavailable_then_service_resumes() {
         let r = a.send("c1", &format!("down-{i}"), "x", T).await;
         let took = t0.elapsed();
         assert_eq!(code(&r).as_deref(), Some("UNAVAILABLE"), "{r:?}");
-        assert!(took < Duration::from_millis(1000 + 500), "answered in {took:?}");
+        assert!(
+            took < Duration::from_millis(1000 + 500),
+            "answered in {took:?}"
+        );
     }
     assert_eq!(a.outbox().len(), 3, "UNAVAILABLE keeps the outbox");
-    assert!(w.gw_mut().try_exit_status().is_none(), "the gateway keeps running");
+    assert!(
+        w.gw_mut().try_exit_status().is_none(),
+        "the gateway keeps running"
+    );
     w.pg.restart().await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -467,7 +661,9 @@ async fn database_down_is_unavailable_then_service_resumes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(a.outbox().is_empty());
-    b.wait_server_delivered("c1", 4, Duration::from_secs(20)).await.unwrap();
+    b.wait_server_delivered("c1", 4, Duration::from_secs(20))
+        .await
+        .unwrap();
     assert_eq!(w.count_events("c1").await.unwrap(), 4);
     assert_invariants(&w).await;
 }
@@ -482,7 +678,10 @@ async fn sigterm_closes_connections_and_exits_zero() {
     assert_eq!(status.code(), Some(0));
     a.wait_closed(T).await.unwrap();
     let log = w.gw().log_text();
-    assert!(log.contains("connection closed"), "one line per closed connection:\n{log}");
+    assert!(
+        log.contains("connection closed"),
+        "one line per closed connection:\n{log}"
+    );
 }
 
 /// `serve` refuses an unmigrated schema with a message naming `im-gateway migrate`, and a
@@ -490,24 +689,46 @@ async fn sigterm_closes_connections_and_exits_zero() {
 #[tokio::test]
 async fn serve_refuses_unmigrated_schema_and_bad_fault_specs() {
     let pg = harness::pg::Cluster::start().await.unwrap();
-    let (status, out) = harness::gateway::run_serve_expect_exit(&pg.url(), &GatewayOpts::default(), &pg.log_dir(), T)
-        .await
-        .unwrap();
+    let (status, out) = harness::gateway::run_serve_expect_exit(
+        &pg.url(),
+        &GatewayOpts::default(),
+        &pg.log_dir(),
+        T,
+    )
+    .await
+    .unwrap();
     assert_ne!(status.code(), Some(0));
-    assert!(out.contains("im-gateway migrate") && !out.contains("listening on"), "{out}");
+    assert!(
+        out.contains("im-gateway migrate") && !out.contains("listening on"),
+        "{out}"
+    );
     harness::gateway::migrate(&pg.url()).await.unwrap();
-    harness::gateway::migrate(&pg.url()).await.expect("migrate is idempotent");
+    harness::gateway::migrate(&pg.url())
+        .await
+        .expect("migrate is idempotent");
     for (spec, needle) in [
         ("send.before_comit:halt", "send.before_comit"),
         ("gw.push:explode", "explode"),
         ("gw.push", "malformed"),
         ("gw.push:drop:x", "skip"),
     ] {
-        let opts = GatewayOpts { fault: Some(spec.into()), ..Default::default() };
-        let (status, out) = harness::gateway::run_serve_expect_exit(&pg.url(), &opts, &pg.log_dir(), T).await.unwrap();
+        let opts = GatewayOpts {
+            fault: Some(spec.into()),
+            ..Default::default()
+        };
+        let (status, out) =
+            harness::gateway::run_serve_expect_exit(&pg.url(), &opts, &pg.log_dir(), T)
+                .await
+                .unwrap();
         assert_eq!(status.code(), Some(2), "{spec}: {out}");
-        assert!(out.contains(needle) && out.contains("valid points: send.before_insert"), "{spec}: {out}");
-        assert!(!out.contains("listening on"), "{spec} must fail before binding: {out}");
+        assert!(
+            out.contains(needle) && out.contains("valid points: send.before_insert"),
+            "{spec}: {out}"
+        );
+        assert!(
+            !out.contains("listening on"),
+            "{spec} must fail before binding: {out}"
+        );
     }
 }
 
@@ -525,7 +746,10 @@ async fn admin_commands_refuse_bad_input() {
         (vec!["add-user", "alice"], "already exists"),
         (vec!["add-user", "bad id"], "invalid user id"),
         (vec!["add-device", "d1", "--user", "nobody"], "unknown user"),
-        (vec!["add-conv", "c1", "--members", "alice,nobody"], "unknown user"),
+        (
+            vec!["add-conv", "c1", "--members", "alice,nobody"],
+            "unknown user",
+        ),
         (vec!["join", "nope", "alice"], "unknown conversation"),
         (vec!["leave", "nope", "alice"], "unknown conversation"),
         (vec!["reinstall-device", "nope"], "unknown device"),
@@ -534,12 +758,21 @@ async fn admin_commands_refuse_bad_input() {
         let e = admin(args.clone()).await.expect_err("must fail");
         assert!(format!("{e:#}").contains(needle), "{args:?}: {e:#}");
     }
-    admin(vec!["add-conv", "c1", "--members", "alice"]).await.unwrap();
-    let e = admin(vec!["join", "c1", "alice"]).await.expect_err("already a member");
+    admin(vec!["add-conv", "c1", "--members", "alice"])
+        .await
+        .unwrap();
+    let e = admin(vec!["join", "c1", "alice"])
+        .await
+        .expect_err("already a member");
     assert!(format!("{e:#}").contains("already a member"));
-    let token = admin(vec!["add-device", "d1", "--user", "alice"]).await.unwrap();
+    let token = admin(vec!["add-device", "d1", "--user", "alice"])
+        .await
+        .unwrap();
     assert_eq!(token.len(), 64, "a 256-bit hex token, printed once");
-    let stored: String = sqlx::query_scalar("SELECT token_sha256 FROM devices WHERE device_id = 'd1'")
-        .fetch_one(&pg.pool().await.unwrap()).await.unwrap();
+    let stored: String =
+        sqlx::query_scalar("SELECT token_sha256 FROM devices WHERE device_id = 'd1'")
+            .fetch_one(&pg.pool().await.unwrap())
+            .await
+            .unwrap();
     assert_ne!(stored, token, "only the hash is stored");
 }

@@ -16,13 +16,22 @@ fn workspace() -> PathBuf {
 }
 
 fn git(args: &[&str]) -> Option<String> {
-    let out = Command::new("git").args(args).current_dir(workspace()).output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    let out = Command::new("git")
+        .args(args)
+        .current_dir(workspace())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// RFC 3339 UTC time without a date library (days-from-civil, inverted).
 pub fn rfc3339(t: SystemTime) -> String {
-    let secs = t.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+    let secs = t
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0) as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -33,7 +42,12 @@ pub fn rfc3339(t: SystemTime) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 fn read_records(dir: &Path) -> anyhow::Result<Vec<Record>> {
@@ -43,9 +57,16 @@ fn read_records(dir: &Path) -> anyhow::Result<Vec<Record>> {
     }
     for entry in std::fs::read_dir(dir).with_context(|| format!("read {}", dir.display()))? {
         let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "json") && !path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
+        if path.extension().is_some_and(|e| e == "json")
+            && !path
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        {
             let text = std::fs::read(&path).with_context(|| format!("read {}", path.display()))?;
-            out.push(serde_json::from_slice(&text).with_context(|| format!("parse {}", path.display()))?);
+            out.push(
+                serde_json::from_slice(&text)
+                    .with_context(|| format!("parse {}", path.display()))?,
+            );
         }
     }
     Ok(out)
@@ -61,9 +82,19 @@ fn main() -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(&records_dir)?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("evidence: running {} im-06 checks under cargo-nextest", IM06_CHECKS.len());
+    eprintln!(
+        "evidence: running {} im-06 checks under cargo-nextest",
+        IM06_CHECKS.len()
+    );
     let status = Command::new(&cargo)
-        .args(["nextest", "run", "--workspace", "--features", "im-gateway/faults", "--no-fail-fast"])
+        .args([
+            "nextest",
+            "run",
+            "--workspace",
+            "--features",
+            "im-gateway/faults",
+            "--no-fail-fast",
+        ])
         .args(["-E", "binary(im06)"])
         .env("IMFAULT_EVIDENCE_DIR", &records_dir)
         .env("RUST_BACKTRACE", "0")
@@ -94,7 +125,10 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if !found.is_empty() {
-        bail!("records with unknown ids: {:?}", found.iter().map(|r| &r.id).collect::<Vec<_>>());
+        bail!(
+            "records with unknown ids: {:?}",
+            found.iter().map(|r| &r.id).collect::<Vec<_>>()
+        );
     }
     // The environment is what the clusters reported, not what we configured.
     let pg: Vec<&Value> = checks.iter().filter_map(|r| r.postgres.as_ref()).collect();
@@ -106,7 +140,8 @@ fn main() -> anyhow::Result<()> {
     checks.extend(im06_not_run());
     let count = |s: &str| checks.iter().filter(|r| r.result == s).count();
     let (pass, fail, not_run) = (count("PASS"), count("FAIL"), count("NOT_RUN"));
-    let dirty = git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"]).map(|s| !s.is_empty());
+    let dirty =
+        git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"]).map(|s| !s.is_empty());
     let doc = json!({
         "schema_version": SCHEMA_VERSION,
         "suite": "im-06",
@@ -135,9 +170,20 @@ fn main() -> anyhow::Result<()> {
     std::fs::write(&tmp, serde_json::to_string_pretty(&doc)? + "\n")?;
     std::fs::rename(&tmp, out_dir.join("result.json"))?;
 
-    println!("\nevidence/im-06/result.json ({} s)", started.elapsed().as_secs());
+    println!(
+        "\nevidence/im-06/result.json ({} s)",
+        started.elapsed().as_secs()
+    );
     for r in &checks {
-        println!("  {:<8} {:<34} {}", r.result, r.id, r.reason.as_deref().filter(|_| r.result == "FAIL").unwrap_or(""));
+        println!(
+            "  {:<8} {:<34} {}",
+            r.result,
+            r.id,
+            r.reason
+                .as_deref()
+                .filter(|_| r.result == "FAIL")
+                .unwrap_or("")
+        );
     }
     println!("  {pass} PASS, {fail} FAIL, {not_run} NOT_RUN");
     if fail > 0 || !status.success() {
@@ -152,7 +198,13 @@ mod tests {
     fn rfc3339_known_instants() {
         use std::time::{Duration, UNIX_EPOCH};
         assert_eq!(super::rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
-        assert_eq!(super::rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)), "2000-02-29T00:00:00Z");
-        assert_eq!(super::rfc3339(UNIX_EPOCH + Duration::from_secs(1_796_031_218)), "2026-11-30T09:33:38Z");
+        assert_eq!(
+            super::rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
+            "2000-02-29T00:00:00Z"
+        );
+        assert_eq!(
+            super::rfc3339(UNIX_EPOCH + Duration::from_secs(1_796_031_218)),
+            "2026-11-30T09:33:38Z"
+        );
     }
 }

@@ -48,22 +48,45 @@ async fn main() -> anyhow::Result<()> {
     show("a1 send reply", &r);
     let exited = w.gw_mut().wait_exit(Duration::from_millis(1500)).await.ok();
     match exited {
-        Some(s) => println!("gateway exit status          {} ({s})", w.gw().exit_code().unwrap_or(-1)),
+        Some(s) => println!(
+            "gateway exit status          {} ({s})",
+            w.gw().exit_code().unwrap_or(-1)
+        ),
         None => println!("gateway exit status          still running"),
     }
     if exited.is_none() {
         // Give pushes, hints and acks one sweep interval and a little to play out.
-        let _ = b.wait_server_delivered("c1", 1, Duration::from_millis(1500)).await;
+        let _ = b
+            .wait_server_delivered("c1", 1, Duration::from_millis(1500))
+            .await;
     }
-    println!("events rows in c1            {}", w.count_events("c1").await?);
+    println!(
+        "events rows in c1            {}",
+        w.count_events("c1").await?
+    );
     println!("head of c1                   {}", w.head("c1").await?);
-    println!("b1 delivered_seq             {:?}", w.cursor("b1", "c1").await?);
+    println!(
+        "b1 delivered_seq             {:?}",
+        w.cursor("b1", "c1").await?
+    );
     println!("a1 outbox                    {:?}", a.outbox());
-    println!("b1 stats                     {}", serde_json::to_string(&b.stats())?);
+    println!(
+        "b1 stats                     {}",
+        serde_json::to_string(&b.stats())?
+    );
     println!("a1 state file                {}", state.display());
     println!("b1 state file                {}", b.state_path().display());
-    println!("gateway log                  {}", w.gw().log_path().display());
-    let fired: Vec<String> = w.gw().log_text().lines().filter(|l| l.starts_with("fault fired")).map(str::to_string).collect();
+    println!(
+        "gateway log                  {}",
+        w.gw().log_path().display()
+    );
+    let fired: Vec<String> = w
+        .gw()
+        .log_text()
+        .lines()
+        .filter(|l| l.starts_with("fault fired"))
+        .map(str::to_string)
+        .collect();
     println!("fault lines on stderr        {fired:?}");
 
     if exited.is_some() || !a.outbox().is_empty() {
@@ -71,13 +94,22 @@ async fn main() -> anyhow::Result<()> {
         w.restart_gateway(GatewayOpts::default()).await?;
         println!("-- replay: new client loaded from the state file, healthy gateway --");
         let mut again = Client::load(&state)?;
-        again.connect(&w.ws_url()).await.map_err(|e| anyhow::anyhow!("reconnect: {e}"))?;
+        again
+            .connect(&w.ws_url())
+            .await
+            .map_err(|e| anyhow::anyhow!("reconnect: {e}"))?;
         for (i, r) in again.replay_outbox(T).await.iter().enumerate() {
             show(&format!("replay reply {i}"), r);
         }
-        println!("events rows in c1            {}", w.count_events("c1").await?);
+        println!(
+            "events rows in c1            {}",
+            w.count_events("c1").await?
+        );
         println!("a1 outbox                    {:?}", again.outbox());
-        println!("new gateway log              {}", w.gw().log_path().display());
+        println!(
+            "new gateway log              {}",
+            w.gw().log_path().display()
+        );
     }
     Ok(())
 }
