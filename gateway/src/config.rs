@@ -29,11 +29,19 @@ pub struct Config {
     pub sync_limit_max: i64,
     /// `IM_FANOUT_BATCH_MAX`: notifications whose event reads may be in flight at once.
     pub fanout_inflight_max: usize,
+    /// `IM_HELLO_TIMEOUT_MS`: a connection that has not said a good `hello` by then is closed.
+    pub hello_timeout_ms: u64,
+    /// `IM_WRITE_TIMEOUT_MS`: a frame the peer does not take within this time ends the
+    /// connection (a client that stopped reading cannot pin a task forever).
+    pub write_timeout_ms: u64,
     /// `IM_SHUTDOWN_GRACE_MS`: how long a graceful shutdown waits for connections to finish.
     pub shutdown_grace_ms: u64,
     /// `IM_FAULT`: fault specification (SPEC 4); empty means none.
     pub fault: String,
 }
+
+/// Most conversations listed in one `subbed` reply.
+pub const SUB_CONVS_MAX: i64 = 10_000;
 
 /// Default sync page size when a request omits `limit` (SPEC 2).
 pub const SYNC_LIMIT_DEFAULT: i64 = 100;
@@ -89,6 +97,8 @@ impl Config {
             body_max_bytes: num("IM_BODY_MAX_BYTES", 16_384usize, 1, 8 << 20)?,
             sync_limit_max: num("IM_SYNC_LIMIT_MAX", 500i64, 1, 10_000)?,
             fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 16usize, 1, 1024)?,
+            hello_timeout_ms: num("IM_HELLO_TIMEOUT_MS", 10_000u64, 10, 3_600_000)?,
+            write_timeout_ms: num("IM_WRITE_TIMEOUT_MS", 10_000u64, 10, 3_600_000)?,
             shutdown_grace_ms: num("IM_SHUTDOWN_GRACE_MS", 10_000u64, 0, 600_000)?,
             fault: std::env::var("IM_FAULT").unwrap_or_default(),
         })

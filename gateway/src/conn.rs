@@ -3,7 +3,7 @@
 //! sends overflow hints once drained, closes). It owns no SQL (that is `store`) and never
 //! blocks anyone else: fan-out only ever `try_send`s into its queue.
 
-use crate::config::SYNC_LIMIT_DEFAULT;
+use crate::config::{SUB_CONVS_MAX, SYNC_LIMIT_DEFAULT};
 use crate::error::WireError;
 use crate::faults::{self, points, Fired};
 use crate::hub::{ConnHandle, Kind, Out};
@@ -13,6 +13,7 @@ use crate::store::{self, Principal, SendOutcome};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
@@ -27,9 +28,12 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     let (sink, mut stream) = ws.split();
     let (tx, rx) = mpsc::channel::<Out>(state.cfg.queue_frames_max);
     let handle_slot: Arc<std::sync::Mutex<Option<Arc<ConnHandle>>>> = Default::default();
+    let write_timeout = Duration::from_millis(state.cfg.write_timeout_ms);
     let writer = state
         .tracker
-        .spawn(writer(sink, rx, handle_slot.clone(), id));
+        .spawn(writer(sink, rx, handle_slot.clone(), id, write_timeout));
+    let hello_deadline =
+        tokio::time::Instant::now() + Duration::from_millis(state.cfg.hello_timeout_ms);
     tracing::info!(conn = id, %peer, "connection opened");
 
     let mut conn = Conn {
@@ -40,8 +44,13 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
         handle: None,
     };
     let close_code = loop {
+        let authenticated = conn.who.is_some();
         let msg = tokio::select! {
             _ = state.cancel.cancelled() => break CloseCode::Away,
+            _ = tokio::time::sleep_until(hello_deadline), if !authenticated => {
+                tracing::info!(conn = id, "no hello within IM_HELLO_TIMEOUT_MS: closing");
+                break CloseCode::Policy;
+            }
             m = stream.next() => m,
         };
         let text = match msg {
@@ -182,7 +191,7 @@ impl Conn {
             return match r {
                 Ok(p) => {
                     let v = json!({"t": "welcome", "user": p.user, "device": p.device, "epoch": p.epoch});
-                    tracing::info!(conn = self.id, user = %p.user, device = %p.device, "authenticated");
+                    tracing::debug!(conn = self.id, user = %p.user, device = %p.device, "authenticated");
                     self.who = Some(p);
                     self.reply(rid, Ok(v)).await;
                     None
@@ -264,7 +273,7 @@ impl Conn {
                 };
                 self.state.hub.subscribe(&h);
                 let w = who.clone();
-                let max = self.state.cfg.sync_limit_max.max(10_000);
+                let max = SUB_CONVS_MAX;
                 let r = st
                     .db(move |pool| async move { store::conv_states(&pool, &w, max).await })
                     .await;
@@ -299,8 +308,16 @@ impl Conn {
     }
 }
 
-async fn write(sink: &mut Sink, text: String) -> Result<(), WsError> {
-    sink.send(Message::text(text)).await
+/// Writes one frame; a peer that does not take it within `limit` is an error (the
+/// connection is then abandoned, so a half-written frame does not matter).
+async fn write(sink: &mut Sink, text: String, limit: Duration) -> Result<(), WsError> {
+    match tokio::time::timeout(limit, sink.send(Message::text(text))).await {
+        Ok(r) => r,
+        Err(_) => Err(WsError::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "peer did not read within IM_WRITE_TIMEOUT_MS",
+        ))),
+    }
 }
 
 /// Drains the queue to the socket. The `gw.reply.send`, `gw.reply.ack` and `gw.push` fault
@@ -311,6 +328,7 @@ async fn writer(
     mut rx: mpsc::Receiver<Out>,
     handle: Arc<std::sync::Mutex<Option<Arc<ConnHandle>>>>,
     id: u64,
+    limit: Duration,
 ) {
     while let Some(out) = rx.recv().await {
         let point = match out.kind {
@@ -319,8 +337,11 @@ async fn writer(
                     code: CloseCode::from(code),
                     reason: "".into(),
                 };
-                let _ = sink.send(Message::Close(Some(frame))).await;
-                let _ = sink.close().await;
+                let _ = tokio::time::timeout(limit, async {
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    let _ = sink.close().await;
+                })
+                .await;
                 return;
             }
             Kind::Sent => Some(points::GW_REPLY_SEND),
@@ -343,17 +364,21 @@ async fn writer(
                 }
             }
         }
-        if let Err(e) = write(&mut sink, text).await {
-            tracing::debug!(conn = id, error = %e, "write failed");
+        if let Err(e) = write(&mut sink, text, limit).await {
+            tracing::info!(conn = id, error = %e, "write failed: abandoning the connection");
             return;
         }
         if rx.is_empty() {
             let h = handle.lock().unwrap_or_else(|p| p.into_inner()).clone();
             if let Some(pending) = h.and_then(|h| h.take_overflow()) {
                 for (conv, head) in pending {
-                    if write(&mut sink, protocol::hint_frame(&conv, head, "overflow"))
-                        .await
-                        .is_err()
+                    if write(
+                        &mut sink,
+                        protocol::hint_frame(&conv, head, "overflow"),
+                        limit,
+                    )
+                    .await
+                    .is_err()
                     {
                         return;
                     }

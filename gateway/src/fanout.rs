@@ -19,6 +19,8 @@ use tokio::sync::mpsc;
 pub async fn listen(pool: &sqlx::PgPool) -> Result<PgListener, sqlx::Error> {
     let mut l = PgListener::connect_with(pool).await?;
     l.ignore_pool_close_event(true);
+    // A lost connection is rebuilt by `run` (which then sweeps), not inside `try_recv`.
+    l.eager_reconnect(false);
     l.listen(store::CHANNEL).await?;
     Ok(l)
 }

@@ -139,14 +139,18 @@ async fn earlier_send(
     }))
 }
 
-/// The send transaction of SPEC 3.
+/// The send transaction of SPEC 3, in four round trips: BEGIN; `UPDATE conversations …
+/// RETURNING` (takes the seq and the conversation row lock); one statement that inserts the
+/// event only if the sender has an open membership period and only if `(sender_user, cmid)`
+/// is new, and calls `pg_notify`; COMMIT.
 ///
 /// D1: the caller replies only with what this returns, and this returns only after COMMIT
 /// returned. D2: `(sender_user, cmid)` is unique; a resend, or a concurrent duplicate that
 /// loses the unique race (its INSERT does nothing), rolls back and answers `dup:true` with
 /// the winner's seq and mid. P1: the seq comes from `UPDATE conversations … RETURNING` in the
 /// same transaction, so a rollback gives it back and the row lock orders commits per
-/// conversation: seqs are gapless.
+/// conversation: seqs are gapless. S1: the INSERT runs after the row lock was granted and
+/// `admin leave` takes the same lock, so its membership test sees any committed leave.
 pub async fn send(
     pool: &PgPool,
     who: &Principal,
@@ -154,12 +158,7 @@ pub async fn send(
     cmid: &str,
     body: &str,
 ) -> Result<SendOutcome, WireError> {
-    if let Some(earlier) = earlier_send(pool, &who.user, conv, cmid, body).await? {
-        return earlier.map(SendOutcome::Reply);
-    }
     let mut tx = pool.begin().await.map_err(db("send.begin"))?;
-    // Takes the conversation row lock; `admin leave` takes it too, so the membership check
-    // below sees any leave that committed before our seq was taken (S1).
     let taken = sqlx::query(
         "UPDATE conversations SET next_seq = next_seq + 1 WHERE conv_id = $1
          RETURNING next_seq - 1, epoch::bigint",
@@ -168,55 +167,48 @@ pub async fn send(
     .fetch_optional(&mut *tx)
     .await
     .map_err(db("send.seq"))?;
-    let Some(taken) = taken else {
-        return Err(WireError::NotMember);
+    let inserted = match taken {
+        None => None,
+        Some(taken) => {
+            let (seq, conv_epoch): (i64, i64) = (taken.get(0), taken.get(1));
+            match faults::check(points::SEND_BEFORE_INSERT).await {
+                Fired::Pass => {}
+                Fired::Drop => return Ok(SendOutcome::NoReply),
+                Fired::Error => return Err(WireError::Unavailable),
+            }
+            let row = sqlx::query(
+                "WITH ins AS (
+                     INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
+                     SELECT $1, $2, $3, $4, $5, $6
+                     WHERE EXISTS (SELECT 1 FROM memberships
+                                   WHERE conv_id = $1 AND user_id = $3 AND to_seq IS NULL)
+                     ON CONFLICT (sender_user, cmid) DO NOTHING
+                     RETURNING mid)
+                 SELECT ins.mid, pg_notify($7, $1 || ':' || $2::text) FROM ins",
+            )
+            .bind(conv)
+            .bind(seq)
+            .bind(&who.user)
+            .bind(&who.device)
+            .bind(cmid)
+            .bind(body)
+            .bind(CHANNEL)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db("send.insert"))?;
+            row.map(|r| (seq, conv_epoch, r.get::<String, _>(0)))
+        }
     };
-    let (seq, conv_epoch): (i64, i64) = (taken.get(0), taken.get(1));
-    // S1: sending needs an open membership period.
-    let open: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM memberships
-                        WHERE conv_id = $1 AND user_id = $2 AND to_seq IS NULL)",
-    )
-    .bind(conv)
-    .bind(&who.user)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(db("send.member"))?;
-    if !open {
-        return Err(WireError::NotMember); // the dropped transaction rolls back
-    }
-    match faults::check(points::SEND_BEFORE_INSERT).await {
-        Fired::Pass => {}
-        Fired::Drop => return Ok(SendOutcome::NoReply),
-        Fired::Error => return Err(WireError::Unavailable),
-    }
-    let inserted = sqlx::query(
-        "WITH ins AS (
-             INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
-             VALUES ($1, $2, $3, $4, $5, $6)
-             ON CONFLICT (sender_user, cmid) DO NOTHING
-             RETURNING mid)
-         SELECT ins.mid, pg_notify($7, $1 || ':' || $2::text) FROM ins",
-    )
-    .bind(conv)
-    .bind(seq)
-    .bind(&who.user)
-    .bind(&who.device)
-    .bind(cmid)
-    .bind(body)
-    .bind(CHANNEL)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db("send.insert"))?;
-    let Some(inserted) = inserted else {
-        // Lost the unique race to a concurrent send of the same cmid, which has committed.
+    let Some((seq, conv_epoch, mid)) = inserted else {
+        // Nothing inserted: no such conversation, no open membership, or `(user, cmid)` was
+        // used before (or by a concurrent send that just committed). Roll back (the seq is
+        // given back, P1) and tell which, looking the earlier send up.
         drop(tx);
         return match earlier_send(pool, &who.user, conv, cmid, body).await? {
             Some(earlier) => earlier.map(SendOutcome::Reply),
-            None => Err(WireError::Unavailable), // the winner vanished: let the client retry
+            None => Err(WireError::NotMember),
         };
     };
-    let mid: String = inserted.get(0);
     match faults::check(points::SEND_BEFORE_COMMIT).await {
         Fired::Pass => {}
         Fired::Drop => return Ok(SendOutcome::NoReply),

@@ -776,3 +776,33 @@ async fn admin_commands_refuse_bad_input() {
             .unwrap();
     assert_ne!(stored, token, "only the hash is stored");
 }
+
+/// IM_HELLO_TIMEOUT_MS: a connection that never says hello is closed, so silent sockets
+/// cannot hold connection slots forever; an authenticated one is not affected.
+#[tokio::test]
+async fn connection_without_hello_is_closed_after_the_hello_timeout() {
+    let w = World::start(GatewayOpts {
+        env: vec![("IM_HELLO_TIMEOUT_MS".into(), "300".into())],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    let mut silent = Client::create(&w.state_path("silent"), "a1", "x", 1).unwrap();
+    silent.connect_raw(&w.ws_url()).await.unwrap();
+    let t0 = Instant::now();
+    silent
+        .wait_closed(T)
+        .await
+        .expect("closed for want of hello");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(250),
+        "not before the timeout: {:?}",
+        t0.elapsed()
+    );
+    let r = a.send("c1", "after", "still served", T).await.unwrap();
+    assert_eq!(
+        r["seq"], 1,
+        "the authenticated connection outlived the hello timeout"
+    );
+}
