@@ -215,15 +215,23 @@ pub async fn connect(
 }
 
 /// Provisions users `alice` (device `a1`) and `bob` (device `b1`) and conversation `c1`
-/// with both as members; returns their connected, subscribed clients.
-pub async fn alice_and_bob(
+/// with both as members; returns the two device tokens.
+pub async fn provision_alice_and_bob(
     w: &harness::world::World,
-) -> anyhow::Result<(harness::client::Client, harness::client::Client)> {
+) -> anyhow::Result<(String, String)> {
     w.add_user("alice").await?;
     w.add_user("bob").await?;
     let ta = w.add_device("a1", "alice").await?;
     let tb = w.add_device("b1", "bob").await?;
     w.add_conv("c1", &["alice", "bob"]).await?;
+    Ok((ta, tb))
+}
+
+/// [`provision_alice_and_bob`], then both devices connected and subscribed.
+pub async fn alice_and_bob(
+    w: &harness::world::World,
+) -> anyhow::Result<(harness::client::Client, harness::client::Client)> {
+    let (ta, tb) = provision_alice_and_bob(w).await?;
     let a = connect(w, "a1", &ta).await?;
     let b = connect(w, "b1", &tb).await?;
     a.sub().await.map_err(|e| anyhow::anyhow!("sub a1: {e}"))?;

@@ -7,7 +7,8 @@ use harness::client::{Client, ClientError, ClientOptions};
 use harness::gateway::GatewayOpts;
 use harness::world::World;
 use scenarios::{
-    alice_and_bob, connect, db_invariant_violations, ms, postgres_facts, quantile, Check,
+    alice_and_bob, connect, db_invariant_violations, ms, postgres_facts, provision_alice_and_bob,
+    quantile, Check,
 };
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -44,6 +45,13 @@ fn first_reply(r: &Result<Value, ClientError>) -> Value {
 /// sender sees no reply; the rows right after the crash tell where it died; a new client
 /// instance loaded from the state file replays the outbox against a healthy gateway and
 /// ends with exactly one row (D1, D2, P1).
+async fn crash_check(id: &str, point: &str, rows_after_crash: i64, dup: bool) {
+    let fault = format!("{point}:halt");
+    let mut c = Check::new(id, "crash", Some(&fault));
+    let r = crash_point(&mut c, point, rows_after_crash, dup).await;
+    c.finish(r);
+}
+
 async fn crash_point(
     c: &mut Check,
     point: &str,
@@ -116,39 +124,39 @@ async fn crash_point(
 /// 8.1: crash before the INSERT: 0 rows, the resend creates the message (dup:false).
 #[tokio::test]
 async fn im06_crash_send_before_insert() {
-    let mut c = Check::new(
+    crash_check(
         "06-crash-send.before_insert",
-        "crash",
-        Some("send.before_insert:halt"),
-    );
-    let r = crash_point(&mut c, "send.before_insert", 0, false).await;
-    c.finish(r);
+        "send.before_insert",
+        0,
+        false,
+    )
+    .await;
 }
 
 /// 8.1: crash after INSERT and pg_notify, before COMMIT: PostgreSQL rolls back, 0 rows, the
 /// seq is not consumed (P1), the resend creates the message with seq 1 (dup:false).
 #[tokio::test]
 async fn im06_crash_send_before_commit() {
-    let mut c = Check::new(
+    crash_check(
         "06-crash-send.before_commit",
-        "crash",
-        Some("send.before_commit:halt"),
-    );
-    let r = crash_point(&mut c, "send.before_commit", 0, false).await;
-    c.finish(r);
+        "send.before_commit",
+        0,
+        false,
+    )
+    .await;
 }
 
 /// 8.1: crash after COMMIT, before the reply: 1 row already; the resend answers dup:true with
 /// the original seq and mid, still 1 row (D2's key case).
 #[tokio::test]
 async fn im06_crash_api_after_send_commit() {
-    let mut c = Check::new(
+    crash_check(
         "06-crash-api.after_send_commit",
-        "crash",
-        Some("api.after_send_commit:halt"),
-    );
-    let r = crash_point(&mut c, "api.after_send_commit", 1, true).await;
-    c.finish(r);
+        "api.after_send_commit",
+        1,
+        true,
+    )
+    .await;
 }
 
 /// 8.2: the gateway drops the first `sent` reply; the client times out after 1500 ms and
@@ -489,11 +497,7 @@ async fn im06_lost_ack_swept() {
             },
         )
         .await?;
-        w.add_user("alice").await?;
-        w.add_user("bob").await?;
-        let ta = w.add_device("a1", "alice").await?;
-        let tb = w.add_device("b1", "bob").await?;
-        w.add_conv("c1", &["alice", "bob"]).await?;
+        let (ta, tb) = provision_alice_and_bob(&w).await?;
         let a = connect(&w, "a1", &ta).await?;
         let b = connect(&w, "b1", &tb).await?.with_options(ClientOptions {
             request_timeout: Duration::from_millis(500),
@@ -556,11 +560,7 @@ async fn im06_receiver_crash_before_ack() {
     );
     let r = async {
         let w = start(&mut c, GatewayOpts::default()).await?;
-        w.add_user("alice").await?;
-        w.add_user("bob").await?;
-        let ta = w.add_device("a1", "alice").await?;
-        let tb = w.add_device("b1", "bob").await?;
-        w.add_conv("c1", &["alice", "bob"]).await?;
+        let (ta, tb) = provision_alice_and_bob(&w).await?;
         let a = connect(&w, "a1", &ta).await?;
         let b = connect(&w, "b1", &tb).await?.with_options(ClientOptions {
             auto_ack: false,
@@ -677,11 +677,7 @@ async fn im06_queue_overflow_hint() {
             },
         )
         .await?;
-        w.add_user("alice").await?;
-        w.add_user("bob").await?;
-        let ta = w.add_device("a1", "alice").await?;
-        let tb = w.add_device("b1", "bob").await?;
-        w.add_conv("c1", &["alice", "bob"]).await?;
+        let (ta, tb) = provision_alice_and_bob(&w).await?;
         let a = connect(&w, "a1", &ta).await?; // not subscribed: its sends are not slowed by pushes
         let b = connect(&w, "b1", &tb).await?;
         b.sub().await.map_err(|e| anyhow::anyhow!("{e}"))?;
