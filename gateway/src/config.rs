@@ -27,6 +27,8 @@ pub struct Config {
     pub body_max_bytes: usize,
     /// `IM_SYNC_LIMIT_MAX`: largest sync page; a larger `limit` is clamped to it.
     pub sync_limit_max: i64,
+    /// `IM_CONN_INFLIGHT_MAX`: requests of one connection served at once.
+    pub conn_inflight_max: usize,
     /// `IM_FANOUT_BATCH_MAX`: notifications whose event reads may be in flight at once.
     pub fanout_inflight_max: usize,
     /// `IM_HELLO_TIMEOUT_MS`: a connection that has not said a good `hello` by then is closed.
@@ -96,6 +98,7 @@ impl Config {
             frame_max_bytes: num("IM_FRAME_MAX_BYTES", 65_536usize, 256, 16 << 20)?,
             body_max_bytes: num("IM_BODY_MAX_BYTES", 16_384usize, 1, 8 << 20)?,
             sync_limit_max: num("IM_SYNC_LIMIT_MAX", 500i64, 1, 10_000)?,
+            conn_inflight_max: num("IM_CONN_INFLIGHT_MAX", 8usize, 1, 1024)?,
             fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 16usize, 1, 1024)?,
             hello_timeout_ms: num("IM_HELLO_TIMEOUT_MS", 10_000u64, 10, 3_600_000)?,
             write_timeout_ms: num("IM_WRITE_TIMEOUT_MS", 10_000u64, 10, 3_600_000)?,
@@ -106,5 +109,11 @@ impl Config {
 
     pub fn db_timeout(&self) -> Duration {
         Duration::from_millis(self.db_timeout_ms)
+    }
+
+    /// The deadline of a request's database work: 90% of `IM_DB_TIMEOUT_MS`, so the
+    /// UNAVAILABLE reply is on the wire within `IM_DB_TIMEOUT_MS` even on a busy machine.
+    pub fn db_work_deadline(&self) -> Duration {
+        Duration::from_millis(self.db_timeout_ms * 9 / 10)
     }
 }

@@ -1,7 +1,12 @@
-//! One WebSocket connection: its read loop (parse, authenticate, dispatch requests one at a
-//! time), and its writer task (drains the bounded queue, applies the reply/push fault points,
-//! sends overflow hints once drained, closes). It owns no SQL (that is `store`) and never
-//! blocks anyone else: fan-out only ever `try_send`s into its queue.
+//! One WebSocket connection: its read loop (parse, authenticate, then hand each request to
+//! its own task, at most IM_CONN_INFLIGHT_MAX at once), and its writer task (drains the
+//! bounded queue, applies the reply/push fault points, sends overflow hints once drained,
+//! closes). It owns no SQL (that is `store`) and never blocks anyone else: fan-out only ever
+//! `try_send`s into its queue.
+//!
+//! Requests after `hello` run concurrently, so one slow request (say, waiting out the
+//! database deadline) never delays the next one's answer; replies are matched by `rid` and
+//! may leave in another order than the requests came.
 
 use crate::config::{SUB_CONVS_MAX, SYNC_LIMIT_DEFAULT};
 use crate::error::WireError;
@@ -12,42 +17,44 @@ use crate::server::State;
 use crate::store::{self, Principal, SendOutcome};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
+use tokio_util::sync::CancellationToken;
 
 type Sink = futures_util::stream::SplitSink<WebSocketStream<TcpStream>, Message>;
+/// The connection's entry in the hub, once it subscribed; shared with the writer.
+type HandleSlot = Arc<Mutex<Option<Arc<ConnHandle>>>>;
 
 /// Serves one upgraded connection until the peer leaves, a fatal error, or shutdown.
 pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, peer: String) {
     let (sink, mut stream) = ws.split();
     let (tx, rx) = mpsc::channel::<Out>(state.cfg.queue_frames_max);
-    let handle_slot: Arc<std::sync::Mutex<Option<Arc<ConnHandle>>>> = Default::default();
+    let slot: HandleSlot = Default::default();
     let write_timeout = Duration::from_millis(state.cfg.write_timeout_ms);
     let writer = state
         .tracker
-        .spawn(writer(sink, rx, handle_slot.clone(), id, write_timeout));
+        .spawn(writer(sink, rx, slot.clone(), id, write_timeout));
     let hello_deadline =
         tokio::time::Instant::now() + Duration::from_millis(state.cfg.hello_timeout_ms);
+    let inflight_max = state.cfg.conn_inflight_max;
+    let inflight = Arc::new(Semaphore::new(inflight_max));
+    // A request task cancels this to end the connection (after STALE_INSTALL, say).
+    let close = CancellationToken::new();
+    let close_code: Arc<Mutex<CloseCode>> = Arc::new(Mutex::new(CloseCode::Policy));
     tracing::info!(conn = id, %peer, "connection opened");
 
-    let mut conn = Conn {
-        state: state.clone(),
-        id,
-        tx: tx.clone(),
-        who: None,
-        handle: None,
-    };
-    let close_code = loop {
-        let authenticated = conn.who.is_some();
+    let mut session: Option<Arc<Session>> = None;
+    let code = loop {
         let msg = tokio::select! {
             _ = state.cancel.cancelled() => break CloseCode::Away,
-            _ = tokio::time::sleep_until(hello_deadline), if !authenticated => {
+            _ = close.cancelled() => break *close_code.lock().unwrap_or_else(|p| p.into_inner()),
+            _ = tokio::time::sleep_until(hello_deadline), if session.is_none() => {
                 tracing::info!(conn = id, "no hello within IM_HELLO_TIMEOUT_MS: closing");
                 break CloseCode::Policy;
             }
@@ -57,19 +64,14 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
             None => break CloseCode::Normal,
             Some(Ok(Message::Text(t))) => t,
             Some(Ok(Message::Binary(_))) => {
-                conn.reply(
-                    None,
-                    Err(WireError::bad(
-                        "binary frames are not accepted: send JSON text",
-                    )),
-                )
-                .await;
+                let e = WireError::bad("binary frames are not accepted: send JSON text");
+                reply(&tx, id, None, Err(e)).await;
                 continue;
             }
             Some(Ok(Message::Close(_))) => break CloseCode::Normal,
             Some(Ok(_)) => continue, // ping/pong: tungstenite answers pings itself
             Some(Err(WsError::Capacity(_))) => {
-                conn.too_large().await;
+                too_large(&tx, id, state.cfg.frame_max_bytes).await;
                 break CloseCode::Size;
             }
             Some(Err(e)) => {
@@ -78,137 +80,191 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
             }
         };
         if text.len() > state.cfg.frame_max_bytes {
-            conn.too_large().await;
+            too_large(&tx, id, state.cfg.frame_max_bytes).await;
             break CloseCode::Size;
         }
         let inbound = protocol::parse(&text, state.cfg.body_max_bytes);
-        let keep = conn.dispatch(inbound.rid, inbound.req, &handle_slot).await;
-        if let Some(code) = keep {
-            break code;
-        }
+        let Some(s) = &session else {
+            // Nothing but `hello` is served before hello, and hello is served inline.
+            match hello(&state, &tx, id, inbound.rid.as_deref(), inbound.req).await {
+                Ok(Some(who)) => {
+                    session = Some(Arc::new(Session {
+                        state: state.clone(),
+                        id,
+                        tx: tx.clone(),
+                        who,
+                        slot: slot.clone(),
+                        close: close.clone(),
+                        close_code: close_code.clone(),
+                    }))
+                }
+                Ok(None) => {}
+                Err(code) => break code,
+            }
+            continue;
+        };
+        // Bounded concurrency per connection: past the limit the reader waits, which only
+        // slows this connection.
+        let Ok(permit) = inflight.clone().acquire_owned().await else {
+            break CloseCode::Error;
+        };
+        let s = s.clone();
+        state.tracker.spawn(async move {
+            s.dispatch(inbound.rid.as_deref(), inbound.req).await;
+            drop(permit);
+        });
     };
-    if let Some(h) = &conn.handle {
+    // Let in-flight requests finish and queue their replies before the close frame.
+    let _ = inflight.acquire_many(inflight_max as u32).await;
+    if let Some(h) = slot.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
         state.hub.remove(h);
     }
-    let device = conn
-        .who
+    let device = session
         .as_ref()
-        .map(|w| w.device.clone())
+        .map(|s| s.who.device.clone())
         .unwrap_or_default();
-    if close_code != CloseCode::Abnormal {
+    if code != CloseCode::Abnormal {
         let _ = tx
-            .send(Out::new(Kind::Close(close_code.into()), String::new()))
+            .send(Out::new(Kind::Close(code.into()), String::new()))
             .await;
     }
-    drop(conn);
+    drop(session);
     drop(tx);
-    handle_slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+    slot.lock().unwrap_or_else(|p| p.into_inner()).take();
     let _ = writer.await;
-    tracing::info!(conn = id, %peer, device, code = u16::from(close_code), "connection closed");
+    tracing::info!(conn = id, %peer, device, code = u16::from(code), "connection closed");
 }
 
-struct Conn {
+/// Queues a frame. Replies wait for queue space: that only slows this connection.
+async fn queue(tx: &mpsc::Sender<Out>, kind: Kind, text: String) {
+    let _ = tx.send(Out::new(kind, text)).await;
+}
+
+async fn reply(
+    tx: &mpsc::Sender<Out>,
+    id: u64,
+    rid: Option<&str>,
+    r: Result<serde_json::Value, WireError>,
+) {
+    match r {
+        Ok(mut v) => {
+            let kind = match v["t"].as_str() {
+                Some("sent") => Kind::Sent,
+                Some("acked") => Kind::Acked,
+                _ => Kind::Reply,
+            };
+            if let Some(rid) = rid {
+                v["rid"] = json!(rid);
+            }
+            queue(tx, kind, v.to_string()).await;
+        }
+        Err(e) => {
+            if matches!(e, WireError::Internal) {
+                tracing::error!(conn = id, "request failed with INTERNAL");
+            }
+            queue(tx, Kind::Reply, protocol::error_frame(rid, &e)).await
+        }
+    }
+}
+
+async fn too_large(tx: &mpsc::Sender<Out>, id: u64, frame_max_bytes: usize) {
+    let e = WireError::TooLarge(format!("frame is larger than {frame_max_bytes} bytes"));
+    tracing::info!(conn = id, "frame over the size limit: closing");
+    queue(tx, Kind::Reply, protocol::error_frame(None, &e)).await;
+}
+
+/// Serves a frame before hello. `Ok(Some)`: authenticated; `Ok(None)`: answered, go on;
+/// `Err(code)`: answered, close with `code` (a failed hello).
+async fn hello(
+    state: &State,
+    tx: &mpsc::Sender<Out>,
+    id: u64,
+    rid: Option<&str>,
+    req: Result<Request, WireError>,
+) -> Result<Option<Principal>, CloseCode> {
+    let (device, token, epoch) = match req {
+        Err(e) => {
+            reply(tx, id, rid, Err(e)).await;
+            return Ok(None);
+        }
+        Ok(Request::Hello {
+            device,
+            token,
+            epoch,
+        }) => (device, token, epoch),
+        Ok(_) => {
+            reply(
+                tx,
+                id,
+                rid,
+                Err(WireError::Unauthenticated("say hello first")),
+            )
+            .await;
+            return Ok(None);
+        }
+    };
+    let r = state
+        .db(move |pool| async move { store::authenticate(&pool, &device, &token, epoch).await })
+        .await;
+    match r {
+        Ok(p) => {
+            let v = json!({"t": "welcome", "user": p.user, "device": p.device, "epoch": p.epoch});
+            tracing::debug!(conn = id, user = %p.user, device = %p.device, "authenticated");
+            reply(tx, id, rid, Ok(v)).await;
+            Ok(Some(p))
+        }
+        Err(e) => {
+            let fatal = matches!(e, WireError::Unauthenticated(_) | WireError::StaleInstall);
+            reply(tx, id, rid, Err(e)).await;
+            if fatal {
+                Err(CloseCode::Policy)
+            } else {
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// An authenticated connection as its request tasks share it.
+struct Session {
     state: Arc<State>,
     id: u64,
     tx: mpsc::Sender<Out>,
-    /// Set by a successful `hello`; nothing but `hello` is served before it.
-    who: Option<Principal>,
-    /// Set by the first `sub`: the connection's entry in the hub.
-    handle: Option<Arc<ConnHandle>>,
+    /// Fixed by `hello`.
+    who: Principal,
+    slot: HandleSlot,
+    /// Cancelled by a request that must end the connection; the reader then closes.
+    close: CancellationToken,
+    close_code: Arc<Mutex<CloseCode>>,
 }
 
-impl Conn {
-    async fn queue(&self, kind: Kind, text: String) {
-        // Replies wait for queue space: that only slows this connection's own reads.
-        let _ = self.tx.send(Out::new(kind, text)).await;
-    }
-
+impl Session {
+    /// Replies; STALE_INSTALL (the device was reinstalled meanwhile) also ends the connection.
     async fn reply(&self, rid: Option<&str>, r: Result<serde_json::Value, WireError>) {
-        match r {
-            Ok(mut v) => {
-                let kind = match v["t"].as_str() {
-                    Some("sent") => Kind::Sent,
-                    Some("acked") => Kind::Acked,
-                    _ => Kind::Reply,
-                };
-                if let Some(rid) = rid {
-                    v["rid"] = json!(rid);
-                }
-                self.queue(kind, v.to_string()).await;
-            }
-            Err(e) => {
-                if matches!(e, WireError::Internal) {
-                    tracing::error!(conn = self.id, "request failed with INTERNAL");
-                }
-                self.queue(Kind::Reply, protocol::error_frame(rid, &e))
-                    .await
-            }
+        let stale = matches!(r, Err(WireError::StaleInstall));
+        reply(&self.tx, self.id, rid, r).await;
+        if stale {
+            self.close_with(CloseCode::Policy);
         }
     }
 
-    async fn too_large(&self) {
-        let e = WireError::TooLarge(format!(
-            "frame is larger than {} bytes",
-            self.state.cfg.frame_max_bytes
-        ));
-        tracing::info!(conn = self.id, "frame over the size limit: closing");
-        self.queue(Kind::Reply, protocol::error_frame(None, &e))
-            .await;
+    fn close_with(&self, code: CloseCode) {
+        *self.close_code.lock().unwrap_or_else(|p| p.into_inner()) = code;
+        self.close.cancel();
     }
 
-    /// Handles one request; `Some(code)` ends the connection after the reply.
-    async fn dispatch(
-        &mut self,
-        rid: Option<String>,
-        req: Result<Request, WireError>,
-        slot: &std::sync::Mutex<Option<Arc<ConnHandle>>>,
-    ) -> Option<CloseCode> {
-        let rid = rid.as_deref();
+    /// Handles one request after hello, replies (or, after a `drop` fault, does not).
+    async fn dispatch(&self, rid: Option<&str>, req: Result<Request, WireError>) {
         let req = match req {
             Ok(r) => r,
-            Err(e) => {
-                self.reply(rid, Err(e)).await;
-                return None;
-            }
+            Err(e) => return self.reply(rid, Err(e)).await,
         };
         let st = &self.state;
-        let Some(who) = self.who.clone() else {
-            let Request::Hello {
-                device,
-                token,
-                epoch,
-            } = req
-            else {
-                self.reply(rid, Err(WireError::Unauthenticated("say hello first")))
-                    .await;
-                return None;
-            };
-            let r =
-                st.db(move |pool| async move {
-                    store::authenticate(&pool, &device, &token, epoch).await
-                })
-                .await;
-            return match r {
-                Ok(p) => {
-                    let v = json!({"t": "welcome", "user": p.user, "device": p.device, "epoch": p.epoch});
-                    tracing::debug!(conn = self.id, user = %p.user, device = %p.device, "authenticated");
-                    self.who = Some(p);
-                    self.reply(rid, Ok(v)).await;
-                    None
-                }
-                Err(e) => {
-                    let fatal =
-                        matches!(e, WireError::Unauthenticated(_) | WireError::StaleInstall);
-                    self.reply(rid, Err(e)).await;
-                    fatal.then_some(CloseCode::Policy)
-                }
-            };
-        };
+        let who = &self.who;
         match req {
             Request::Hello { .. } => {
                 self.reply(rid, Err(WireError::bad("already authenticated")))
-                    .await;
-                None
+                    .await
             }
             Request::Send { conv, cmid, body } => {
                 let w = who.clone();
@@ -218,64 +274,51 @@ impl Conn {
                     .await;
                 let sent = match r {
                     Ok(SendOutcome::Reply(s)) => s,
-                    Ok(SendOutcome::NoReply) => return None,
-                    Err(e) => {
-                        self.reply(rid, Err(e)).await;
-                        return None;
-                    }
+                    Ok(SendOutcome::NoReply) => return,
+                    Err(e) => return self.reply(rid, Err(e)).await,
                 };
                 // D1: we get here only after COMMIT returned (or for a committed duplicate).
                 match faults::check(points::API_AFTER_SEND_COMMIT).await {
                     Fired::Pass => {}
-                    Fired::Drop => return None,
-                    Fired::Error => {
-                        self.reply(rid, Err(WireError::Unavailable)).await;
-                        return None;
-                    }
+                    Fired::Drop => return,
+                    Fired::Error => return self.reply(rid, Err(WireError::Unavailable)).await,
                 }
                 let v = json!({"t": "sent", "conv": conv, "seq": sent.seq, "mid": sent.mid,
                                "dup": sent.dup, "epoch": sent.epoch});
-                self.reply(rid, Ok(v)).await;
-                None
+                self.reply(rid, Ok(v)).await
             }
             Request::Ack { conv, seq } => {
                 match faults::check(points::GW_RECV_ACK).await {
                     Fired::Pass => {}
-                    Fired::Drop => return None,
-                    Fired::Error => {
-                        self.reply(rid, Err(WireError::Unavailable)).await;
-                        return None;
-                    }
+                    Fired::Drop => return,
+                    Fired::Error => return self.reply(rid, Err(WireError::Unavailable)).await,
                 }
                 let w = who.clone();
                 let c = conv.clone();
                 let r = st
                     .db(move |pool| async move { store::ack(&pool, &w, &c, seq).await })
                     .await;
-                let stale = matches!(r, Err(WireError::StaleInstall));
                 self.reply(
                     rid,
                     r.map(|d| json!({"t": "acked", "conv": conv, "delivered": d})),
                 )
-                .await;
-                stale.then_some(CloseCode::Policy)
+                .await
             }
             Request::Sub => {
                 // Register before reading the state, so no event falls between the two.
-                let h = match &self.handle {
-                    Some(h) => h.clone(),
-                    None => {
-                        let h = Arc::new(ConnHandle::new(self.id, who.clone(), self.tx.clone()));
-                        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(h.clone());
-                        self.handle = Some(h.clone());
-                        h
-                    }
+                let h = {
+                    let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+                    slot.get_or_insert_with(|| {
+                        Arc::new(ConnHandle::new(self.id, who.clone(), self.tx.clone()))
+                    })
+                    .clone()
                 };
-                self.state.hub.subscribe(&h);
+                let newly = st.hub.subscribe(&h);
                 let w = who.clone();
-                let max = SUB_CONVS_MAX;
                 let r = st
-                    .db(move |pool| async move { store::conv_states(&pool, &w, max).await })
+                    .db(move |pool| async move {
+                        store::conv_states(&pool, &w, SUB_CONVS_MAX).await
+                    })
                     .await;
                 let r = r.map(|convs| {
                     let convs: Vec<_> = convs
@@ -284,13 +327,16 @@ impl Conn {
                         .collect();
                     json!({"t": "subbed", "convs": convs})
                 });
-                self.reply(rid, r).await;
-                None
+                if r.is_err() && newly {
+                    // A failed `sub` takes no effect: the client was told it did not work.
+                    st.hub.remove(&h);
+                }
+                self.reply(rid, r).await
             }
             Request::Sync { conv, after, limit } => {
                 let limit = limit
                     .unwrap_or(SYNC_LIMIT_DEFAULT)
-                    .min(self.state.cfg.sync_limit_max);
+                    .min(st.cfg.sync_limit_max);
                 let w = who.clone();
                 let c = conv.clone();
                 let r = st
@@ -301,8 +347,7 @@ impl Conn {
                     json!({"t": "synced", "conv": conv, "events": events, "head": p.head,
                            "complete": p.complete})
                 });
-                self.reply(rid, r).await;
-                None
+                self.reply(rid, r).await
             }
         }
     }
@@ -326,7 +371,7 @@ async fn write(sink: &mut Sink, text: String, limit: Duration) -> Result<(), WsE
 async fn writer(
     mut sink: Sink,
     mut rx: mpsc::Receiver<Out>,
-    handle: Arc<std::sync::Mutex<Option<Arc<ConnHandle>>>>,
+    handle: HandleSlot,
     id: u64,
     limit: Duration,
 ) {

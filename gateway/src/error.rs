@@ -46,26 +46,35 @@ impl WireError {
     }
 }
 
-/// Classifies a database error: connection trouble is UNAVAILABLE (the client may retry),
-/// anything else is INTERNAL. The detail is logged where the request is handled, never sent.
+/// Classifies a database error: a statement the database refused for a reason of its own
+/// (constraint, syntax, type) or a row we could not decode is INTERNAL, a bug; everything
+/// else (I/O, pool timeouts, connection, shutdown and recovery states) is UNAVAILABLE, which
+/// the client may retry. The detail is logged where the request is handled, never sent.
 pub fn from_db(e: &sqlx::Error) -> WireError {
     match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_) => WireError::Unavailable,
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
-            // 08: connection exception; 57P: operator intervention (shutdown, crash recovery);
-            // 53: insufficient resources.
-            if code.starts_with("08") || code.starts_with("57P") || code.starts_with("53") {
+            // 08: connection exception; 57P: operator intervention (shutdown, crash
+            // recovery); 53: insufficient resources; 40001/40P01: retryable conflicts.
+            let retryable = code.starts_with("08")
+                || code.starts_with("57P")
+                || code.starts_with("53")
+                || code == "40001"
+                || code == "40P01";
+            if retryable {
                 WireError::Unavailable
             } else {
                 WireError::Internal
             }
         }
-        _ => WireError::Internal,
+        sqlx::Error::RowNotFound
+        | sqlx::Error::TypeNotFound { .. }
+        | sqlx::Error::ColumnIndexOutOfBounds { .. }
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::Encode(_)
+        | sqlx::Error::Decode(_)
+        | sqlx::Error::Configuration(_) => WireError::Internal,
+        _ => WireError::Unavailable,
     }
 }

@@ -119,16 +119,19 @@ pub struct Hub {
 
 impl Hub {
     /// Marks the connection subscribed and makes it reachable by fan-out and the sweep.
-    pub fn subscribe(&self, h: &Arc<ConnHandle>) {
+    /// Returns false if it already was.
+    pub fn subscribe(&self, h: &Arc<ConnHandle>) -> bool {
         if h.subscribed.swap(true, Ordering::AcqRel) {
-            return;
+            return false;
         }
         let mut m = self.by_user.write().unwrap_or_else(|p| p.into_inner());
         m.entry(h.who.user.clone()).or_default().push(h.clone());
+        true
     }
 
+    /// Takes the connection out of fan-out and the sweep (closed, or its `sub` failed).
     pub fn remove(&self, h: &ConnHandle) {
-        if !h.is_subscribed() {
+        if !h.subscribed.swap(false, Ordering::AcqRel) {
             return;
         }
         let mut m = self.by_user.write().unwrap_or_else(|p| p.into_inner());

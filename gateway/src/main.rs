@@ -103,7 +103,7 @@ async fn run(cmd: &str, rest: &[String]) -> anyhow::Result<()> {
 
 async fn serve() -> anyhow::Result<()> {
     let cfg = config::Config::from_env()?;
-    let pool = store::connect(&cfg.database_url, cfg.db_pool_max, cfg.db_timeout()).await?;
+    let pool = store::connect(&cfg.database_url, cfg.db_pool_max, cfg.db_work_deadline()).await?;
     migrate::check(&pool).await?;
     let pg_listener = fanout::listen(&pool)
         .await
@@ -112,6 +112,20 @@ async fn serve() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("bind IM_LISTEN={}", cfg.listen))?;
     let addr = listener.local_addr().context("read the bound address")?;
+    // Handlers go in before the readiness line: a SIGTERM sent the moment the line appears
+    // is a graceful shutdown, never death by signal.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+        }
+        c.cancel();
+    });
     {
         // The readiness signal: exactly one line on stdout.
         let mut out = std::io::stdout().lock();
@@ -119,22 +133,5 @@ async fn serve() -> anyhow::Result<()> {
         out.flush().context("flush the readiness line")?;
     }
     tracing::info!(%addr, sweep_ms = cfg.sweep_interval_ms, "serving");
-    let cancel = CancellationToken::new();
-    let c = cancel.clone();
-    tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            tracing::error!("cannot install signal handlers");
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
-        }
-        c.cancel();
-    });
     server::serve(listener, cfg, pool, pg_listener, cancel).await
 }

@@ -43,7 +43,7 @@ impl State {
         T: Send + 'static,
     {
         let task = self.tracker.spawn(work(self.pool.clone()));
-        match tokio::time::timeout(self.cfg.db_timeout(), task).await {
+        match tokio::time::timeout(self.cfg.db_work_deadline(), task).await {
             Ok(Ok(r)) => r,
             Ok(Err(join)) => {
                 tracing::error!(error = %join, "request task failed");

@@ -89,6 +89,21 @@ pub async fn authenticate(
     })
 }
 
+/// STALE_INSTALL if the device was reinstalled (or removed) since this connection's hello.
+async fn check_install(pool: &PgPool, who: &Principal) -> Result<(), WireError> {
+    let current: Option<i64> =
+        sqlx::query_scalar("SELECT install_epoch::bigint FROM devices WHERE device_id = $1")
+            .bind(&who.device)
+            .fetch_optional(pool)
+            .await
+            .map_err(db("install_epoch"))?;
+    match current {
+        Some(e) if e == who.epoch => Ok(()),
+        Some(_) => Err(WireError::StaleInstall),
+        None => Err(WireError::Unauthenticated("device no longer exists")),
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sent {
     pub seq: i64,
@@ -182,6 +197,8 @@ pub async fn send(
                      SELECT $1, $2, $3, $4, $5, $6
                      WHERE EXISTS (SELECT 1 FROM memberships
                                    WHERE conv_id = $1 AND user_id = $3 AND to_seq IS NULL)
+                       AND EXISTS (SELECT 1 FROM devices
+                                   WHERE device_id = $4 AND install_epoch = $8)
                      ON CONFLICT (sender_user, cmid) DO NOTHING
                      RETURNING mid)
                  SELECT ins.mid, pg_notify($7, $1 || ':' || $2::text) FROM ins",
@@ -193,6 +210,7 @@ pub async fn send(
             .bind(cmid)
             .bind(body)
             .bind(CHANNEL)
+            .bind(who.epoch)
             .fetch_optional(&mut *tx)
             .await
             .map_err(db("send.insert"))?;
@@ -200,10 +218,11 @@ pub async fn send(
         }
     };
     let Some((seq, conv_epoch, mid)) = inserted else {
-        // Nothing inserted: no such conversation, no open membership, or `(user, cmid)` was
-        // used before (or by a concurrent send that just committed). Roll back (the seq is
-        // given back, P1) and tell which, looking the earlier send up.
+        // Nothing inserted: a stale install, no such conversation, no open membership, or
+        // `(user, cmid)` was used before (or by a concurrent send that just committed). Roll
+        // back (the seq is given back, P1) and tell which, looking the earlier send up.
         drop(tx);
+        check_install(pool, who).await?;
         return match earlier_send(pool, &who.user, conv, cmid, body).await? {
             Some(earlier) => earlier.map(SendOutcome::Reply),
             None => Err(WireError::NotMember),
@@ -294,6 +313,7 @@ pub async fn conv_states(
     who: &Principal,
     max: i64,
 ) -> Result<Vec<ConvState>, WireError> {
+    check_install(pool, who).await?;
     let rows = sqlx::query(
         "SELECT m.conv_id, im_visible_head(m.conv_id, $1), COALESCE(dc.delivered_seq, 0)
          FROM (SELECT DISTINCT conv_id FROM memberships WHERE user_id = $1) m
@@ -352,14 +372,19 @@ pub async fn sync(
 ) -> Result<Page, WireError> {
     let row = sqlx::query(
         "SELECT EXISTS (SELECT 1 FROM memberships WHERE conv_id = $1 AND user_id = $2),
-                im_visible_head($1, $2)",
+                im_visible_head($1, $2),
+                (SELECT install_epoch::bigint FROM devices WHERE device_id = $3)",
     )
     .bind(conv)
     .bind(&who.user)
+    .bind(&who.device)
     .fetch_one(pool)
     .await
     .map_err(db("sync.head"))?;
-    let (member, head): (bool, i64) = (row.get(0), row.get(1));
+    let (member, head, epoch): (bool, i64, Option<i64>) = (row.get(0), row.get(1), row.get(2));
+    if epoch != Some(who.epoch) {
+        return Err(WireError::StaleInstall);
+    }
     if !member {
         return Err(WireError::NotMember);
     }

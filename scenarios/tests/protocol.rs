@@ -101,17 +101,36 @@ async fn hello_first_and_bad_credentials_are_unauthenticated_then_closed() {
 }
 
 /// Proves `admin reinstall-device` raises the install epoch: the old install's hello gets
-/// STALE_INSTALL and a close, a connection opened before the reinstall gets STALE_INSTALL on
-/// its next ack, and the new token with the new epoch is welcome.
+/// STALE_INSTALL and a close; connections opened before the reinstall get STALE_INSTALL and
+/// a close on their next ack, send, sync or sub (and such a send writes nothing); the new
+/// token with the new epoch is welcome.
 #[tokio::test]
 async fn reinstall_makes_older_installs_stale() {
     let w = world().await;
-    let (_a, b) = alice_and_bob(&w).await.unwrap();
+    let (_ta, tb) = scenarios::provision_alice_and_bob(&w).await.unwrap();
+    let mut before = Vec::new();
+    for i in 0..4 {
+        let mut c = Client::create(&w.state_path(&format!("b1-{i}")), "b1", &tb, 1).unwrap();
+        c.connect(&w.ws_url()).await.unwrap();
+        before.push(c);
+    }
     let new_token = w.reinstall_device("b1").await.unwrap();
 
-    let r = b.ack("c1", 0, T).await;
-    assert_eq!(code(&r).as_deref(), Some("STALE_INSTALL"), "{r:?}");
-    b.wait_closed(T).await.unwrap();
+    let rs = [
+        before[0].ack("c1", 0, T).await,
+        before[1].send("c1", "stale-1", "x", T).await,
+        before[2].sync_once("c1", 0, 10, T).await,
+        before[3].request(json!({"t":"sub"}), T).await,
+    ];
+    for (c, r) in before.iter().zip(&rs) {
+        assert_eq!(code(r).as_deref(), Some("STALE_INSTALL"), "{r:?}");
+        c.wait_closed(T).await.unwrap();
+    }
+    assert_eq!(
+        w.count_events("c1").await.unwrap(),
+        0,
+        "a stale install writes nothing"
+    );
 
     let mut old = Client::create(&w.state_path("old"), "b1", "whatever", 1).unwrap();
     let r = old.connect(&w.ws_url()).await;
@@ -510,6 +529,9 @@ async fn sweep_hints_a_device_that_missed_events() {
     for i in 0..3 {
         a.send("c1", &format!("m{i}"), "x", T).await.unwrap();
     }
+    // Fan-out is done with seq 3 once the sender's own device has its push: after that, b's
+    // only way to learn of 1..3 is the sweep.
+    a.wait_cursor("c1", 3, T).await.unwrap();
     let mut b = Client::load(&state).unwrap();
     b.connect(&w.ws_url()).await.unwrap();
     b.request(json!({"t":"sub"}), T).await.unwrap(); // raw sub: the client does not sync by itself
@@ -519,7 +541,7 @@ async fn sweep_hints_a_device_that_missed_events() {
         .iter()
         .filter(|(_, f)| f["t"] == "hint" && f["why"] == "sweep")
         .count();
-    assert!(hints >= 1, "a sweep hint arrived");
+    assert!(hints >= 1, "a sweep hint arrived: {:?}", b.frames());
     assert_eq!(b.stored_seqs("c1"), vec![1, 2, 3]);
 }
 
@@ -620,7 +642,7 @@ async fn connection_cap_refuses_extra_connections() {
 }
 
 /// The database killed (immediate shutdown) under a running gateway: requests answer
-/// UNAVAILABLE within IM_DB_TIMEOUT_MS, the gateway keeps running, and once PostgreSQL is
+/// UNAVAILABLE within IM_DB_TIMEOUT_MS (measured at the client), the gateway keeps running, and once PostgreSQL is
 /// back it serves again (sends, pushes, acks) without a restart.
 #[tokio::test]
 async fn database_down_is_unavailable_then_service_resumes() {
@@ -632,18 +654,20 @@ async fn database_down_is_unavailable_then_service_resumes() {
     .await
     .unwrap();
     let (a, b) = alice_and_bob(&w).await.unwrap();
+    let t2 = w.add_device("b2", "bob").await.unwrap();
+    let b2 = connect(&w, "b2", &t2).await.unwrap();
     a.send("c1", "before", "x", T).await.unwrap();
     b.wait_server_delivered("c1", 1, T).await.unwrap();
     w.pg.crash().await.unwrap();
+    let r = b2.request(json!({"t":"sub"}), T).await;
+    assert_eq!(code(&r).as_deref(), Some("UNAVAILABLE"), "{r:?}");
     for i in 0..3 {
         let t0 = Instant::now();
         let r = a.send("c1", &format!("down-{i}"), "x", T).await;
         let took = t0.elapsed();
         assert_eq!(code(&r).as_deref(), Some("UNAVAILABLE"), "{r:?}");
-        assert!(
-            took < Duration::from_millis(1000 + 500),
-            "answered in {took:?}"
-        );
+        // SPEC 2: answered within IM_DB_TIMEOUT_MS, measured at the client.
+        assert!(took <= Duration::from_millis(1000), "answered in {took:?}");
     }
     assert_eq!(a.outbox().len(), 3, "UNAVAILABLE keeps the outbox");
     assert!(
@@ -664,6 +688,15 @@ async fn database_down_is_unavailable_then_service_resumes() {
     b.wait_server_delivered("c1", 4, Duration::from_secs(20))
         .await
         .unwrap();
+    // A `sub` that answered UNAVAILABLE took no effect: b2 got no push and no hint. Any push
+    // for b2 was queued before b got its own, so it would precede this sync's reply.
+    b2.sync_once("c1", 0, 1, T).await.unwrap();
+    let pushed: Vec<_> = b2
+        .frames()
+        .into_iter()
+        .filter(|(_, f)| f["t"] == "event" || f["t"] == "hint")
+        .collect();
+    assert!(pushed.is_empty(), "b2 never subscribed: {pushed:?}");
     assert_eq!(w.count_events("c1").await.unwrap(), 4);
     assert_invariants(&w).await;
 }
