@@ -717,6 +717,18 @@ async fn sigterm_closes_connections_and_exits_zero() {
     );
 }
 
+/// Regression: a SIGTERM sent the moment `listening on` appears used to kill the gateway
+/// by signal (the handlers were installed after the line). It must be a graceful exit 0.
+#[tokio::test]
+async fn sigterm_right_after_the_readiness_line_is_graceful() {
+    let mut w = world().await;
+    for _ in 0..5 {
+        w.restart_gateway(GatewayOpts::default()).await.unwrap();
+        let status = w.gw_mut().terminate(T).await.unwrap();
+        assert_eq!(status.code(), Some(0), "{status}");
+    }
+}
+
 /// `serve` refuses an unmigrated schema with a message naming `im-gateway migrate`, and a
 /// misspelt IM_FAULT before it binds, naming the bad part and the valid points.
 #[tokio::test]
