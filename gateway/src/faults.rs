@@ -300,6 +300,17 @@ mod tests {
         assert_eq!(parse("").unwrap(), vec![]);
     }
 
+    /// A build without the `faults` feature has no fault points and refuses to pretend it
+    /// has: a non-empty IM_FAULT is an error, an empty one is fine. (`make test` runs this
+    /// module's tests in both builds.)
+    #[cfg(not(feature = "faults"))]
+    #[test]
+    fn build_without_faults_refuses_a_spec() {
+        let e = install("gw.push:drop").unwrap_err();
+        assert!(e.contains("without fault points"), "{e}");
+        assert!(install("").unwrap().is_empty());
+    }
+
     #[test]
     fn rejects_typos_naming_the_bad_part() {
         let e = parse("send.before_comit:halt").unwrap_err();
