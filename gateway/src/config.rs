@@ -15,7 +15,8 @@ pub struct Config {
     pub sweep_interval_ms: u64,
     /// `IM_DB_TIMEOUT_MS`: a request whose database work takes longer answers UNAVAILABLE.
     pub db_timeout_ms: u64,
-    /// `IM_DB_POOL_MAX`: connections in the request pool (the LISTEN connection is extra).
+    /// `IM_DB_POOL_MAX`: connections for requests, fan-out reads and the sweep (the pool has
+    /// one more, for the LISTEN connection).
     pub db_pool_max: u32,
     /// `IM_MAX_CONNECTIONS`: WebSocket connections served at once; more are refused with 503.
     pub connections_max: usize,
@@ -27,6 +28,8 @@ pub struct Config {
     pub body_max_bytes: usize,
     /// `IM_SYNC_LIMIT_MAX`: largest sync page; a larger `limit` is clamped to it.
     pub sync_limit_max: i64,
+    /// `IM_SYNC_PAGE_MAX_BYTES`: a sync page also ends (`complete:false`) past this much JSON.
+    pub sync_page_max_bytes: usize,
     /// `IM_CONN_INFLIGHT_MAX`: requests of one connection served at once.
     pub conn_inflight_max: usize,
     /// `IM_FANOUT_BATCH_MAX`: notifications whose event reads may be in flight at once.
@@ -98,6 +101,7 @@ impl Config {
             frame_max_bytes: num("IM_FRAME_MAX_BYTES", 65_536usize, 256, 16 << 20)?,
             body_max_bytes: num("IM_BODY_MAX_BYTES", 16_384usize, 1, 8 << 20)?,
             sync_limit_max: num("IM_SYNC_LIMIT_MAX", 500i64, 1, 10_000)?,
+            sync_page_max_bytes: num("IM_SYNC_PAGE_MAX_BYTES", 1usize << 20, 1024, 64 << 20)?,
             conn_inflight_max: num("IM_CONN_INFLIGHT_MAX", 8usize, 1, 1024)?,
             fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 16usize, 1, 1024)?,
             hello_timeout_ms: num("IM_HELLO_TIMEOUT_MS", 10_000u64, 10, 3_600_000)?,

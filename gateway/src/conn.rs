@@ -37,9 +37,16 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     let (tx, rx) = mpsc::channel::<Out>(state.cfg.queue_frames_max);
     let slot: HandleSlot = Default::default();
     let write_timeout = Duration::from_millis(state.cfg.write_timeout_ms);
-    let writer = state
-        .tracker
-        .spawn(writer(sink, rx, slot.clone(), id, write_timeout));
+    // Cancelled when the writer gives up (write failed or timed out): the reader stops too.
+    let writer_gone = CancellationToken::new();
+    let writer = state.tracker.spawn(writer(
+        sink,
+        rx,
+        slot.clone(),
+        id,
+        write_timeout,
+        writer_gone.clone(),
+    ));
     let hello_deadline =
         tokio::time::Instant::now() + Duration::from_millis(state.cfg.hello_timeout_ms);
     let inflight_max = state.cfg.conn_inflight_max;
@@ -53,6 +60,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     let code = loop {
         let msg = tokio::select! {
             _ = state.cancel.cancelled() => break CloseCode::Away,
+            _ = writer_gone.cancelled() => break CloseCode::Abnormal,
             _ = close.cancelled() => break *close_code.lock().unwrap_or_else(|p| p.into_inner()),
             _ = tokio::time::sleep_until(hello_deadline), if session.is_none() => {
                 tracing::info!(conn = id, "no hello within IM_HELLO_TIMEOUT_MS: closing");
@@ -96,6 +104,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
                         slot: slot.clone(),
                         close: close.clone(),
                         close_code: close_code.clone(),
+                        sub_lock: tokio::sync::Mutex::new(()),
                     }))
                 }
                 Ok(None) => {}
@@ -236,6 +245,8 @@ struct Session {
     /// Cancelled by a request that must end the connection; the reader then closes.
     close: CancellationToken,
     close_code: Arc<Mutex<CloseCode>>,
+    /// Serialises `sub` requests, so a failing one cannot undo a succeeding one.
+    sub_lock: tokio::sync::Mutex<()>,
 }
 
 impl Session {
@@ -305,6 +316,7 @@ impl Session {
                 .await
             }
             Request::Sub => {
+                let _one_at_a_time = self.sub_lock.lock().await;
                 // Register before reading the state, so no event falls between the two.
                 let h = {
                     let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
@@ -339,8 +351,11 @@ impl Session {
                     .min(st.cfg.sync_limit_max);
                 let w = who.clone();
                 let c = conv.clone();
+                let page_max = st.cfg.sync_page_max_bytes;
                 let r = st
-                    .db(move |pool| async move { store::sync(&pool, &w, &c, after, limit).await })
+                    .db(move |pool| async move {
+                        store::sync(&pool, &w, &c, after, limit, page_max).await
+                    })
                     .await;
                 let r = r.map(|p| {
                     let events: Vec<_> = p.events.iter().map(|e| e.to_json()).collect();
@@ -365,17 +380,39 @@ async fn write(sink: &mut Sink, text: String, limit: Duration) -> Result<(), WsE
     }
 }
 
+/// A WebSocket ping this often when nothing else was written: a peer that vanished without
+/// closing is then found by the write timeout or the kernel, not never.
+const PING_INTERVAL: Duration = Duration::from_secs(30);
+
 /// Drains the queue to the socket. The `gw.reply.send`, `gw.reply.ack` and `gw.push` fault
 /// points act here, on the frame about to be written. Once the queue is empty it sends the
-/// overflow hints (`why:"overflow"`) the fan-out recorded while it was full.
+/// overflow hints (`why:"overflow"`) the fan-out recorded while it was full. If a write
+/// fails or the peer stops reading for `limit`, it cancels `gone` so the reader ends the
+/// connection too (its replies would have nowhere to go).
 async fn writer(
     mut sink: Sink,
     mut rx: mpsc::Receiver<Out>,
     handle: HandleSlot,
     id: u64,
     limit: Duration,
+    gone: CancellationToken,
 ) {
-    while let Some(out) = rx.recv().await {
+    let _gone = gone.drop_guard();
+    loop {
+        let out = tokio::select! {
+            out = rx.recv() => match out {
+                Some(out) => out,
+                None => return,
+            },
+            _ = tokio::time::sleep(PING_INTERVAL) => {
+                let ping = tokio::time::timeout(limit, sink.send(Message::Ping(Default::default())));
+                if !matches!(ping.await, Ok(Ok(()))) {
+                    tracing::info!(conn = id, "ping not taken: abandoning the connection");
+                    return;
+                }
+                continue;
+            }
+        };
         let point = match out.kind {
             Kind::Close(code) => {
                 let frame = CloseFrame {
@@ -394,37 +431,38 @@ async fn writer(
             Kind::Push => Some(points::GW_PUSH),
             Kind::Reply | Kind::Hint => None,
         };
-        let mut text = out.text;
+        let mut text = Some(out.text);
         if let Some(point) = point {
             match faults::check(point).await {
                 Fired::Pass => {}
-                Fired::Drop => continue,
-                Fired::Error if out.kind == Kind::Push => continue,
+                Fired::Drop => text = None,
+                Fired::Error if out.kind == Kind::Push => text = None,
                 Fired::Error => {
                     // The operation already committed; the client sees UNAVAILABLE and retries.
-                    let rid = serde_json::from_str::<serde_json::Value>(&text)
-                        .ok()
+                    let rid = text
+                        .as_deref()
+                        .and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok())
                         .and_then(|v| v["rid"].as_str().map(str::to_string));
-                    text = protocol::error_frame(rid.as_deref(), &WireError::Unavailable);
+                    text = Some(protocol::error_frame(
+                        rid.as_deref(),
+                        &WireError::Unavailable,
+                    ));
                 }
             }
         }
-        if let Err(e) = write(&mut sink, text, limit).await {
-            tracing::info!(conn = id, error = %e, "write failed: abandoning the connection");
-            return;
+        if let Some(text) = text {
+            if let Err(e) = write(&mut sink, text, limit).await {
+                tracing::info!(conn = id, error = %e, "write failed: abandoning the connection");
+                return;
+            }
         }
+        // Also after a dropped frame: an overflowed connection must get its hints.
         if rx.is_empty() {
             let h = handle.lock().unwrap_or_else(|p| p.into_inner()).clone();
             if let Some(pending) = h.and_then(|h| h.take_overflow()) {
                 for (conv, head) in pending {
-                    if write(
-                        &mut sink,
-                        protocol::hint_frame(&conv, head, "overflow"),
-                        limit,
-                    )
-                    .await
-                    .is_err()
-                    {
+                    let hint = protocol::hint_frame(&conv, head, "overflow");
+                    if write(&mut sink, hint, limit).await.is_err() {
                         return;
                     }
                 }

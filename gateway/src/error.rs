@@ -55,9 +55,12 @@ pub fn from_db(e: &sqlx::Error) -> WireError {
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
             // 08: connection exception; 57P: operator intervention (shutdown, crash
-            // recovery); 53: insufficient resources; 40001/40P01: retryable conflicts.
+            // recovery); 53: insufficient resources; 40001/40P01: retryable conflicts;
+            // 57014/55P03: statement_timeout / lock_timeout (the database deadline).
             let retryable = code.starts_with("08")
                 || code.starts_with("57P")
+                || code == "57014"
+                || code == "55P03"
                 || code.starts_with("53")
                 || code == "40001"
                 || code == "40P01";

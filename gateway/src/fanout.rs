@@ -4,8 +4,8 @@
 //! who may see it now (S1). Reads run a few at a time but pushes leave in notification order.
 //!
 //! Notifications sent while the LISTEN connection is down are gone for good (and sqlx's
-//! listener sometimes reports a reset as an error): any error or gap rebuilds the listener
-//! and runs a sweep at once (D5), which finds every device left behind.
+//! listener sometimes reports a reset as an error): any error or loss of the connection
+//! rebuilds the listener and runs a sweep at once (D5), which finds every device left behind.
 
 use crate::server::State;
 use crate::store;

@@ -45,7 +45,8 @@ pub struct ConnHandle {
     pub who: Principal,
     /// The bounded outbound queue (IM_QUEUE_FRAMES_MAX); the writer task drains it.
     tx: mpsc::Sender<Out>,
-    /// Set once `sub` was answered: only subscribed connections get pushes and hints.
+    /// Set by `sub` (before its database read, so no event falls in between; cleared again
+    /// if that read fails): only subscribed connections get pushes and hints.
     subscribed: AtomicBool,
     /// `Some` while overflowed: pushes are not queued, only the newest head per conversation
     /// is remembered, and the writer sends one `hint{why:"overflow"}` each once it drained.

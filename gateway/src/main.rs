@@ -83,13 +83,15 @@ fn main() -> ExitCode {
 async fn run(cmd: &str, rest: &[String]) -> anyhow::Result<()> {
     match cmd {
         "migrate" => {
-            let pool = store::connect(&config::database_url()?, 2, config::db_timeout()?).await?;
+            let pool =
+                store::connect(&config::database_url()?, 2, config::db_timeout()?, None).await?;
             let applied = migrate::run(&pool).await?;
             eprintln!("im-gateway: migrations applied: {applied:?} (none means up to date)");
             Ok(())
         }
         "admin" => {
-            let pool = store::connect(&config::database_url()?, 2, config::db_timeout()?).await?;
+            let pool =
+                store::connect(&config::database_url()?, 2, config::db_timeout()?, None).await?;
             migrate::check(&pool).await?;
             if let Some(out) = admin::run(&pool, rest).await? {
                 println!("{out}");
@@ -103,7 +105,14 @@ async fn run(cmd: &str, rest: &[String]) -> anyhow::Result<()> {
 
 async fn serve() -> anyhow::Result<()> {
     let cfg = config::Config::from_env()?;
-    let pool = store::connect(&cfg.database_url, cfg.db_pool_max, cfg.db_work_deadline()).await?;
+    // One more than IM_DB_POOL_MAX: the LISTEN connection is taken from the pool.
+    let pool = store::connect(
+        &cfg.database_url,
+        cfg.db_pool_max + 1,
+        cfg.db_work_deadline(),
+        Some(cfg.db_timeout()),
+    )
+    .await?;
     migrate::check(&pool).await?;
     let pg_listener = fanout::listen(&pool)
         .await

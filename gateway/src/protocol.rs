@@ -58,6 +58,31 @@ fn str_field(o: &Map<String, Value>, name: &str, max: usize) -> Result<String, W
     }
 }
 
+/// A user, device or conversation id: 1 to 64 characters of `A-Za-z0-9._-` (the CHECKs in
+/// migrations agree), so anything else is refused here and never reaches the database.
+fn id_field(o: &Map<String, Value>, name: &str) -> Result<String, WireError> {
+    let s = str_field(o, name, ID_MAX_BYTES)?;
+    if !s
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    {
+        return Err(WireError::bad(format!(
+            "field `{name}` may only hold A-Z a-z 0-9 . _ -"
+        )));
+    }
+    Ok(s)
+}
+
+/// PostgreSQL text cannot hold NUL: refuse it as bad input, not as an internal error.
+fn no_nul(name: &str, s: String) -> Result<String, WireError> {
+    if s.contains('\0') {
+        return Err(WireError::bad(format!(
+            "field `{name}` must not contain NUL"
+        )));
+    }
+    Ok(s)
+}
+
 fn int_field(o: &Map<String, Value>, name: &str) -> Result<Option<i64>, WireError> {
     match o.get(name) {
         None | Some(Value::Null) => Ok(None),
@@ -129,15 +154,15 @@ fn parse_object(
     }
     match t {
         "hello" => Ok(Request::Hello {
-            device: str_field(o, "device", ID_MAX_BYTES)?,
+            device: id_field(o, "device")?,
             token: str_field(o, "token", 256)?,
             epoch: req_int(o, "epoch")?,
         }),
         "send" => {
-            let conv = str_field(o, "conv", ID_MAX_BYTES)?;
-            let cmid = str_field(o, "cmid", CMID_MAX_BYTES)?;
+            let conv = id_field(o, "conv")?;
+            let cmid = no_nul("cmid", str_field(o, "cmid", CMID_MAX_BYTES)?)?;
             let body = match o.get("body") {
-                Some(Value::String(s)) => s.clone(),
+                Some(Value::String(s)) => no_nul("body", s.clone())?,
                 Some(_) => return Err(WireError::bad("field `body` must be a string")),
                 None => return Err(WireError::bad("missing field `body`")),
             };
@@ -149,7 +174,7 @@ fn parse_object(
             Ok(Request::Send { conv, cmid, body })
         }
         "ack" => {
-            let conv = str_field(o, "conv", ID_MAX_BYTES)?;
+            let conv = id_field(o, "conv")?;
             let seq = req_int(o, "seq")?;
             if seq < 0 {
                 return Err(WireError::bad("`seq` must not be negative"));
@@ -158,7 +183,7 @@ fn parse_object(
         }
         "sub" => Ok(Request::Sub),
         "sync" => {
-            let conv = str_field(o, "conv", ID_MAX_BYTES)?;
+            let conv = id_field(o, "conv")?;
             let after = int_field(o, "after")?.unwrap_or(0);
             if after < 0 {
                 return Err(WireError::bad("`after` must not be negative"));
@@ -254,6 +279,14 @@ mod tests {
             code(r#"{"t":"sync","rid":"1","conv":"c","limit":0}"#).1,
             "BAD_REQUEST"
         );
+        for bad in [
+            r#"{"t":"sync","rid":"1","conv":"bad id!"}"#,
+            r#"{"t":"send","rid":"1","conv":"c","cmid":"a\u0000b","body":"x"}"#,
+            r#"{"t":"send","rid":"1","conv":"c","cmid":"m","body":"\u0000"}"#,
+            r#"{"t":"hello","rid":"1","device":"d/1","token":"t","epoch":1}"#,
+        ] {
+            assert_eq!(code(bad).1, "BAD_REQUEST", "{bad}");
+        }
     }
 
     #[test]

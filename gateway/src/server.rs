@@ -100,11 +100,24 @@ pub async fn serve(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let permit = slots.clone().try_acquire_owned().ok();
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            // Over IM_MAX_CONNECTIONS: a fixed 503, written without reading the request or
+            // running a handshake, and at most one second spent on it.
+            state.tracker.spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                let mut tcp = tcp;
+                let refuse = async {
+                    tcp.write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 25\r\nConnection: close\r\n\r\nconnection limit reached\n").await?;
+                    tcp.shutdown().await
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(1), refuse).await;
+            });
+            tracing::info!(%peer, "connection limit reached: refused");
+            continue;
+        };
         let id = next_id.fetch_add(1, Ordering::Relaxed);
         let st = state.clone();
         state.tracker.spawn(async move {
-            let full = permit.is_none();
             // The callback's signature is tungstenite's; its error type is not ours to shrink.
             #[allow(clippy::result_large_err)]
             let check = |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
@@ -117,12 +130,6 @@ pub async fn serve(
                     return Err(refuse(
                         StatusCode::NOT_FOUND,
                         "the WebSocket endpoint is /ws",
-                    ));
-                }
-                if full {
-                    return Err(refuse(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "connection limit reached",
                     ));
                 }
                 Ok(resp)
@@ -156,7 +163,13 @@ pub async fn serve(
             "shutdown grace exceeded; exiting anyway"
         );
     }
-    state.pool.close().await;
+    // close() waits for every checked-out connection: bounded, like the rest of shutdown.
+    if tokio::time::timeout(grace, state.pool.close())
+        .await
+        .is_err()
+    {
+        tracing::warn!("database pool did not close within the grace period");
+    }
     tracing::info!("stopped");
     Ok(())
 }

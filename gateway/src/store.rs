@@ -22,12 +22,37 @@ pub struct Principal {
 /// The NOTIFY channel of the send transaction (SPEC 3).
 pub const CHANNEL: &str = "im_events";
 
-pub async fn connect(url: &str, max: u32, acquire_timeout: Duration) -> anyhow::Result<PgPool> {
+/// Opens a pool. Every connection gets `synchronous_commit = on` (D6 must not depend on a
+/// server or role default), and, with `statement_timeout`, that timeout, so statements left
+/// running after a request's deadline (see `server::State::db`) cannot pin connections.
+pub async fn connect(
+    url: &str,
+    max: u32,
+    acquire_timeout: Duration,
+    statement_timeout: Option<Duration>,
+) -> anyhow::Result<PgPool> {
     use anyhow::Context;
+    // 0 = no timeout (PostgreSQL's default).
+    let timeout_ms = statement_timeout
+        .map_or(0, |t| t.as_millis().max(1))
+        .to_string();
     PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(acquire_timeout)
         .test_before_acquire(true)
+        .after_connect(move |conn, _meta| {
+            let timeout_ms = timeout_ms.clone();
+            Box::pin(async move {
+                sqlx::query(
+                    "SELECT set_config('synchronous_commit', 'on', false),
+                            set_config('statement_timeout', $1, false)",
+                )
+                .bind(timeout_ms)
+                .execute(&mut *conn)
+                .await?;
+                Ok(())
+            })
+        })
         .connect(url)
         .await
         .context("connect to PostgreSQL (IM_DATABASE_URL)")
@@ -360,7 +385,8 @@ pub struct Page {
     pub complete: bool,
 }
 
-/// `sync` (S1: only events inside the user's membership periods). The head is read first
+/// `sync` (S1: only events inside the user's membership periods), at most `limit` events
+/// and about `page_max_bytes` of JSON. The head is read first
 /// and the page is bounded by it, so `complete` never claims an event committed after the
 /// head was read: a client may set its cursor to `head` when `complete` is true.
 pub async fn sync(
@@ -369,6 +395,7 @@ pub async fn sync(
     conv: &str,
     after: i64,
     limit: i64,
+    page_max_bytes: usize,
 ) -> Result<Page, WireError> {
     let row = sqlx::query(
         "SELECT EXISTS (SELECT 1 FROM memberships WHERE conv_id = $1 AND user_id = $2),
@@ -404,8 +431,20 @@ pub async fn sync(
     .fetch_all(pool)
     .await
     .map_err(db("sync.page"))?;
-    let complete = rows.len() as i64 <= limit;
-    let events = rows.iter().take(limit as usize).map(event_from).collect();
+    let mut complete = rows.len() as i64 <= limit;
+    let mut events = Vec::new();
+    let mut bytes = 0usize;
+    for r in rows.iter().take(limit as usize) {
+        let ev = event_from(r);
+        // Bodies are at most IM_BODY_MAX_BYTES, but 500 of them (escaped) could make a frame
+        // of tens of MB: a page also stops at `page_max_bytes`, always keeping one event.
+        bytes += ev.to_json().to_string().len();
+        if bytes > page_max_bytes && !events.is_empty() {
+            complete = false;
+            break;
+        }
+        events.push(ev);
+    }
     Ok(Page {
         events,
         head,

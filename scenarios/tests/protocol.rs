@@ -851,3 +851,54 @@ async fn connection_without_hello_is_closed_after_the_hello_timeout() {
         "the authenticated connection outlived the hello timeout"
     );
 }
+
+/// Limits that were found missing in review: with IM_DB_POOL_MAX=1 the gateway still works
+/// (the LISTEN connection no longer eats the only pool slot), and a sync page also ends at
+/// IM_SYNC_PAGE_MAX_BYTES (`complete:false`, at least one event per page), so paging by
+/// bytes still reaches every event. Invalid ids are BAD_REQUEST.
+#[tokio::test]
+async fn tiny_pool_and_byte_bounded_sync_pages() {
+    let w = World::start(GatewayOpts {
+        env: vec![
+            ("IM_DB_POOL_MAX".into(), "1".into()),
+            ("IM_SYNC_PAGE_MAX_BYTES".into(), "1024".into()),
+        ],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, b) = alice_and_bob(&w).await.unwrap();
+    for i in 0..10 {
+        a.send("c1", &format!("m{i}"), &"x".repeat(300), T)
+            .await
+            .unwrap();
+    }
+    b.wait_server_delivered("c1", 10, T).await.unwrap();
+    let mut after = 0;
+    let mut pages = 0;
+    loop {
+        let p = b.sync_once("c1", after, 100, T).await.unwrap();
+        let evs = p["events"].as_array().unwrap();
+        assert!(
+            !evs.is_empty() || p["complete"] == true,
+            "progress on every page: {p}"
+        );
+        assert!(
+            p.to_string().len() < 1024 + 600,
+            "page bounded by bytes: {}",
+            p.to_string().len()
+        );
+        pages += 1;
+        if let Some(last) = evs.last() {
+            after = last["seq"].as_i64().unwrap();
+        }
+        if p["complete"] == true {
+            break;
+        }
+        assert!(pages < 20);
+    }
+    assert_eq!(after, 10);
+    assert!(pages >= 4, "1 KiB pages of ~450-byte events: {pages} pages");
+    let r = b.sync_once("bad id!", 0, 10, T).await;
+    assert_eq!(code(&r).as_deref(), Some("BAD_REQUEST"));
+}
