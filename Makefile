@@ -14,8 +14,11 @@ build: setup
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets $(FEATURES) -- -D warnings
+	$(CARGO) clippy -p im-gateway --all-targets -- -D warnings
 
 test: build lint
+	@echo "gateway unit tests without the faults feature (IM_FAULT must be refused):"
+	$(CARGO) nextest run -p im-gateway --lib
 	$(CARGO) nextest run --workspace $(FEATURES) --no-fail-fast
 
 evidence: build
@@ -24,6 +27,22 @@ evidence: build
 # make repro FAULT='send.before_commit:halt'
 repro: build
 	./target/debug/repro '$(FAULT)'
+
+# make bench: a load generator (bench/, imfault-bench) against the RELEASE gateway without
+# fault points (send path, fan-out, sweep), and the debug build with fault points from
+# `make build` for the lost-push repair part only. Writes evidence/bench/result.json
+# (format: evidence/README.md). Exit status 1 when an acknowledged message was lost.
+BENCH_BUILD := $(CARGO) build --release -p im-gateway -p imfault-bench
+
+bench: build
+	$(BENCH_BUILD)
+	$(CARGO) run --release -q -p imfault-bench -- --mode full --out evidence/bench/result.json
+
+# The same instrument with small sizes (under a minute), written to target/bench/quick.json
+# (never the committed result). A smoke check of the instrument, not a timing assertion.
+bench-quick: build
+	$(BENCH_BUILD)
+	$(CARGO) run --release -q -p imfault-bench -- --mode quick --out target/bench/quick.json
 
 clean:
 	$(CARGO) clean

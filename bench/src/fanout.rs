@@ -1,0 +1,914 @@
+//! Part 2, fan-out: push frames per second delivered to subscribed devices and push latency
+//! (the event's commit-side `at` to receipt), at the design note's chapter-02 load (9,067
+//! frames/s) and then stepped up until p99 passes the limit, frames are lost, or the gateway
+//! no longer keeps up. Each conversation has two users with several subscribed devices each
+//! (lean receivers, coalesced acks) and one unsubscribed sender device per user; senders are
+//! open loop (paced, pipelined), so a slow gateway shows as latency, not as a slower load.
+//!
+//! The ceiling is a WebSocket push server in a child process (this binary,
+//! `ws-ceiling-server`) that writes the same event frames as fast as it can to the same
+//! number of lean receivers: the most frames per second this machine moves from one process
+//! to them, without a database.
+
+use anyhow::{bail, Context};
+use futures_util::{SinkExt, StreamExt};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::AsyncBufReadExt;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_tungstenite::tungstenite::Message;
+
+use crate::cpu::{self, per_op};
+use crate::pgss;
+use crate::provision::{self, Device};
+use crate::result::{DataCheck, Fanout, FanoutDiagnostic, FanoutRatios, FanoutStep, WsCeiling};
+use crate::util::{now_us, progress, r3, ratio, secs, summarize_us, Rng};
+use crate::wire::{self, AckPolicy, RecvLog};
+use crate::Ctx;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Pace {
+    Pause,
+    Rate(f64),
+    Quit,
+}
+
+#[derive(Default)]
+struct SendLog {
+    /// (conversation index, seq, reply time, latency µs) of every `sent`.
+    replies: Vec<(usize, i64, i64, i64)>,
+    errors: u64,
+    skipped: u64,
+    acked: Vec<(String, String)>,
+}
+
+struct Sender {
+    log: Mutex<SendLog>,
+    inflight: AtomicU64,
+}
+
+/// One paced sender: a send every `1/rate` seconds whatever the replies do, at most
+/// `max_inflight` unanswered (beyond that a slot is skipped and counted).
+#[allow(clippy::too_many_arguments)]
+async fn open_loop(
+    ws: wire::Ws,
+    idx: usize,
+    convs: Vec<(usize, String)>,
+    user: String,
+    body: Arc<String>,
+    mut pace: watch::Receiver<Pace>,
+    me: Arc<Sender>,
+    mut rng: Rng,
+) {
+    const MAX_INFLIGHT: u64 = 64;
+    let (mut sink, mut stream) = ws.split();
+    let reader_me = me.clone();
+    let reader_user = user.clone();
+    let reader = async move {
+        while let Some(Ok(msg)) = stream.next().await {
+            let Message::Text(t) = msg else { continue };
+            let now = now_us();
+            let Some(f) = wire::parse(t.as_str()) else {
+                continue;
+            };
+            // rid = s<n>-<send time µs>-<cmid n>-<conversation index>
+            let mut parts = f.rid.as_deref().unwrap_or("").split('-');
+            let (_, sent_at, n, ci) = (parts.next(), parts.next(), parts.next(), parts.next());
+            let sent_at: i64 = sent_at.and_then(|s| s.parse().ok()).unwrap_or(now);
+            let conv_idx: usize = ci.and_then(|s| s.parse().ok()).unwrap_or(usize::MAX);
+            reader_me.inflight.fetch_sub(1, Ordering::Relaxed);
+            let mut l = reader_me.log.lock().unwrap_or_else(|p| p.into_inner());
+            match (f.t.as_str(), f.seq) {
+                // A dup reply means a cmid was reused: nothing new was stored.
+                ("sent", Some(seq)) if f.dup != Some(true) => {
+                    l.replies.push((conv_idx, seq, now, now - sent_at));
+                    l.acked
+                        .push((reader_user.clone(), format!("f{idx}-{}", n.unwrap_or("?"))));
+                }
+                _ => l.errors += 1,
+            }
+        }
+    };
+    let writer = async move {
+        let mut n: u64 = 0;
+        loop {
+            let current = *pace.borrow_and_update();
+            let rate = match current {
+                Pace::Quit => break,
+                Pace::Pause => {
+                    if pace.changed().await.is_err() {
+                        break;
+                    }
+                    continue;
+                }
+                Pace::Rate(r) => r,
+            };
+            let period = Duration::from_secs_f64(1.0 / rate.max(0.001));
+            // A random phase per sender so the senders do not fire in lockstep.
+            let mut next = Instant::now() + period.mul_f64(rng.unit());
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(next) => {}
+                    r = pace.changed() => {
+                        if r.is_err() { return sink; }
+                        break;
+                    }
+                }
+                next += period;
+                if me.inflight.load(Ordering::Relaxed) >= MAX_INFLIGHT {
+                    me.log.lock().unwrap_or_else(|p| p.into_inner()).skipped += 1;
+                    continue;
+                }
+                n += 1;
+                // Round robin over the pair's conversations.
+                let (ci, conv) = &convs[(n as usize) % convs.len()];
+                let rid = format!("s{n}-{}-{n}-{ci}", now_us());
+                let frame = wire::send_frame(&rid, conv, &format!("f{idx}-{n}"), &body);
+                me.inflight.fetch_add(1, Ordering::Relaxed);
+                if sink.send(Message::text(frame)).await.is_err() {
+                    return sink;
+                }
+            }
+        }
+        sink
+    };
+    let reader = tokio::spawn(reader);
+    let mut sink = writer.await;
+    // Give the last replies a moment, then close.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = sink.close().await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), reader).await;
+}
+
+struct Receiver {
+    /// Global conversation index of each entry of the receiver's `sub` list.
+    globals: Vec<usize>,
+    log: Arc<Mutex<RecvLog>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn heads(pool: &sqlx::PgPool, convs: &[String]) -> anyhow::Result<Vec<i64>> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT conv_id, next_seq - 1 FROM conversations WHERE conv_id = ANY($1::text[])",
+    )
+    .bind(convs)
+    .fetch_all(pool)
+    .await
+    .context("read heads")?;
+    let m: HashMap<String, i64> = rows.into_iter().collect();
+    Ok(convs
+        .iter()
+        .map(|c| m.get(c).copied().unwrap_or(0))
+        .collect())
+}
+
+/// The connected load: receivers, paced senders, and what a step needs to judge itself.
+struct Rig {
+    convs: Vec<String>,
+    receivers: Vec<Receiver>,
+    senders: Vec<Arc<Sender>>,
+    pace_tx: watch::Sender<Pace>,
+    gw_pid: u32,
+    per_conv: usize,
+}
+
+impl Rig {
+    fn pushes_total(&self) -> u64 {
+        self.receivers
+            .iter()
+            .map(|r| r.log.lock().unwrap_or_else(|p| p.into_inner()).pushes)
+            .sum()
+    }
+
+    fn count_in_range(&self, before: &[i64], after: &[i64]) -> u64 {
+        self.receivers
+            .iter()
+            .map(|r| {
+                r.log
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .got
+                    .iter()
+                    .filter(|g| {
+                        let k = r.globals[g.conv as usize];
+                        g.seq > before[k] && g.seq <= after[k]
+                    })
+                    .count() as u64
+            })
+            .sum()
+    }
+
+    /// Waits until no push has arrived for 500 ms (at most `within`): the gateway's fan-out
+    /// backlog of the previous step must not spill into the next one.
+    async fn quiesce(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        let mut last = (self.pushes_total(), Instant::now());
+        while Instant::now() < deadline && last.1.elapsed() < Duration::from_millis(500) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let n = self.pushes_total();
+            if n != last.0 {
+                last = (n, Instant::now());
+            }
+        }
+    }
+
+    /// One step at `mult` times the chapter-02 frame rate: pace, stop, drain, judge.
+    async fn step(
+        &self,
+        ctx: &Ctx,
+        mult: f64,
+        label: &str,
+    ) -> anyhow::Result<(FanoutStep, Vec<(String, String)>)> {
+        let p = &ctx.params;
+        let target_frames = p.fanout_base_frames_per_s * mult;
+        let target_msgs = target_frames / self.per_conv as f64;
+        progress(label);
+        self.quiesce(Duration::from_secs(10)).await;
+        for r in &self.receivers {
+            r.log.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }
+        let before_heads = heads(&ctx.pool, &self.convs).await?;
+        let probe = ctx.probe(Some(self.gw_pid));
+        if ctx.pgss {
+            pgss::reset(&ctx.pool).await;
+        }
+        let before = probe.sample();
+        self.pace_tx
+            .send_replace(Pace::Rate(target_msgs / self.senders.len() as f64));
+        let t0 = Instant::now();
+        let ticking = crate::util::ticking();
+        while t0.elapsed().as_secs_f64() < p.fanout_step_s {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            if ticking {
+                let got: usize = self
+                    .receivers
+                    .iter()
+                    .map(|r| r.log.lock().unwrap_or_else(|p| p.into_inner()).got.len())
+                    .sum();
+                progress(&format!(
+                    "{label}  {:>4.1}/{:.0} s  {got} frames",
+                    t0.elapsed().as_secs_f64(),
+                    p.fanout_step_s
+                ));
+            }
+        }
+        self.pace_tx.send_replace(Pace::Pause);
+        let step_s = t0.elapsed().as_secs_f64();
+        // Drain: replies, then events up to the heads, then the fan-out backlog.
+        let drain_deadline = Instant::now() + Duration::from_secs(10);
+        while self
+            .senders
+            .iter()
+            .any(|s| s.inflight.load(Ordering::Relaxed) > 0)
+            && Instant::now() < drain_deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let after_heads = heads(&ctx.pool, &self.convs).await?;
+        let expected_per_conv: Vec<u64> = before_heads
+            .iter()
+            .zip(&after_heads)
+            .map(|(b, a)| (a - b).max(0) as u64)
+            .collect();
+        let expected: u64 = self
+            .receivers
+            .iter()
+            .flat_map(|r| r.globals.iter().map(|&k| expected_per_conv[k]))
+            .sum();
+        let mut last = (
+            self.count_in_range(&before_heads, &after_heads),
+            Instant::now(),
+        );
+        while last.0 < expected && Instant::now() < drain_deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let n = self.count_in_range(&before_heads, &after_heads);
+            if n != last.0 {
+                last = (n, Instant::now());
+            } else if last.1.elapsed() > Duration::from_secs(2) {
+                break; // no progress for 2 s: what is missing is lost
+            }
+        }
+        self.quiesce(Duration::from_secs(10)).await;
+        let after = probe.sample();
+        let stmts = if ctx.pgss {
+            pgss::snapshot(&ctx.pool).await
+        } else {
+            Vec::new()
+        };
+
+        // --- collect
+        let mut replies = Vec::new();
+        let mut acked = Vec::new();
+        let (mut send_errors, mut skipped) = (0, 0);
+        for s in &self.senders {
+            let mut l = s.log.lock().unwrap_or_else(|p| p.into_inner());
+            let l = std::mem::take(&mut *l);
+            replies.extend(l.replies);
+            send_errors += l.errors;
+            skipped += l.skipped;
+            acked.extend(l.acked);
+        }
+        let reply_at: HashMap<(usize, i64), i64> =
+            replies.iter().map(|r| ((r.0, r.1), r.2)).collect();
+        let mut send_lat: Vec<i64> = replies.iter().map(|r| r.3).collect();
+        let mut push_lat = Vec::new();
+        let mut after_reply = Vec::new();
+        let mut agg = RecvLog::default();
+        let (mut received, mut via_sync, mut pushed_in_range) = (0u64, 0u64, 0u64);
+        for r in &self.receivers {
+            let l = r.log.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let global = |g: &wire::Got| r.globals[g.conv as usize];
+            let in_range = |g: &wire::Got| {
+                let k = global(g);
+                g.seq > before_heads[k] && g.seq <= after_heads[k]
+            };
+            for g in l.got.iter().filter(|g| in_range(g)) {
+                received += 1;
+                if !g.pushed {
+                    via_sync += 1;
+                }
+            }
+            let mut seen = std::collections::HashSet::new();
+            for g in l.pushed.iter().filter(|g| in_range(g)) {
+                push_lat.push(g.recv_us - g.at_ms * 1000);
+                if let Some(t) = reply_at.get(&(global(g), g.seq)) {
+                    after_reply.push(g.recv_us - t);
+                }
+                seen.insert((g.conv, g.seq));
+            }
+            pushed_in_range += seen.len() as u64;
+            agg.pushes += l.pushes;
+            agg.duplicates += l.duplicates;
+            agg.gaps += l.gaps;
+            agg.acks_sent += l.acks_sent;
+            agg.acked += l.acked;
+            agg.ack_errors += l.ack_errors;
+            agg.hints_sweep += l.hints_sweep;
+            agg.hints_overflow += l.hints_overflow;
+            agg.hints_ahead += l.hints_ahead;
+            agg.syncs += l.syncs;
+        }
+        let lost = expected.saturating_sub(received);
+        let not_pushed = expected.saturating_sub(pushed_in_range);
+        let cpu_use = cpu::delta(&before, &after);
+        let mut by = std::collections::BTreeMap::new();
+        if received > 0 {
+            for s in &stmts {
+                *by.entry(s.label.clone()).or_insert(0.0) += s.total_ms / received as f64;
+            }
+            for v in by.values_mut() {
+                *v = (*v * 1e6).round() / 1e6;
+            }
+        }
+        let ack_db = ctx.pgss.then(|| pgss::by_label(&stmts, "ack_upsert").1);
+        let frames_per_s = r3(received as f64 / step_s);
+        let push = summarize_us(&mut push_lat);
+        let mut why = Vec::new();
+        if lost > 0 {
+            why.push(format!("{lost} frames lost"));
+        }
+        if not_pushed > 0 {
+            why.push(format!(
+                "{not_pushed} events never pushed (repaired by sync)"
+            ));
+        }
+        if agg.hints_overflow > 0 {
+            why.push(format!(
+                "{} overflow hints (pushes paused)",
+                agg.hints_overflow
+            ));
+        }
+        if push.p99_ms > p.fanout_p99_limit_ms {
+            why.push(format!(
+                "push p99 {} ms > {} ms",
+                push.p99_ms, p.fanout_p99_limit_ms
+            ));
+        }
+        if frames_per_s < 0.9 * target_frames {
+            why.push(format!(
+                "delivered {frames_per_s:.0} frames/s < 90% of {target_frames:.0}"
+            ));
+        }
+        let passed = why.is_empty();
+        let msgs = replies.len() as u64;
+        let step = FanoutStep {
+            multiplier: mult,
+            target_frames_per_s: r3(target_frames),
+            target_messages_per_s: r3(target_msgs),
+            events_per_device_conversation_per_s: r3(target_msgs / self.convs.len().max(1) as f64),
+            duration_s: r3(step_s),
+            messages_acked: msgs,
+            messages_per_s: r3(msgs as f64 / step_s),
+            send_errors,
+            sends_skipped: skipped,
+            send_latency: summarize_us(&mut send_lat),
+            frames_expected: expected,
+            frames_received: received,
+            frames_pushed: agg.pushes,
+            events_via_sync: via_sync,
+            events_never_pushed: not_pushed,
+            frames_lost: lost,
+            frames_per_s,
+            push_latency: push,
+            push_after_sent_reply: summarize_us(&mut after_reply),
+            acks_sent: agg.acks_sent,
+            acked_replies: agg.acked,
+            ack_errors: agg.ack_errors,
+            cursor_writes_per_push: ratio(agg.acks_sent as f64, received as f64),
+            ack_upserts_db: ack_db,
+            hints_sweep: agg.hints_sweep,
+            hints_overflow: agg.hints_overflow,
+            hints_ahead: agg.hints_ahead,
+            syncs: agg.syncs,
+            gaps: agg.gaps,
+            duplicates: agg.duplicates,
+            cpu_per_frame: per_op(&cpu_use, received, false),
+            cpu: cpu_use,
+            statements: stmts,
+            db_ms_per_frame_by_label: by,
+            passed,
+            verdict: if passed {
+                "pass".into()
+            } else {
+                why.join("; ")
+            },
+        };
+        Ok((step, acked))
+    }
+}
+
+/// Who is who in the fan-out: conversations, devices, and which pair each belongs to.
+struct Topology {
+    convs: Vec<String>,
+    /// Per pair: (global index, id) of its conversations.
+    pair_convs: Vec<Vec<(usize, String)>>,
+    recv_devs: Vec<Device>,
+    /// (pair, device) of every sender.
+    send_devs: Vec<(usize, Device)>,
+    conv_index: HashMap<String, usize>,
+    /// Subscribed devices per pair = frames per message.
+    per_conv: usize,
+}
+
+/// A gateway with every receiver and sender connected to it.
+struct Session {
+    gw: harness::gateway::Gateway,
+    rig: Rig,
+    sender_tasks: Vec<tokio::task::JoinHandle<()>>,
+    stop_tx: watch::Sender<bool>,
+}
+
+impl Session {
+    /// Starts a gateway (`env` on top of the bench's) and connects the topology to it.
+    async fn open(
+        ctx: &Ctx,
+        topo: &Topology,
+        env: &[(String, String)],
+        session: usize,
+    ) -> anyhow::Result<Session> {
+        let p = &ctx.params;
+        let mut opts_env = ctx.gateway_env.clone();
+        opts_env.extend(env.iter().cloned());
+        let opts = harness::gateway::GatewayOpts {
+            env: opts_env,
+            ..Default::default()
+        };
+        let gw =
+            harness::gateway::Gateway::start(&ctx.cluster.url(), &opts, &ctx.cluster.log_dir())
+                .await?;
+        let url = gw.ws_url();
+        progress(&format!(
+            "[fanout] connecting {} receivers and {} senders",
+            topo.recv_devs.len(),
+            topo.send_devs.len()
+        ));
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut receivers = Vec::new();
+        for chunk in topo.recv_devs.chunks(32) {
+            let opened = futures_util::future::try_join_all(chunk.iter().map(|d| {
+                let url = url.clone();
+                async move {
+                    let mut ws = wire::open(&url, &d.id, &d.token).await?;
+                    let states = wire::sub(&mut ws).await?;
+                    anyhow::Ok((ws, states))
+                }
+            }))
+            .await
+            .context("open receivers")?;
+            for (ws, states) in opened {
+                let globals = states
+                    .iter()
+                    .map(|st| topo.conv_index.get(&st.conv).copied())
+                    .collect::<Option<Vec<usize>>>()
+                    .context("sub listed a conversation the bench did not make")?;
+                let log = Arc::new(Mutex::new(RecvLog::default()));
+                let (dtx, _) = watch::channel(0i64);
+                let task = tokio::spawn(wire::receiver(
+                    ws,
+                    states,
+                    AckPolicy::default(),
+                    log.clone(),
+                    dtx,
+                    stop_rx.clone(),
+                ));
+                receivers.push(Receiver { globals, log, task });
+            }
+        }
+        let (pace_tx, pace_rx) = watch::channel(Pace::Pause);
+        let body = Arc::new("x".repeat(p.body_bytes));
+        let mut senders = Vec::new();
+        let mut sender_tasks = Vec::new();
+        let opened = futures_util::future::try_join_all(
+            topo.send_devs
+                .iter()
+                .map(|(_, d)| wire::open(&url, &d.id, &d.token)),
+        )
+        .await
+        .context("open senders")?;
+        for (i, ws) in opened.into_iter().enumerate() {
+            let (k, d) = &topo.send_devs[i];
+            let me = Arc::new(Sender {
+                log: Mutex::new(SendLog::default()),
+                inflight: AtomicU64::new(0),
+            });
+            sender_tasks.push(tokio::spawn(open_loop(
+                ws,
+                // Unique cmids across sessions: a reused cmid is a duplicate (D2), not a message.
+                session * 10_000 + i,
+                topo.pair_convs[*k].clone(),
+                d.user.clone(),
+                body.clone(),
+                pace_rx.clone(),
+                me.clone(),
+                Rng::new(p.seed ^ 0xF0 ^ i as u64),
+            )));
+            senders.push(me);
+        }
+        let rig = Rig {
+            convs: topo.convs.clone(),
+            receivers,
+            senders,
+            pace_tx,
+            gw_pid: gw.pid(),
+            per_conv: topo.per_conv,
+        };
+        Ok(Session {
+            gw,
+            rig,
+            sender_tasks,
+            stop_tx,
+        })
+    }
+
+    /// Stops senders and receivers and the gateway; returns the acknowledged sends not yet
+    /// collected by a step.
+    async fn close(self) -> Vec<(String, String)> {
+        let Session {
+            mut gw,
+            rig,
+            sender_tasks,
+            stop_tx,
+        } = self;
+        rig.pace_tx.send_replace(Pace::Quit);
+        for t in sender_tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        }
+        stop_tx.send_replace(true);
+        for r in rig.receivers {
+            let _ = tokio::time::timeout(Duration::from_secs(2), r.task).await;
+        }
+        let _ = gw.terminate(Duration::from_secs(10)).await;
+        drop(gw);
+        let mut acked = Vec::new();
+        for s in &rig.senders {
+            acked.extend(std::mem::take(
+                &mut s.log.lock().unwrap_or_else(|p| p.into_inner()).acked,
+            ));
+        }
+        acked
+    }
+}
+
+/// Runs the chapter-02 load and the steps above it.
+pub async fn run(ctx: &Ctx) -> anyhow::Result<Fanout> {
+    let p = &ctx.params;
+    let n_pairs = p.fanout_user_pairs;
+    let [ra, rb] = p.fanout_receivers_per_user;
+    let per_conv = ra + rb;
+    // --- the ceiling first, while nothing else runs
+    progress("[fanout] WebSocket ceiling (no database)");
+    let ceiling = ws_ceiling(ctx, n_pairs * per_conv).await?;
+
+    // --- provisioning
+    // Pair k: users fo-a{k} and fo-b{k}, conversations fo-c{k}-{m} for m < convs_per_pair,
+    // receivers subscribed to all of them, one unsubscribed sender device per user.
+    let m_per = p.fanout_convs_per_pair.max(1);
+    let mut convs: Vec<String> = Vec::new();
+    let mut pair_convs: Vec<Vec<(usize, String)>> = Vec::new();
+    for k in 0..n_pairs {
+        let mut mine = Vec::new();
+        for m in 0..m_per {
+            mine.push((convs.len(), format!("fo-c{k}-{m}")));
+            convs.push(format!("fo-c{k}-{m}"));
+        }
+        pair_convs.push(mine);
+    }
+    let mut users = Vec::new();
+    let mut devices = Vec::new();
+    let mut world = Vec::new();
+    let mut recv_devs: Vec<Device> = Vec::new();
+    let mut send_devs: Vec<(usize, Device)> = Vec::new();
+    for (k, mine) in pair_convs.iter().enumerate() {
+        let a = format!("fo-a{k}");
+        let b = format!("fo-b{k}");
+        for (u, n) in [(&a, ra), (&b, rb)] {
+            for r in 0..n {
+                let d = Device::new(format!("{u}-r{r}"), u);
+                recv_devs.push(d.clone());
+                devices.push(d);
+            }
+        }
+        for u in [&a, &b]
+            .into_iter()
+            .take(p.fanout_senders_per_pair.clamp(1, 2))
+        {
+            let d = Device::new(format!("{u}-s"), u);
+            send_devs.push((k, d.clone()));
+            devices.push(d);
+        }
+        users.push(a.clone());
+        users.push(b.clone());
+        for (_, c) in mine {
+            world.push((c.clone(), vec![a.clone(), b.clone()]));
+        }
+    }
+    let conv_index: HashMap<String, usize> = convs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.clone(), i))
+        .collect();
+    provision::world(&ctx.pool, &users, &devices, &world).await?;
+
+    let topo = Topology {
+        convs: convs.clone(),
+        pair_convs,
+        recv_devs,
+        send_devs,
+        conv_index,
+        per_conv,
+    };
+    let session = Session::open(ctx, &topo, &[], 0).await?;
+    let rig = &session.rig;
+    let mut steps: Vec<FanoutStep> = Vec::new();
+    let mut acked_all: Vec<(String, String)> = Vec::new();
+    // The chapter-02 load first; then up while it passes, or down until one passes.
+    let mut plan: std::collections::VecDeque<f64> = [p.fanout_start_multiplier].into();
+    let mut direction: Option<bool> = None; // Some(true): stepping up
+    let stop_reason;
+    loop {
+        let Some(mult) = plan.pop_front() else {
+            stop_reason = match direction {
+                Some(true) => "every step up passed (no higher step configured)".to_string(),
+                Some(false) => "no step down passed".to_string(),
+                None => "one step configured".to_string(),
+            };
+            break;
+        };
+        let label = format!(
+            "[fanout {}] {:.0} frames/s",
+            steps.len() + 1,
+            p.fanout_base_frames_per_s * mult
+        );
+        let (step, acked) = rig.step(ctx, mult, &label).await?;
+        acked_all.extend(acked);
+        let passed = step.passed;
+        let verdict = step.verdict.clone();
+        let target = step.target_frames_per_s;
+        steps.push(step);
+        match direction {
+            None => {
+                direction = Some(passed);
+                plan = if passed {
+                    p.fanout_up.clone().into()
+                } else {
+                    p.fanout_down.clone().into()
+                };
+            }
+            Some(true) if !passed => {
+                stop_reason = format!("stepping up: {target:.0} frames/s failed: {verdict}");
+                break;
+            }
+            Some(false) if passed => {
+                stop_reason =
+                    format!("stepping down: {target:.0} frames/s is the first that passed");
+                break;
+            }
+            _ => {}
+        }
+    }
+    let (n_receivers, n_senders) = (rig.receivers.len(), rig.senders.len());
+    acked_all.extend(session.close().await);
+    // Diagnostics: the chapter-02 step again on a gateway with other settings.
+    let mut diagnostics = Vec::new();
+    for (i, kv) in p.fanout_diagnostic_env.iter().enumerate() {
+        let Some((k, v)) = kv.split_once('=') else {
+            anyhow::bail!("fanout_diagnostic_env {kv:?}: NAME=VALUE");
+        };
+        let env = [(k.to_string(), v.to_string())];
+        let session = Session::open(ctx, &topo, &env, i + 1).await?;
+        let label = format!(
+            "[fanout diagnostic {}] {kv}: {:.0} frames/s",
+            i + 1,
+            p.fanout_base_frames_per_s
+        );
+        let r = session.rig.step(ctx, 1.0, &label).await;
+        acked_all.extend(session.close().await);
+        let (step, acked) = r?;
+        acked_all.extend(acked);
+        diagnostics.push(FanoutDiagnostic {
+            gateway_env: vec![kv.clone()],
+            step,
+        });
+    }
+    let found = provision::count_present(&ctx.pool, &acked_all).await?;
+    let gapless = provision::gapless(&ctx.pool, "fo-c").await?;
+    let acknowledged = acked_all.len() as u64;
+    let lost = acknowledged.saturating_sub(found);
+    let max_passing = steps
+        .iter()
+        .filter(|s| s.passed)
+        .map(|s| s.frames_per_s)
+        .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+    Ok(Fanout {
+        receiver: "lean receiver of the bench crate (tokio-tungstenite: hello, sub, contiguous cursor per \
+                   conversation, acks coalesced every 4 events or 50 ms, sync on gap or on a hint ahead \
+                   of its cursor); not the harness Client, which persists a state file per event"
+            .into(),
+        user_pairs: n_pairs,
+        conversations: convs.len(),
+        receivers: n_receivers,
+        sender_connections: n_senders,
+        frames_per_message: per_conv,
+        base_frames_per_s: p.fanout_base_frames_per_s,
+        p99_limit_ms: p.fanout_p99_limit_ms,
+        gateway_sweep_ms: 1000,
+        max_passing_frames_per_s: max_passing,
+        stop_reason,
+        ratios: FanoutRatios {
+            max_passing_vs_ws_ceiling: max_passing.and_then(|m| ratio(m, ceiling.frames_per_s)),
+            max_passing_vs_pgbench_notify_frames: None,
+            base_load_vs_max_passing: max_passing.and_then(|m| ratio(p.fanout_base_frames_per_s, m)),
+        },
+        ws_ceiling: ceiling,
+        steps,
+        diagnostics,
+        data_check: DataCheck {
+            result: if lost == 0 && gapless { "PASS" } else { "FAIL" }.into(),
+            acknowledged,
+            found,
+            lost,
+            seqs_gapless: gapless,
+        },
+    })
+}
+
+/// Measures the WebSocket ceiling: `n` lean receivers against the push server child.
+async fn ws_ceiling(ctx: &Ctx, n: usize) -> anyhow::Result<WsCeiling> {
+    let p = &ctx.params;
+    let exe = std::env::current_exe().context("find the bench executable")?;
+    let mut child = tokio::process::Command::new(&exe)
+        .arg("ws-ceiling-server")
+        .arg(p.body_bytes.to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("spawn the ceiling server")?;
+    let stdout = child.stdout.take().context("ceiling server stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+        .await
+        .context("ceiling server did not start")??
+        .context("ceiling server closed stdout")?;
+    let Some(addr) = line.strip_prefix("listening on ") else {
+        bail!("ceiling server printed {line:?}");
+    };
+    let url = format!("ws://{}/ws", addr.trim());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut logs = Vec::new();
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let mut ws = wire::open(&url, &format!("ceil-{i}"), "x").await?;
+        let states = wire::sub(&mut ws).await?;
+        let log = Arc::new(Mutex::new(RecvLog::default()));
+        let (dtx, _) = watch::channel(0i64);
+        tasks.push(tokio::spawn(wire::receiver(
+            ws,
+            states,
+            AckPolicy::default(),
+            log.clone(),
+            dtx,
+            stop_rx.clone(),
+        )));
+        logs.push(log);
+    }
+    // Skip the first half second (connection ramp), count over the window.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let from = now_us();
+    tokio::time::sleep(secs(p.ws_ceiling_s)).await;
+    let to = now_us();
+    stop_tx.send_replace(true);
+    let _ = child.kill().await;
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+    }
+    let frames: u64 = logs
+        .iter()
+        .map(|l| {
+            l.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .got
+                .iter()
+                .filter(|g| g.recv_us >= from && g.recv_us < to)
+                .count() as u64
+        })
+        .sum();
+    Ok(WsCeiling {
+        frames_per_s: r3(frames as f64 * 1e6 / (to - from).max(1) as f64),
+        receivers: n,
+        duration_s: r3((to - from) as f64 / 1e6),
+        server: "imfault-bench ws-ceiling-server: answers hello and sub, then writes the gateway's \
+                 event frames (im_gateway::protocol::event_frame, same body size) one by one as fast \
+                 as the socket takes them; no database"
+            .into(),
+    })
+}
+
+/// `imfault-bench ws-ceiling-server BODY_BYTES`: the ceiling's push server (child process).
+pub async fn ceiling_server(body_bytes: usize) -> anyhow::Result<()> {
+    use std::io::Write;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening on {addr}")?;
+        out.flush()?;
+    }
+    let body = Arc::new("x".repeat(body_bytes));
+    loop {
+        let (tcp, _) = listener.accept().await?;
+        let _ = tcp.set_nodelay(true);
+        let body = body.clone();
+        tokio::spawn(async move {
+            let Ok(ws) = tokio_tungstenite::accept_async(tcp).await else {
+                return;
+            };
+            let (mut sink, mut stream) = ws.split();
+            let mut conv = String::from("ceil");
+            // hello, then sub; anything else before is ignored.
+            while let Some(Ok(msg)) = stream.next().await {
+                let Message::Text(t) = msg else { continue };
+                let Some(f) = wire::parse(t.as_str()) else {
+                    continue;
+                };
+                let rid = f.rid.unwrap_or_default();
+                if f.t == "hello" {
+                    conv = format!("ceil-{}", rid.len());
+                    let w = serde_json::json!({"t":"welcome","rid":rid,"user":"u","device":"d","epoch":1});
+                    if sink.send(Message::text(w.to_string())).await.is_err() {
+                        return;
+                    }
+                } else if f.t == "sub" {
+                    let s = serde_json::json!({"t":"subbed","rid":rid,"convs":[{"conv":conv,"head":0,"delivered":0}]});
+                    if sink.send(Message::text(s.to_string())).await.is_err() {
+                        return;
+                    }
+                    break;
+                }
+            }
+            // Discard whatever the receiver sends (acks) from here on.
+            tokio::spawn(async move { while let Some(Ok(_)) = stream.next().await {} });
+            let mut seq = 0i64;
+            loop {
+                seq += 1;
+                let ev = im_gateway::protocol::Event {
+                    conv: conv.clone(),
+                    seq,
+                    kind: "msg".into(),
+                    mid: "00000000-0000-4000-8000-000000000000".into(),
+                    sender: "fo-a0".into(),
+                    cmid: format!("f0-{seq}"),
+                    body: body.to_string(),
+                    at_ms: now_us() / 1000,
+                };
+                let frame = im_gateway::protocol::event_frame(&ev);
+                if sink.send(Message::text(frame)).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,766 @@
+//! `imfault-bench`: the load generator behind `make bench`. It starts a throwaway PostgreSQL
+//! cluster (harness::pg::Cluster) and the real gateway as a child process (release build,
+//! no fault points), measures the send path, fan-out, the sweep query and lost-push repair,
+//! each against a ceiling measured in the same run, and writes one JSON result
+//! (`evidence/README.md`) plus a short summary on stdout. A run that loses an
+//! acknowledged message reports FAIL and exits 1.
+//!
+//! Modes: `full` (`make bench`, evidence/bench/result.json, under 5 minutes on 2 cores),
+//! `quick` (`make bench-quick`, target/bench/quick.json, under a minute), `smoke` (the
+//! nextest smoke test: tiny sizes, any gateway build; timings mean nothing).
+//!
+//! Internal subcommands (run by the bench itself): `repair-child` (part 4 with the fault
+//! build, see `repair`) and `ws-ceiling-server` (the fan-out ceiling, see `fanout`).
+//! `imfault-bench findings RESULT.json` prints the findings re-derived from a result.
+
+mod cpu;
+mod env;
+mod fanout;
+mod findings;
+mod pgbench;
+mod pgss;
+mod provision;
+mod repair;
+mod result;
+mod send;
+mod sweep;
+mod util;
+mod wire;
+
+use anyhow::{bail, Context};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use result::{BenchResult, Params, Section};
+use util::progress;
+
+/// Everything the parts share.
+pub struct Ctx {
+    pub cluster: harness::pg::Cluster,
+    /// The bench's own pool (checks, provisioning, the sweep query).
+    pub pool: sqlx::PgPool,
+    /// Whether `pg_stat_statements` is loaded.
+    pub pgss: bool,
+    pub pgbench: Option<PathBuf>,
+    pub params: Params,
+    /// Scratch directory inside the cluster's work dir (pgbench scripts and logs).
+    pub tmp: PathBuf,
+    /// Extra `IM_*` variables for the gateway (`--gateway-env`); empty for the evidence.
+    pub gateway_env: Vec<(String, String)>,
+}
+
+impl Ctx {
+    /// Starts the gateway of the send and fan-out parts (defaults plus `--gateway-env`).
+    pub async fn start_gateway(&self) -> anyhow::Result<harness::gateway::Gateway> {
+        let opts = harness::gateway::GatewayOpts {
+            env: self.gateway_env.clone(),
+            ..Default::default()
+        };
+        harness::gateway::Gateway::start(&self.cluster.url(), &opts, &self.cluster.log_dir()).await
+    }
+
+    pub fn probe(&self, gateway: Option<u32>) -> cpu::Probe {
+        cpu::Probe {
+            gateway,
+            postmaster: cpu::postmaster_pid(self.cluster.work_dir()),
+        }
+    }
+}
+
+fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
+    let full = Params {
+        seed,
+        send_concurrency: vec![1, 8, 32],
+        send_conversations: 64,
+        send_warmup_s: 1,
+        send_duration_s: 2,
+        send_rounds: 2,
+        body_bytes: 100,
+        fanout_user_pairs: 8,
+        fanout_convs_per_pair: 2,
+        fanout_receivers_per_user: [4, 3],
+        fanout_senders_per_pair: 2,
+        fanout_base_frames_per_s: 9067.0,
+        fanout_start_multiplier: 1.0,
+        fanout_up: vec![1.5, 2.0, 3.0, 4.0],
+        fanout_down: vec![0.5, 0.25, 0.125],
+        fanout_step_s: 4.0,
+        fanout_p99_limit_ms: 100.0,
+        fanout_diagnostic_env: vec!["IM_FANOUT_BATCH_MAX=1024".into()],
+        ws_ceiling_s: 2.0,
+        sweep_devices: vec![1000, 10_000, 50_000],
+        sweep_convs_per_device: 20,
+        sweep_users_per_conversation: 10,
+        sweep_lag_percents: vec![0.0, 1.0],
+        sweep_repeats: 2,
+        sweep_explain_max_devices: 10_000,
+        sweep_set_based_max_devices: 50_000,
+        repair_sweep_ms: vec![100, 500, 1000],
+        repair_trials: vec![100, 100, 60],
+        repair_lanes: 10,
+    };
+    Ok(match mode {
+        "full" => full,
+        "quick" => Params {
+            send_concurrency: vec![1, 8],
+            send_duration_s: 1,
+            send_rounds: 1,
+            fanout_user_pairs: 4,
+            fanout_start_multiplier: 0.25,
+            fanout_up: vec![0.5],
+            fanout_down: vec![0.125],
+            fanout_diagnostic_env: vec![],
+            fanout_step_s: 2.0,
+            ws_ceiling_s: 1.0,
+            sweep_devices: vec![1000, 3000],
+            sweep_repeats: 1,
+            sweep_explain_max_devices: 3000,
+            sweep_set_based_max_devices: 3000,
+            repair_trials: vec![20, 8, 4],
+            repair_lanes: 4,
+            ..full
+        },
+        "smoke" => Params {
+            send_concurrency: vec![2],
+            send_conversations: 8,
+            send_warmup_s: 0,
+            send_duration_s: 1,
+            send_rounds: 1,
+            fanout_user_pairs: 2,
+            fanout_convs_per_pair: 1,
+            fanout_start_multiplier: 0.02,
+            fanout_up: vec![],
+            fanout_down: vec![],
+            fanout_diagnostic_env: vec![],
+            fanout_step_s: 1.0,
+            ws_ceiling_s: 0.5,
+            sweep_devices: vec![100, 300],
+            sweep_repeats: 1,
+            sweep_explain_max_devices: 300,
+            sweep_set_based_max_devices: 300,
+            repair_sweep_ms: vec![100, 200],
+            repair_trials: vec![4, 2],
+            repair_lanes: 2,
+            ..full
+        },
+        other => bail!("unknown mode {other:?} (full, quick, smoke)"),
+    })
+}
+
+struct Args {
+    mode: String,
+    out: PathBuf,
+    gateway_bin: PathBuf,
+    fault_gateway_bin: PathBuf,
+    allow_faults_gateway: bool,
+    seed: u64,
+    only: Vec<String>,
+    gateway_env: Vec<(String, String)>,
+}
+
+const USAGE: &str =
+    "usage: imfault-bench [--mode full|quick|smoke] [--out PATH] [--gateway-bin PATH]
+                     [--fault-gateway-bin PATH] [--allow-faults-gateway] [--seed N]
+                     [--only send,fanout,sweep,repair] [--gateway-env IM_NAME=VALUE]...";
+
+fn parse_args(raw: &[String]) -> anyhow::Result<Args> {
+    let target = env::target_dir();
+    let mut a = Args {
+        mode: "full".into(),
+        out: PathBuf::new(),
+        gateway_bin: target.join("release").join("im-gateway"),
+        fault_gateway_bin: target.join("debug").join("im-gateway"),
+        allow_faults_gateway: false,
+        seed: 42,
+        only: vec![
+            "send".into(),
+            "fanout".into(),
+            "sweep".into(),
+            "repair".into(),
+        ],
+        gateway_env: Vec::new(),
+    };
+    let mut it = raw.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .cloned()
+                .with_context(|| format!("{flag} needs a value\n{USAGE}"))
+        };
+        match flag.as_str() {
+            "--mode" => a.mode = value()?,
+            "--quick" => a.mode = "quick".into(),
+            "--out" => a.out = PathBuf::from(value()?),
+            "--gateway-bin" => a.gateway_bin = PathBuf::from(value()?),
+            "--fault-gateway-bin" => a.fault_gateway_bin = PathBuf::from(value()?),
+            "--allow-faults-gateway" => a.allow_faults_gateway = true,
+            "--seed" => a.seed = value()?.parse().context("--seed")?,
+            "--only" => a.only = value()?.split(',').map(str::to_string).collect(),
+            "--gateway-env" => {
+                let kv = value()?;
+                let (k, v) = kv
+                    .split_once('=')
+                    .with_context(|| format!("--gateway-env {kv:?}: NAME=VALUE"))?;
+                a.gateway_env.push((k.to_string(), v.to_string()));
+            }
+            "-h" | "--help" => bail!("{USAGE}"),
+            other => bail!("unknown argument {other:?}\n{USAGE}"),
+        }
+    }
+    if a.out.as_os_str().is_empty() {
+        let name = if a.mode == "full" {
+            "result.json"
+        } else {
+            "quick.json"
+        };
+        a.out = if a.mode == "full" {
+            env::workspace_dir()
+                .join("evidence")
+                .join("bench")
+                .join(name)
+        } else {
+            env::target_dir().join("bench").join(name)
+        };
+    }
+    Ok(a)
+}
+
+fn main() -> ExitCode {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let rt = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("build the tokio runtime")
+    };
+    // Internal subcommands.
+    match raw.first().map(String::as_str) {
+        Some("ws-ceiling-server") => {
+            let body = raw.get(1).and_then(|b| b.parse().ok()).unwrap_or(100);
+            return match rt().block_on(fanout::ceiling_server(body)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("ws-ceiling-server: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        Some("findings") => {
+            // Re-derives the findings of an existing result (after a change of their rules).
+            let r = raw
+                .get(1)
+                .context("usage: imfault-bench findings RESULT.json")
+                .and_then(|p| Ok(std::fs::read_to_string(p)?))
+                .and_then(|t| Ok(serde_json::from_str::<BenchResult>(&t)?));
+            return match r {
+                Ok(r) => {
+                    for f in findings::derive(&r) {
+                        println!("finding {}: {}", f.id, f.claim);
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("findings: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        Some("repair-child") => {
+            let r = repair::ChildArgs::parse(&raw[1..])
+                .and_then(|a| rt().block_on(repair::child_main(a)));
+            return match r {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("repair-child: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        _ => {}
+    }
+    let args = match parse_args(&raw) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("imfault-bench: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    // The harness picks its gateway binary once per process, from IM_GATEWAY_BIN: set it
+    // before anything (and before any other thread exists).
+    // `--allow-faults-gateway` (the smoke test) accepts either build; the evidence needs
+    // the release build without fault points.
+    let want_faults = (!args.allow_faults_gateway).then_some(false);
+    let gateway_version = match env::check_gateway(
+        &args.gateway_bin,
+        want_faults,
+        "cargo build --release -p im-gateway",
+    ) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("imfault-bench: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    std::env::set_var("IM_GATEWAY_BIN", &args.gateway_bin);
+    match rt().block_on(bench(args, gateway_version)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            util::progress_done();
+            eprintln!("imfault-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn timed<T, F: std::future::Future<Output = anyhow::Result<T>>>(f: F) -> Section<T> {
+    let t = Instant::now();
+    let r = f.await;
+    Section::from(r, util::r3(t.elapsed().as_secs_f64()))
+}
+
+/// Runs the bench; `Ok(true)` for PASS.
+async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
+    let started = Instant::now();
+    let params = preset(&args.mode, args.seed)?;
+    let mut environment = env::host();
+    environment.gateway_bin = args.gateway_bin.display().to_string();
+    environment.gateway_version = gateway_version;
+    environment.fault_gateway_bin = args.fault_gateway_bin.display().to_string();
+    let fault_check = env::check_gateway(
+        &args.fault_gateway_bin,
+        Some(true),
+        "cargo build --workspace --bins --features im-gateway/faults (make build)",
+    );
+    environment.fault_gateway_version = match &fault_check {
+        Ok(v) => v.clone(),
+        Err(e) => format!("unusable: {e:#}"),
+    };
+    let pgbench = env::find_pgbench();
+    if let Some(b) = &pgbench {
+        environment.pgbench_bin = b.display().to_string();
+        environment.pgbench_version = env::pgbench_version(b);
+    }
+
+    progress(&format!(
+        "[setup] {} mode: starting a PostgreSQL cluster",
+        args.mode
+    ));
+    let mut cluster = harness::pg::Cluster::start_migrated().await?;
+    let pgss = match pgss::enable(&mut cluster).await {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("imfault-bench: pg_stat_statements not loaded ({e:#}); per-statement figures omitted");
+            if !cluster.is_running() {
+                cluster.restart().await?;
+            }
+            false
+        }
+    };
+    env::fill_postgres(&mut environment, &cluster).await;
+    environment.pg_stat_statements = pgss;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(std::time::Duration::from_secs(30))
+        .connect(&cluster.url())
+        .await
+        .context("connect the bench pool")?;
+    let tmp = cluster.work_dir().join("bench");
+    std::fs::create_dir_all(&tmp)?;
+    environment.gateway_env = args
+        .gateway_env
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    let ctx = Ctx {
+        cluster,
+        pool,
+        pgss,
+        pgbench: pgbench.clone(),
+        params: params.clone(),
+        tmp,
+        gateway_env: args.gateway_env.clone(),
+    };
+
+    let on = |part: &str| args.only.iter().any(|o| o == part);
+    let send_path = if on("send") {
+        timed(send::run(&ctx)).await
+    } else {
+        Section::not_run("not selected (--only)")
+    };
+    let fanout = if on("fanout") {
+        timed(fanout::run(&ctx)).await
+    } else {
+        Section::not_run("not selected (--only)")
+    };
+    let sweep = if on("sweep") {
+        timed(sweep::run(&ctx)).await
+    } else {
+        Section::not_run("not selected (--only)")
+    };
+    let repair = if !on("repair") {
+        Section::not_run("not selected (--only)")
+    } else {
+        match &fault_check {
+            Err(e) => Section::not_run(format!("no usable gateway with fault points: {e:#}")),
+            Ok(v) => {
+                let a = repair::ChildArgs {
+                    out: ctx.tmp.join("repair.json"),
+                    seed: params.seed,
+                    intervals: params.repair_sweep_ms.clone(),
+                    trials: params.repair_trials.clone(),
+                    lanes: params.repair_lanes,
+                };
+                timed(repair::run_child(&args.fault_gateway_bin, v, a)).await
+            }
+        }
+    };
+    util::progress_done();
+
+    let mut r = BenchResult {
+        schema_version: result::SCHEMA_VERSION,
+        tool: "imfault-bench".into(),
+        mode: args.mode.clone(),
+        result: String::new(),
+        failures: Vec::new(),
+        environment,
+        parameters: params,
+        send_path,
+        fanout,
+        sweep,
+        repair,
+        findings: Vec::new(),
+    };
+    // The fan-out's second ceiling: what pgbench with NOTIFY commits, times the frames each
+    // message makes.
+    if let (Some(fo), Some(sp)) = (r.fanout.data.as_mut(), r.send_path.data.as_ref()) {
+        let best = sp
+            .levels
+            .iter()
+            .filter_map(|l| l.pgbench_notify.as_ref().map(|b| b.ops_per_s))
+            .fold(0.0, f64::max);
+        fo.ratios.max_passing_vs_pgbench_notify_frames = fo
+            .max_passing_frames_per_s
+            .and_then(|m| util::ratio(m, best * fo.frames_per_message as f64));
+    }
+    let mut failures = Vec::new();
+    for (name, status, reason) in [
+        ("send_path", &r.send_path.status, &r.send_path.reason),
+        ("fanout", &r.fanout.status, &r.fanout.reason),
+        ("sweep", &r.sweep.status, &r.sweep.reason),
+        ("repair", &r.repair.status, &r.repair.reason),
+    ] {
+        if status != "ok" {
+            failures.push(format!(
+                "{name}: {status}: {}",
+                reason.clone().unwrap_or_default()
+            ));
+        }
+    }
+    let checks = [
+        (
+            "send_path",
+            r.send_path.data.as_ref().map(|d| &d.data_check),
+        ),
+        ("fanout", r.fanout.data.as_ref().map(|d| &d.data_check)),
+        ("repair", r.repair.data.as_ref().map(|d| &d.data_check)),
+    ];
+    for (name, c) in checks {
+        if let Some(c) = c {
+            if c.result != "PASS" {
+                failures.push(format!(
+                    "{name}: DATA LOSS: {} of {} acknowledged messages missing, seqs gapless: {}",
+                    c.lost, c.acknowledged, c.seqs_gapless
+                ));
+            }
+        }
+    }
+    if let Some(sp) = &r.send_path.data {
+        if sp.pgbench_check.result != "PASS" {
+            failures.push(format!(
+                "send_path: pgbench logged {} transactions but {} rows exist",
+                sp.pgbench_check.logged, sp.pgbench_check.rows
+            ));
+        }
+    }
+    let data_lost = failures
+        .iter()
+        .any(|f| f.contains("DATA LOSS") || f.contains("pgbench logged"));
+    r.result = if failures.is_empty() { "PASS" } else { "FAIL" }.into();
+    r.failures = failures;
+    r.findings = findings::derive(&r);
+    r.environment.finished_at = util::rfc3339(util::unix_us() / 1_000_000);
+    r.environment.wall_s = util::r3(started.elapsed().as_secs_f64());
+    r.environment.load_avg_end = env::load_avg();
+
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    let text = serde_json::to_string_pretty(&r)?;
+    std::fs::write(&args.out, text + "\n")
+        .with_context(|| format!("write {}", args.out.display()))?;
+    print_summary(&r, &args.out);
+    let Ctx {
+        mut cluster, pool, ..
+    } = ctx;
+    pool.close().await;
+    if data_lost {
+        cluster.keep();
+    }
+    Ok(r.result == "PASS")
+}
+
+fn print_summary(r: &BenchResult, out: &std::path::Path) {
+    let e = &r.environment;
+    println!(
+        "imfault-bench {} mode: {} in {:.0} s  (PostgreSQL {}, fsync={}, synchronous_commit={}, {} cores, load {:.2} -> {:.2})",
+        r.mode, r.result, e.wall_s, e.postgres_version, e.fsync, e.synchronous_commit, e.host_cores,
+        e.load_avg_start[0], e.load_avg_end[0]
+    );
+    match &r.send_path.data {
+        Some(sp) => {
+            println!(
+                "send path (acked sends/s, p50/p99/max ms; ratio gateway/pgbench-with-NOTIFY):"
+            );
+            for l in &sp.levels {
+                let g = &l.gateway;
+                let b = |x: &Option<result::SendRun>| {
+                    x.as_ref().map_or("n/a".into(), |x| {
+                        format!("{:.0}/s p50 {:.2}", x.ops_per_s, x.latency.p50_ms)
+                    })
+                };
+                println!(
+                    "  c={:<3} gateway {:>6.0}/s p50 {:.2} p99 {:.2} max {:.2} | pgbench plain {} notify {} notify+async-commit {}",
+                    l.concurrency,
+                    g.ops_per_s,
+                    g.latency.p50_ms,
+                    g.latency.p99_ms,
+                    g.latency.max_ms,
+                    b(&l.pgbench_plain),
+                    b(&l.pgbench_notify),
+                    b(&l.pgbench_notify_async_commit),
+                );
+                let f = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{v:.2}"));
+                println!(
+                    "        ratios: gateway/notify {}  gateway/plain {}  notify/plain {}  sync/async commit {}",
+                    f(l.ratios.gateway_vs_pgbench_notify_throughput),
+                    f(l.ratios.gateway_vs_pgbench_plain_throughput),
+                    f(l.ratios.pgbench_notify_vs_plain_throughput),
+                    f(l.ratios.pgbench_sync_vs_async_commit_throughput),
+                );
+            }
+            println!(
+                "  data: {} acknowledged, {} lost -> {}",
+                sp.data_check.acknowledged, sp.data_check.lost, sp.data_check.result
+            );
+        }
+        None => println!(
+            "send path: {} {}",
+            r.send_path.status,
+            r.send_path.reason.clone().unwrap_or_default()
+        ),
+    }
+    match &r.fanout.data {
+        Some(fo) => {
+            println!(
+                "fan-out ({} receivers, {} frames/message; ws ceiling {:.0} frames/s):",
+                fo.receivers, fo.frames_per_message, fo.ws_ceiling.frames_per_s
+            );
+            for s in &fo.steps {
+                println!(
+                    "  target {:>6.0} -> {:>6.0} frames/s, push p50 {:.1} p99 {:.1} ms, lost {}, cursor writes/push {}, {}",
+                    s.target_frames_per_s,
+                    s.frames_per_s,
+                    s.push_latency.p50_ms,
+                    s.push_latency.p99_ms,
+                    s.frames_lost,
+                    s.cursor_writes_per_push.map_or("n/a".into(), |v| format!("{v:.3}")),
+                    s.verdict
+                );
+            }
+            for d in &fo.diagnostics {
+                let s = &d.step;
+                println!(
+                    "  diagnostic {}: target {:.0} -> {:.0} frames/s, push p50 {:.1} p99 {:.1} ms, {} of {} events first by sync",
+                    d.gateway_env.join(" "),
+                    s.target_frames_per_s,
+                    s.frames_per_s,
+                    s.push_latency.p50_ms,
+                    s.push_latency.p99_ms,
+                    s.events_via_sync,
+                    s.frames_received
+                );
+            }
+            println!(
+                "  stop: {}; data: {} lost -> {}",
+                fo.stop_reason, fo.data_check.lost, fo.data_check.result
+            );
+        }
+        None => println!(
+            "fan-out: {} {}",
+            r.fanout.status,
+            r.fanout.reason.clone().unwrap_or_default()
+        ),
+    }
+    match &r.sweep.data {
+        Some(sw) => {
+            println!(
+                "sweep query (simulated subscribed devices, {} conversations each):",
+                sw.convs_per_device
+            );
+            for row in &sw.rows {
+                println!(
+                    "  {:>6} devices {:>3}% lagging: wall {:>9.1} ms, db {:>9} ms, explain {:>9} ms, {:.1} us/pair, {} rows",
+                    row.devices,
+                    row.lag_percent,
+                    row.wall_ms_median,
+                    row.db_exec_ms.map_or("n/a".into(), |v| format!("{v:.1}")),
+                    row.explain.as_ref().map_or("n/a".into(), |x| format!("{:.1}", x.execution_ms)),
+                    row.us_per_pair,
+                    row.rows_returned
+                );
+            }
+        }
+        None => println!(
+            "sweep: {} {}",
+            r.sweep.status,
+            r.sweep.reason.clone().unwrap_or_default()
+        ),
+    }
+    match &r.repair.data {
+        Some(rp) => {
+            println!("repair (debug gateway with {}):", rp.fault);
+            for i in &rp.intervals {
+                println!(
+                    "  IM_SWEEP_MS={:<5} {} trials: p50 {:.1} p95 {:.1} p99 {:.1} ms, {:.0}% within interval + sync p99",
+                    i.sweep_ms, i.trials, i.repair.p50_ms, i.repair.p95_ms, i.repair.p99_ms, i.within_bound * 100.0
+                );
+            }
+        }
+        None => println!(
+            "repair: {} {}",
+            r.repair.status,
+            r.repair.reason.clone().unwrap_or_default()
+        ),
+    }
+    for f in &r.findings {
+        println!("finding {}: {}", f.id, f.claim);
+    }
+    for f in &r.failures {
+        println!("FAIL: {f}");
+    }
+    println!("result written to {}", out.display());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use result::*;
+
+    /// A result with one element in every list, so every field name appears.
+    fn sample() -> BenchResult {
+        let run = SendRun {
+            statements: vec![pgss::StmtStat::default()],
+            ..Default::default()
+        };
+        let send = SendPath {
+            levels: vec![SendLevel {
+                gateway: run.clone(),
+                pgbench_plain: Some(run.clone()),
+                pgbench_notify: Some(run.clone()),
+                pgbench_notify_async_commit: Some(run),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let fanout = Fanout {
+            diagnostics: vec![FanoutDiagnostic::default()],
+            steps: vec![FanoutStep {
+                statements: vec![Default::default()],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let sweep = Sweep {
+            rows: vec![SweepRow {
+                explain: Some(Explain::default()),
+                ..Default::default()
+            }],
+            growth: vec![SweepGrowth::default()],
+            ..Default::default()
+        };
+        let repair = Repair {
+            intervals: vec![RepairInterval::default()],
+            ..Default::default()
+        };
+        fn ok<T>(d: T) -> Section<T> {
+            Section {
+                status: "ok".into(),
+                reason: None,
+                wall_s: 0.0,
+                data: Some(d),
+            }
+        }
+        BenchResult {
+            schema_version: SCHEMA_VERSION,
+            tool: "imfault-bench".into(),
+            mode: "full".into(),
+            result: "PASS".into(),
+            failures: Vec::new(),
+            environment: env::Environment::default(),
+            parameters: preset("full", 1).expect("full preset"),
+            send_path: ok(send),
+            fanout: ok(fanout),
+            sweep: ok(sweep),
+            repair: ok(repair),
+            findings: vec![Finding::default()],
+        }
+    }
+
+    fn keys(v: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, x) in m {
+                    out.insert(k.clone());
+                    keys(x, out);
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|x| keys(x, out)),
+            _ => {}
+        }
+    }
+
+    #[test]
+    fn every_field_of_the_result_is_documented_in_result_format_md() {
+        let doc = include_str!("../../evidence/README.md");
+        let mut all = std::collections::BTreeSet::new();
+        keys(
+            &serde_json::to_value(sample()).expect("serialise"),
+            &mut all,
+        );
+        let missing: Vec<&String> = all
+            .iter()
+            .filter(|k| !doc.contains(&format!("`{k}`")) && !doc.contains(&format!(".{k}`")))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "fields missing from evidence/README.md: {missing:?}"
+        );
+    }
+
+    #[test]
+    fn presets_are_consistent() {
+        for mode in ["full", "quick", "smoke"] {
+            let p = preset(mode, 1).expect("preset");
+            assert_eq!(p.repair_sweep_ms.len(), p.repair_trials.len(), "{mode}");
+            assert!(
+                p.sweep_devices
+                    .iter()
+                    .all(|n| n % p.sweep_users_per_conversation == 0),
+                "{mode}"
+            );
+        }
+        assert!(preset("nope", 1).is_err());
+    }
+}

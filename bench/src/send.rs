@@ -1,0 +1,485 @@
+//! Part 1, the send path: acknowledged sends per second and send latency through the real
+//! gateway at 1, 8 and 32 concurrent senders (each its own connection and device, picking
+//! one of many conversations at random, closed loop), against pgbench running the same
+//! transaction shape on the same cluster without and with NOTIFY. The gateway is stopped
+//! while pgbench runs, so neither competes with the other for the two cores.
+
+use anyhow::Context;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+use crate::cpu::{self, per_op};
+use crate::pgss;
+use crate::provision::{self, Device};
+use crate::result::{DataCheck, PgbenchCheck, SendLevel, SendPath, SendRatios, SendRun};
+use crate::util::{now_us, progress, ratio, summarize_us, Latency, Rng};
+use crate::wire;
+use crate::Ctx;
+
+struct SenderOut {
+    lat_us: Vec<i64>,
+    errors: u64,
+    acked: Vec<(String, String)>,
+}
+
+/// One sender: send, wait for the reply, repeat, until `end`.
+#[allow(clippy::too_many_arguments)]
+async fn closed_loop(
+    mut ws: wire::Ws,
+    idx: usize,
+    user: String,
+    convs: Arc<Vec<String>>,
+    body: Arc<String>,
+    mut rng: Rng,
+    warm: Instant,
+    end: Instant,
+    counter: Arc<AtomicU64>,
+) -> SenderOut {
+    let mut out = SenderOut {
+        lat_us: Vec::new(),
+        errors: 0,
+        acked: Vec::new(),
+    };
+    let mut n: u64 = 0;
+    while Instant::now() < end {
+        n += 1;
+        let conv = &convs[rng.below(convs.len() as u64) as usize];
+        // `idx` is unique per level and sender: a reused cmid would be a duplicate (D2).
+        let cmid = format!("g{idx}-{n}");
+        let rid = format!("s{n}");
+        let started = Instant::now();
+        let t0 = now_us();
+        let frame = wire::send_frame(&rid, conv, &cmid, &body);
+        match wire::request(&mut ws, frame, &rid, Duration::from_secs(10)).await {
+            Ok(f) if f.t == "sent" && f.dup != Some(true) => {
+                let dt = now_us() - t0;
+                counter.fetch_add(1, Ordering::Relaxed);
+                out.acked.push((user.clone(), cmid));
+                if started >= warm && Instant::now() <= end {
+                    out.lat_us.push(dt);
+                }
+            }
+            Ok(_) => out.errors += 1,
+            Err(_) => {
+                out.errors += 1;
+                break; // the connection is unusable
+            }
+        }
+    }
+    let _ = ws.close(None).await;
+    out
+}
+
+/// Ticks the progress line while a timed run goes on.
+pub fn ticker(label: String, total_s: f64, counter: Arc<AtomicU64>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        if !crate::util::ticking() {
+            return;
+        }
+        let t0 = Instant::now();
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            progress(&format!(
+                "{label}  {:>4.1}/{total_s:.0} s  {} done",
+                t0.elapsed().as_secs_f64(),
+                counter.load(Ordering::Relaxed)
+            ));
+        }
+    })
+}
+
+fn db_per_op(stmts: &[pgss::StmtStat], ops: u64) -> (Option<f64>, BTreeMap<String, f64>) {
+    if ops == 0 || stmts.is_empty() {
+        return (None, BTreeMap::new());
+    }
+    let mut by: BTreeMap<String, f64> = BTreeMap::new();
+    for s in stmts {
+        *by.entry(s.label.clone()).or_default() += s.total_ms / ops as f64;
+    }
+    let total: f64 = by.values().sum();
+    for v in by.values_mut() {
+        *v = crate::util::r3(*v);
+    }
+    (Some(crate::util::r3(total)), by)
+}
+
+/// One measured run of one driver (a round); a level's rounds are merged per driver.
+#[derive(Clone, Default)]
+struct Round {
+    /// Latencies inside the measured window, µs.
+    lat_us: Vec<i64>,
+    errors: u64,
+    ops_total: u64,
+    cpu: cpu::CpuUse,
+    stmts: Vec<pgss::StmtStat>,
+}
+
+/// Sums rounds into one run: samples pooled, CPU and statement totals added.
+fn merge(driver: &str, rounds: Vec<Round>, measured_s: u64, client_is_child: bool) -> SendRun {
+    let mut lat = Vec::new();
+    let (mut errors, mut ops_total) = (0, 0);
+    let mut c = cpu::CpuUse::default();
+    let mut busy_weighted = 0.0;
+    let mut by_query: BTreeMap<String, pgss::StmtStat> = BTreeMap::new();
+    for r in rounds {
+        lat.extend(r.lat_us);
+        errors += r.errors;
+        ops_total += r.ops_total;
+        c.wall_s += r.cpu.wall_s;
+        c.gateway_ms += r.cpu.gateway_ms;
+        c.postgres_ms += r.cpu.postgres_ms;
+        c.bench_ms += r.cpu.bench_ms;
+        c.bench_children_ms += r.cpu.bench_children_ms;
+        c.others_ms += r.cpu.others_ms;
+        busy_weighted += r.cpu.machine_busy_pct * r.cpu.wall_s;
+        for st in r.stmts {
+            let e = by_query
+                .entry(st.query.clone())
+                .or_insert_with(|| pgss::StmtStat {
+                    label: st.label.clone(),
+                    query: st.query.clone(),
+                    ..Default::default()
+                });
+            e.calls += st.calls;
+            e.total_ms += st.total_ms;
+        }
+    }
+    c.machine_busy_pct = if c.wall_s > 0.0 {
+        crate::util::r3(busy_weighted / c.wall_s)
+    } else {
+        0.0
+    };
+    for x in [
+        &mut c.wall_s,
+        &mut c.gateway_ms,
+        &mut c.postgres_ms,
+        &mut c.bench_ms,
+        &mut c.bench_children_ms,
+        &mut c.others_ms,
+    ] {
+        *x = crate::util::r3(*x);
+    }
+    let mut stmts: Vec<pgss::StmtStat> = by_query
+        .into_values()
+        .map(|mut s| {
+            s.total_ms = crate::util::r3(s.total_ms);
+            s.mean_ms = if s.calls > 0 {
+                crate::util::r3(s.total_ms / s.calls as f64)
+            } else {
+                0.0
+            };
+            s
+        })
+        .collect();
+    stmts.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
+    let ops = lat.len() as u64;
+    let (db, by) = db_per_op(&stmts, ops_total);
+    SendRun {
+        driver: driver.into(),
+        ops,
+        ops_per_s: crate::util::r3(ops as f64 / measured_s.max(1) as f64),
+        latency: summarize_us(&mut lat),
+        errors,
+        ops_total,
+        cpu_per_op: per_op(&c, ops_total, client_is_child),
+        cpu: c,
+        statements: stmts,
+        db_ms_per_op: db,
+        db_ms_per_op_by_label: by,
+    }
+}
+
+/// One gateway round: a fresh gateway, `c` closed-loop senders, then SIGTERM. Returns the
+/// round and every acknowledged (user, cmid).
+#[allow(clippy::too_many_arguments)]
+async fn gateway_round(
+    ctx: &Ctx,
+    devices: &[Device],
+    users: &[String],
+    convs: &Arc<Vec<String>>,
+    body: &Arc<String>,
+    c: usize,
+    id_base: usize,
+    label: &str,
+) -> anyhow::Result<(Round, Vec<(String, String)>)> {
+    let p = &ctx.params;
+    let mut gw = ctx.start_gateway().await?;
+    let url = gw.ws_url();
+    let conns = futures_util::future::try_join_all(
+        devices
+            .iter()
+            .take(c)
+            .map(|d| wire::open(&url, &d.id, &d.token)),
+    )
+    .await
+    .context("open sender connections")?;
+    let probe = ctx.probe(Some(gw.pid()));
+    if ctx.pgss {
+        pgss::reset(&ctx.pool).await;
+    }
+    let before = probe.sample();
+    let start = Instant::now();
+    let warm = start + Duration::from_secs(p.send_warmup_s);
+    let end = warm + Duration::from_secs(p.send_duration_s);
+    let counter = Arc::new(AtomicU64::new(0));
+    let window = p.send_warmup_s as f64 + p.send_duration_s as f64;
+    let tick = ticker(label.to_string(), window, counter.clone());
+    let mut tasks = Vec::new();
+    for (i, ws) in conns.into_iter().enumerate() {
+        tasks.push(tokio::spawn(closed_loop(
+            ws,
+            // Unique per level, round and sender: a reused cmid would be a duplicate (D2).
+            id_base + i,
+            users[i].clone(),
+            convs.clone(),
+            body.clone(),
+            Rng::new(p.seed ^ ((id_base as u64) << 20) ^ i as u64),
+            warm,
+            end,
+            counter.clone(),
+        )));
+    }
+    let mut round = Round::default();
+    let mut acked = Vec::new();
+    for t in tasks {
+        let o = t.await.context("join a sender")?;
+        round.lat_us.extend(o.lat_us);
+        round.errors += o.errors;
+        round.ops_total += o.acked.len() as u64;
+        acked.extend(o.acked);
+    }
+    tick.abort();
+    let after = probe.sample();
+    round.stmts = if ctx.pgss {
+        pgss::snapshot(&ctx.pool).await
+    } else {
+        Vec::new()
+    };
+    round.cpu = cpu::delta(&before, &after);
+    let _ = gw.terminate(Duration::from_secs(10)).await;
+    Ok((round, acked))
+}
+
+/// One pgbench round of the given script.
+async fn pgbench_round(
+    ctx: &Ctx,
+    bin: &std::path::Path,
+    script: &str,
+    c: usize,
+    async_commit: bool,
+    tag: &str,
+) -> anyhow::Result<Round> {
+    let p = &ctx.params;
+    let probe = ctx.probe(None);
+    if ctx.pgss {
+        pgss::reset(&ctx.pool).await;
+    }
+    let before = probe.sample();
+    let o = crate::pgbench::run(
+        bin,
+        ctx.cluster.port(),
+        script,
+        c,
+        p.send_warmup_s,
+        p.send_duration_s,
+        &ctx.tmp.join("pgbench"),
+        tag,
+        async_commit,
+    )
+    .await?;
+    let after = probe.sample();
+    Ok(Round {
+        lat_us: o.lat_us,
+        errors: o.errors,
+        ops_total: o.ops_total,
+        cpu: cpu::delta(&before, &after),
+        stmts: if ctx.pgss {
+            pgss::snapshot(&ctx.pool).await
+        } else {
+            Vec::new()
+        },
+    })
+}
+
+/// Round trips on one idle connection: a bare protocol Sync (what sqlx's `ping` sends,
+/// which the gateway's pool does before every acquire: `test_before_acquire(true)`) and a
+/// `SELECT 1`. Each costs what one extra round trip per request costs on this machine.
+async fn round_trips(pool: &sqlx::PgPool, n: usize) -> anyhow::Result<(Latency, Latency)> {
+    use sqlx::Connection;
+    let mut conn = pool.acquire().await.context("acquire a connection")?;
+    let (mut ping, mut select) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for _ in 0..n {
+        let t = now_us();
+        conn.ping().await.context("ping")?;
+        ping.push(now_us() - t);
+        let t = now_us();
+        sqlx::query("SELECT 1")
+            .execute(&mut *conn)
+            .await
+            .context("SELECT 1")?;
+        select.push(now_us() - t);
+    }
+    Ok((summarize_us(&mut ping), summarize_us(&mut select)))
+}
+
+pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
+    let p = &ctx.params;
+    let (round_trip_ping, round_trip_select1) = round_trips(&ctx.pool, 300).await?;
+    let max_c = p.send_concurrency.iter().copied().max().unwrap_or(1);
+    let convs: Vec<String> = (0..p.send_conversations)
+        .map(|i| format!("sp-c{i}"))
+        .collect();
+    let users: Vec<String> = (0..max_c).map(|i| format!("sp-u{i}")).collect();
+    let devices: Vec<Device> = (0..max_c)
+        .map(|i| Device::new(format!("sp-d{i}"), &users[i]))
+        .collect();
+    let world: Vec<(String, Vec<String>)> =
+        convs.iter().map(|c| (c.clone(), users.clone())).collect();
+    provision::world(&ctx.pool, &users, &devices, &world).await?;
+    let body = Arc::new("x".repeat(p.body_bytes));
+    let convs = Arc::new(convs);
+    let script_a = crate::pgbench::script(p.send_conversations, &body, false);
+    let script_b = crate::pgbench::script(p.send_conversations, &body, true);
+    let mut acked_all: Vec<(String, String)> = Vec::new();
+    let mut levels = Vec::new();
+    let mut pgbench_logged = 0u64;
+    let drivers: [(&str, Option<(&String, bool)>); 4] = [
+        ("gateway", None),
+        ("pgbench_plain", Some((&script_a, false))),
+        ("pgbench_notify", Some((&script_b, false))),
+        // (c) is (b) with synchronous_commit=off for pgbench's sessions only: what the WAL
+        // flush at commit costs (the server setting stays on).
+        ("pgbench_notify_async_commit", Some((&script_b, true))),
+    ];
+    let rounds = p.send_rounds.max(1);
+    for (li, &c) in p.send_concurrency.iter().enumerate() {
+        // Rounds in ABBA order (gateway, a, b, c, then c, b, a, gateway, ...): a load that
+        // drifts during the level weighs on every driver alike, so the ratios hold.
+        let mut got: Vec<Vec<Round>> = vec![Vec::new(); drivers.len()];
+        for r in 0..rounds {
+            let order: Vec<usize> = if r % 2 == 0 {
+                vec![0, 1, 2, 3]
+            } else {
+                vec![3, 2, 1, 0]
+            };
+            for d in order {
+                let (tag, script) = drivers[d];
+                let label = format!(
+                    "[send {}/{} round {}/{rounds}] {tag}, {c} clients",
+                    li + 1,
+                    p.send_concurrency.len(),
+                    r + 1
+                );
+                progress(&label);
+                let round = match script {
+                    None => {
+                        let id_base = (li * rounds + r) * 1000;
+                        let (round, acked) =
+                            gateway_round(ctx, &devices, &users, &convs, &body, c, id_base, &label)
+                                .await?;
+                        acked_all.extend(acked);
+                        round
+                    }
+                    Some((script, async_commit)) => {
+                        let Some(bin) = ctx.pgbench.as_ref() else {
+                            continue;
+                        };
+                        let round = pgbench_round(
+                            ctx,
+                            bin,
+                            script,
+                            c,
+                            async_commit,
+                            &format!("{tag}-c{c}-r{r}"),
+                        )
+                        .await?;
+                        pgbench_logged += round.ops_total;
+                        round
+                    }
+                };
+                got[d].push(round);
+            }
+        }
+        let mut runs: Vec<Option<SendRun>> = got
+            .into_iter()
+            .zip(drivers.iter())
+            .map(|(rs, (tag, script))| {
+                (!rs.is_empty())
+                    .then(|| merge(tag, rs, p.send_duration_s * rounds as u64, script.is_some()))
+            })
+            .collect();
+        let pgbench_notify_async_commit = runs.pop().flatten();
+        let pgbench_notify = runs.pop().flatten();
+        let pgbench_plain = runs.pop().flatten();
+        let gateway = runs.pop().flatten().context("no gateway round")?;
+        let tps = |r: &Option<SendRun>| r.as_ref().map(|r| r.ops_per_s).unwrap_or(0.0);
+        let ratios = SendRatios {
+            gateway_vs_pgbench_notify_throughput: ratio(gateway.ops_per_s, tps(&pgbench_notify)),
+            gateway_vs_pgbench_plain_throughput: ratio(gateway.ops_per_s, tps(&pgbench_plain)),
+            pgbench_notify_vs_plain_throughput: ratio(tps(&pgbench_notify), tps(&pgbench_plain)),
+            pgbench_sync_vs_async_commit_throughput: ratio(
+                tps(&pgbench_notify),
+                tps(&pgbench_notify_async_commit),
+            ),
+            gateway_vs_pgbench_notify_p50_latency: pgbench_notify
+                .as_ref()
+                .and_then(|r| ratio(gateway.latency.p50_ms, r.latency.p50_ms)),
+            gateway_vs_pgbench_notify_p99_latency: pgbench_notify
+                .as_ref()
+                .and_then(|r| ratio(gateway.latency.p99_ms, r.latency.p99_ms)),
+        };
+        levels.push(SendLevel {
+            concurrency: c,
+            gateway,
+            pgbench_plain,
+            pgbench_notify,
+            pgbench_notify_async_commit,
+            ratios,
+        });
+    }
+    // --- every acknowledged send is a row
+    let found = provision::count_present(&ctx.pool, &acked_all).await?;
+    let gapless = provision::gapless(&ctx.pool, "sp-c").await?;
+    let acknowledged = acked_all.len() as u64;
+    let lost = acknowledged.saturating_sub(found);
+    let rows: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM events WHERE conv_id LIKE 'sp-c%' AND (cmid LIKE 'pa-%' OR cmid LIKE 'pb-%')",
+    )
+    .fetch_one(&ctx.pool)
+    .await
+    .context("count pgbench rows")?;
+    let rows = rows.max(0) as u64;
+    Ok(SendPath {
+        conversations: p.send_conversations,
+        body_bytes: p.body_bytes,
+        warmup_s: p.send_warmup_s,
+        duration_s: p.send_duration_s,
+        rounds: p.send_rounds.max(1),
+        gateway_db_pool_max: 16,
+        round_trip_ping,
+        round_trip_select1,
+        pgbench_script_plain: script_a,
+        pgbench_script_notify: script_b,
+        levels,
+        data_check: DataCheck {
+            result: if lost == 0 && gapless { "PASS" } else { "FAIL" }.into(),
+            acknowledged,
+            found,
+            lost,
+            seqs_gapless: gapless,
+        },
+        pgbench_check: PgbenchCheck {
+            result: if rows >= pgbench_logged {
+                "PASS"
+            } else {
+                "FAIL"
+            }
+            .into(),
+            logged: pgbench_logged,
+            rows,
+        },
+    })
+}
