@@ -765,13 +765,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Fanout> {
         ws_ceiling: ceiling,
         steps,
         diagnostics,
-        data_check: DataCheck {
-            result: if lost == 0 && gapless { "PASS" } else { "FAIL" }.into(),
-            acknowledged,
-            found,
-            lost,
-            seqs_gapless: gapless,
-        },
+        data_check: DataCheck::new(acknowledged, found, lost, gapless),
     })
 }
 

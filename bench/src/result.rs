@@ -112,6 +112,24 @@ pub struct DataCheck {
     pub seqs_gapless: bool,
 }
 
+impl DataCheck {
+    /// PASS only when nothing acknowledged is missing and the seqs are gapless.
+    pub fn new(acknowledged: u64, found: u64, lost: u64, seqs_gapless: bool) -> DataCheck {
+        DataCheck {
+            result: if lost == 0 && seqs_gapless {
+                "PASS"
+            } else {
+                "FAIL"
+            }
+            .into(),
+            acknowledged,
+            found,
+            lost,
+            seqs_gapless,
+        }
+    }
+}
+
 // ---------------------------------------------------------------- send path
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -464,13 +464,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
         pgbench_script_plain: script_a,
         pgbench_script_notify: script_b,
         levels,
-        data_check: DataCheck {
-            result: if lost == 0 && gapless { "PASS" } else { "FAIL" }.into(),
-            acknowledged,
-            found,
-            lost,
-            seqs_gapless: gapless,
-        },
+        data_check: DataCheck::new(acknowledged, found, lost, gapless),
         pgbench_check: PgbenchCheck {
             result: if rows >= pgbench_logged {
                 "PASS"
