@@ -82,7 +82,8 @@ pub struct ClientOptions {
     /// `limit` of the sync requests the client makes by itself.
     pub sync_limit: i64,
     /// Timeout of requests the client makes by itself (sync, ack, hello) and of the
-    /// WebSocket handshake.
+    /// WebSocket handshake. The pump awaits its own syncs and acks, so this is also how
+    /// long a lost ack can hold up the handling of later pushes and hints.
     pub request_timeout: Duration,
     /// How many received (and sent) frames are kept for `frames()`.
     pub frames_max: usize,
@@ -95,7 +96,7 @@ impl Default for ClientOptions {
             ack_after: Duration::from_millis(50),
             auto_ack: true,
             sync_limit: 100,
-            request_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(2),
             frames_max: 10_000,
         }
     }
