@@ -114,8 +114,9 @@ async fn deliver(state: Arc<State>, rx: mpsc::Receiver<(String, i64)>) {
         let Some((conv, seq, r)) = next else { return };
         match r {
             Ok(Some((ev, audience))) => {
+                let frame = crate::protocol::event_frame(&ev);
                 for c in state.hub.conns_of(&audience) {
-                    c.push(&ev);
+                    c.push(&ev, &frame);
                 }
             }
             Ok(None) => tracing::warn!(conv, seq, "notified event not found"),

@@ -85,13 +85,10 @@ impl ConnHandle {
         }
     }
 
-    /// Queues an `event` push unless the queue is full or overflowed.
-    pub fn push(&self, ev: &protocol::Event) {
-        self.offer(
-            &ev.conv,
-            ev.seq,
-            Out::new(Kind::Push, protocol::event_frame(ev)),
-        );
+    /// Queues an `event` push (`frame`, rendered once per event by fan-out, not once per
+    /// recipient) unless the queue is full or overflowed.
+    pub fn push(&self, ev: &protocol::Event, frame: &str) {
+        self.offer(&ev.conv, ev.seq, Out::new(Kind::Push, frame.to_string()));
     }
 
     /// Queues a `hint`.
