@@ -26,7 +26,7 @@ use crate::pgss;
 use crate::provision::{self, Device};
 use crate::result::{DataCheck, Fanout, FanoutDiagnostic, FanoutRatios, FanoutStep, WsCeiling};
 use crate::util::{now_us, progress, r3, ratio, secs, summarize_us, Rng};
-use crate::wire::{self, AckPolicy, RecvLog};
+use crate::wire::{self, RecvLog};
 use crate::Ctx;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -504,16 +504,7 @@ impl Session {
                     .map(|st| topo.conv_index.get(&st.conv).copied())
                     .collect::<Option<Vec<usize>>>()
                     .context("sub listed a conversation the bench did not make")?;
-                let log = Arc::new(Mutex::new(RecvLog::default()));
-                let (dtx, _) = watch::channel(0i64);
-                let task = tokio::spawn(wire::receiver(
-                    ws,
-                    states,
-                    AckPolicy::default(),
-                    log.clone(),
-                    dtx,
-                    stop_rx.clone(),
-                ));
+                let (log, task) = wire::spawn_receiver(ws, states, stop_rx.clone());
                 receivers.push(Receiver { globals, log, task });
             }
         }
@@ -797,16 +788,8 @@ async fn ws_ceiling(ctx: &Ctx, n: usize) -> anyhow::Result<WsCeiling> {
     for i in 0..n {
         let mut ws = wire::open(&url, &format!("ceil-{i}"), "x").await?;
         let states = wire::sub(&mut ws).await?;
-        let log = Arc::new(Mutex::new(RecvLog::default()));
-        let (dtx, _) = watch::channel(0i64);
-        tasks.push(tokio::spawn(wire::receiver(
-            ws,
-            states,
-            AckPolicy::default(),
-            log.clone(),
-            dtx,
-            stop_rx.clone(),
-        )));
+        let (log, task) = wire::spawn_receiver(ws, states, stop_rx.clone());
+        tasks.push(task);
         logs.push(log);
     }
     // Skip the first half second (connection ramp), count over the window.

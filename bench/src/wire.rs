@@ -218,6 +218,26 @@ struct Track {
     sync_inflight: bool,
 }
 
+/// Spawns [`receiver`] with the default ack policy for a caller that does not watch the
+/// delivered cursor; returns its log and task.
+pub fn spawn_receiver(
+    ws: Ws,
+    convs: Vec<ConvState>,
+    stop: watch::Receiver<bool>,
+) -> (Arc<Mutex<RecvLog>>, tokio::task::JoinHandle<()>) {
+    let log = Arc::new(Mutex::new(RecvLog::default()));
+    let (delivered, _) = watch::channel(0i64);
+    let task = tokio::spawn(receiver(
+        ws,
+        convs,
+        AckPolicy::default(),
+        log.clone(),
+        delivered,
+        stop,
+    ));
+    (log, task)
+}
+
 /// Runs one subscribed connection until `stop` turns true or the connection ends.
 /// `delivered` carries the highest `acked.delivered` seen (for the repair part).
 pub async fn receiver(
