@@ -3,7 +3,7 @@ CARGO    ?= cargo
 # The harness runs target/debug/im-gateway, which must carry the fault points.
 FEATURES := --features im-gateway/faults
 
-.PHONY: setup build test evidence lint repro bench bench-quick clean
+.PHONY: setup build test evidence controls lint repro bench bench-quick clean
 
 setup:
 	@./scripts/setup.sh
@@ -23,6 +23,18 @@ test: build lint
 
 evidence: build
 	./target/debug/evidence
+
+# make controls: the negative controls. Builds the gateway with its deliberate bugs
+# (--features faults,bugs) as target/debug/im-gateway-bugs, rebuilds the clean binary, then
+# runs the suite against the clean gateway and each bug (RUNS=10 runs each) and writes
+# evidence/controls/result.json (format: evidence/README.md).
+RUNS ?= 10
+controls: build
+	$(CARGO) build -p im-gateway --bin im-gateway --features faults,bugs
+	cp target/debug/im-gateway target/debug/im-gateway-bugs
+	$(CARGO) build -p im-gateway --bin im-gateway $(FEATURES)
+	touch target/debug/im-gateway
+	./target/debug/controls --runs $(RUNS) $(if $(ONLY),--only $(ONLY))
 
 # make repro FAULT='send.before_commit:halt'
 repro: build

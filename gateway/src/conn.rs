@@ -8,15 +8,17 @@
 //! database deadline) never delays the next one's answer; replies are matched by `rid` and
 //! may leave in another order than the requests came.
 
+use crate::bugs;
 use crate::config::{SUB_CONVS_MAX, SYNC_LIMIT_DEFAULT};
 use crate::error::WireError;
 use crate::faults::{self, points, Fired};
 use crate::hub::{ConnHandle, Kind, Out};
 use crate::protocol::{self, Request};
 use crate::server::State;
-use crate::store::{self, Principal, SendOutcome};
+use crate::store::{self, Principal, SendOutcome, Sent, UncommittedHook};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpStream;
@@ -259,6 +261,48 @@ impl Session {
         }
     }
 
+    /// The hook `store::send` calls before COMMIT, for the deliberate bugs that break D1
+    /// there (`None` otherwise, always without the `bugs` feature), and whether it replied.
+    fn uncommitted_hook(
+        &self,
+        rid: Option<&str>,
+    ) -> Option<(Arc<UncommittedHook>, Arc<AtomicBool>)> {
+        let reply = bugs::active(bugs::REPLY_BEFORE_COMMIT);
+        let push = bugs::active(bugs::PUSH_BEFORE_COMMIT);
+        if !reply && !push {
+            return None;
+        }
+        let replied = Arc::new(AtomicBool::new(false));
+        let flag = replied.clone();
+        let tx = self.tx.clone();
+        let state = self.state.clone();
+        let rid = rid.map(str::to_string);
+        let hook = move |sent: &Sent, ev: &protocol::Event, audience: &[String]| {
+            if reply {
+                let mut v = sent_json(&ev.conv, sent);
+                if let Some(rid) = &rid {
+                    v["rid"] = json!(rid);
+                }
+                flag.store(true, Ordering::Release);
+                if let Err(mpsc::error::TrySendError::Full(out)) =
+                    tx.try_send(Out::new(Kind::Sent, v.to_string()))
+                {
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        let _ = tx.send(out).await;
+                    });
+                }
+            }
+            if push {
+                let frame = protocol::event_frame(ev);
+                for c in state.hub.conns_of(audience) {
+                    c.push(ev, &frame);
+                }
+            }
+        };
+        Some((Arc::new(hook), replied))
+    }
+
     fn close_with(&self, code: CloseCode) {
         *self.close_code.lock().unwrap_or_else(|p| p.into_inner()) = code;
         self.close.cancel();
@@ -280,9 +324,18 @@ impl Session {
             Request::Send { conv, cmid, body } => {
                 let w = who.clone();
                 let c = conv.clone();
+                // `None` but for the deliberate bugs that act before COMMIT.
+                let early = self.uncommitted_hook(rid);
+                let hook = early.as_ref().map(|(h, _)| h.clone());
                 let r = st
-                    .db(move |pool| async move { store::send(&pool, &w, &c, &cmid, &body).await })
+                    .db(move |pool| async move {
+                        store::send(&pool, &w, &c, &cmid, &body, hook.as_deref()).await
+                    })
                     .await;
+                if early.is_some_and(|(_, replied)| replied.load(Ordering::Acquire)) {
+                    // `reply-before-commit`: the reply already left; nothing more is said.
+                    return;
+                }
                 let sent = match r {
                     Ok(SendOutcome::Reply(s)) => s,
                     Ok(SendOutcome::NoReply) => return,
@@ -294,9 +347,7 @@ impl Session {
                     Fired::Drop => return,
                     Fired::Error => return self.reply(rid, Err(WireError::Unavailable)).await,
                 }
-                let v = json!({"t": "sent", "conv": conv, "seq": sent.seq, "mid": sent.mid,
-                               "dup": sent.dup, "epoch": sent.epoch});
-                self.reply(rid, Ok(v)).await
+                self.reply(rid, Ok(sent_json(&conv, &sent))).await
             }
             Request::Ack { conv, seq } => {
                 match faults::check(points::GW_RECV_ACK).await {
@@ -366,6 +417,12 @@ impl Session {
             }
         }
     }
+}
+
+/// The `sent` reply (without `rid`).
+fn sent_json(conv: &str, sent: &Sent) -> serde_json::Value {
+    json!({"t": "sent", "conv": conv, "seq": sent.seq, "mid": sent.mid,
+           "dup": sent.dup, "epoch": sent.epoch})
 }
 
 /// Writes one frame; a peer that does not take it within `limit` is an error (the

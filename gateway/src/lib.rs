@@ -1,6 +1,7 @@
 //! im-gateway: an instant-messaging gateway (WebSocket + PostgreSQL) whose delivery
 //! guarantees are the invariants D1–D6, P1 and S1 of SPEC section 1, with named fault points
-//! (SPEC section 4) compiled in by the `faults` feature.
+//! (SPEC section 4) compiled in by the `faults` feature, and deliberate bugs (negative
+//! controls, [`bugs`]) compiled in only by the `bugs` feature.
 //!
 //! Where each invariant is enforced:
 //! - D1, D2, P1: [`store::send`] (and the reply order in `conn`).
@@ -10,6 +11,7 @@
 //! - S1: the visibility predicates in [`store`] and `im_visible_head` in `migrations/`.
 
 pub mod admin;
+pub mod bugs;
 pub mod config;
 pub mod conn;
 pub mod error;

@@ -1,7 +1,8 @@
-//! The `im-gateway` command line (SPEC 2b): `migrate`, `admin …`, `serve`, `version`.
+//! The `im-gateway` command line (SPEC 2b): `migrate`, `admin …`, `serve`, `version`, and
+//! `bugs` (the deliberate bugs `IM_BUG` selects in the controls build).
 
 use anyhow::Context;
-use im_gateway::{admin, config, fanout, faults, migrate, server, store};
+use im_gateway::{admin, bugs, config, fanout, faults, migrate, server, store};
 use std::io::Write;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
@@ -10,8 +11,9 @@ const USAGE: &str = "\
 usage: im-gateway COMMAND   (configured by environment; IM_DATABASE_URL for all commands)
   migrate            apply the embedded migrations (idempotent)
   admin ...          provisioning (see `im-gateway admin help`)
-  serve              run the gateway (IM_LISTEN, IM_SWEEP_MS, IM_FAULT, IM_DB_TIMEOUT_MS, limits)
-  version            print the version and whether fault points are compiled in";
+  serve              run the gateway (IM_LISTEN, IM_SWEEP_MS, IM_FAULT, IM_BUG, IM_DB_TIMEOUT_MS, limits)
+  version            print the version and whether fault points and bugs are compiled in
+  bugs               list the deliberate bugs IM_BUG selects (controls build only)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -27,10 +29,20 @@ fn main() -> ExitCode {
     match cmd {
         "version" | "--version" => {
             println!(
-                "im-gateway {} faults={}",
+                "im-gateway {} faults={} bugs={}",
                 env!("CARGO_PKG_VERSION"),
-                if faults::ENABLED { "on" } else { "off" }
+                if faults::ENABLED { "on" } else { "off" },
+                if bugs::ENABLED { "on" } else { "off" }
             );
+            return ExitCode::SUCCESS;
+        }
+        "bugs" => {
+            for (name, what) in bugs::ALL {
+                println!("{name:<20} {what}");
+            }
+            if !bugs::ENABLED {
+                eprintln!("im-gateway: this build has no `bugs` feature: IM_BUG is refused");
+            }
             return ExitCode::SUCCESS;
         }
         "help" | "--help" | "-h" => {
@@ -55,6 +67,15 @@ fn main() -> ExitCode {
                 eprintln!("im-gateway: fault points armed: {spec}");
             }
             Ok(_) => {}
+            Err(e) => {
+                eprintln!("im-gateway: {e}");
+                return ExitCode::from(2);
+            }
+        }
+        // Then IM_BUG (the controls build's deliberate bugs), also before any connection.
+        match bugs::install(&std::env::var("IM_BUG").unwrap_or_default()) {
+            Ok(Some(name)) => eprintln!("deliberate bug active: {name}"),
+            Ok(None) => {}
             Err(e) => {
                 eprintln!("im-gateway: {e}");
                 return ExitCode::from(2);
@@ -114,6 +135,9 @@ async fn serve() -> anyhow::Result<()> {
     )
     .await?;
     migrate::check(&pool).await?;
+    if bugs::active(bugs::NO_DEDUP) {
+        store::drop_dedup_constraint(&pool).await?;
+    }
     let pg_listener = fanout::listen(&pool)
         .await
         .context("open the LISTEN connection")?;

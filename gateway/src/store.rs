@@ -2,12 +2,14 @@
 //! fan-out read and the sweep query. Functions return wire errors (`WireError`) and log the
 //! database detail themselves; they know nothing of sockets or frames.
 
+use crate::bugs;
 use crate::error::{from_db, WireError};
 use crate::faults::{self, points, Fired};
 use crate::protocol::Event;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
+use std::borrow::Cow;
 use std::time::Duration;
 
 /// The authenticated side of a connection, fixed by `hello`.
@@ -21,6 +23,14 @@ pub struct Principal {
 
 /// The NOTIFY channel of the send transaction (SPEC 3).
 pub const CHANNEL: &str = "im_events";
+
+/// Set on every pool connection (`$1`: the statement timeout in ms).
+const CONNECT_SQL: &str = "SELECT set_config('synchronous_commit', 'on', false),
+                            set_config('statement_timeout', $1, false)";
+
+/// What the `async-commit` bug changes in [`CONNECT_SQL`].
+const ASYNC_COMMIT_EDITS: &[(&str, &str)] =
+    &[("'synchronous_commit', 'on'", "'synchronous_commit', 'off'")];
 
 /// Opens a pool. Every connection gets `synchronous_commit = on` (D6 must not depend on a
 /// server or role default), and, with `statement_timeout`, that timeout, so statements left
@@ -36,6 +46,13 @@ pub async fn connect(
     let timeout_ms = statement_timeout
         .map_or(0, |t| t.as_millis().max(1))
         .to_string();
+    let connect_sql: &'static str = if bugs::active(bugs::ASYNC_COMMIT) {
+        // Leaked once per pool: only in the controls build.
+        let sql = bugs::rewrite(CONNECT_SQL, ASYNC_COMMIT_EDITS);
+        Box::leak(sql.into_boxed_str())
+    } else {
+        CONNECT_SQL
+    };
     PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(acquire_timeout)
@@ -43,13 +60,10 @@ pub async fn connect(
         .after_connect(move |conn, _meta| {
             let timeout_ms = timeout_ms.clone();
             Box::pin(async move {
-                sqlx::query(
-                    "SELECT set_config('synchronous_commit', 'on', false),
-                            set_config('statement_timeout', $1, false)",
-                )
-                .bind(timeout_ms)
-                .execute(&mut *conn)
-                .await?;
+                sqlx::query(connect_sql)
+                    .bind(timeout_ms)
+                    .execute(&mut *conn)
+                    .await?;
                 Ok(())
             })
         })
@@ -179,6 +193,47 @@ async fn earlier_send(
     }))
 }
 
+/// Takes the next seq of a conversation and its epoch (and, in a transaction, its row lock).
+const TAKE_SEQ_SQL: &str = "UPDATE conversations SET next_seq = next_seq + 1 WHERE conv_id = $1
+         RETURNING next_seq - 1, epoch::bigint";
+
+/// The send INSERT (see [`send`]).
+const SEND_INSERT_SQL: &str = "WITH ins AS (
+                     INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
+                     SELECT $1, $2, $3, $4, $5, $6
+                     WHERE EXISTS (SELECT 1 FROM memberships
+                                   WHERE conv_id = $1 AND user_id = $3 AND to_seq IS NULL)
+                       AND EXISTS (SELECT 1 FROM devices
+                                   WHERE device_id = $4 AND install_epoch = $8)
+                     ON CONFLICT (sender_user, cmid) DO NOTHING
+                     RETURNING mid)
+                 SELECT ins.mid, pg_notify($7, $1 || ':' || $2::text) FROM ins";
+
+/// What the `no-dedup` bug removes from [`SEND_INSERT_SQL`] (with the constraint gone, the
+/// `ON CONFLICT` would be an error).
+const NO_DEDUP_EDITS: &[(&str, &str)] = &[("ON CONFLICT (sender_user, cmid) DO NOTHING", "")];
+
+/// The name PostgreSQL gave `UNIQUE (sender_user, cmid)` of `events` (migration 0001).
+const DEDUP_CONSTRAINT: &str = "events_sender_user_cmid_key";
+
+/// The `no-dedup` bug, run once by `serve` in the controls build: drops D2's unique
+/// constraint from the database (for good: the database is a throwaway one).
+pub async fn drop_dedup_constraint(pool: &PgPool) -> anyhow::Result<()> {
+    use anyhow::Context;
+    sqlx::raw_sql(&format!(
+        "ALTER TABLE events DROP CONSTRAINT IF EXISTS {DEDUP_CONSTRAINT}"
+    ))
+    .execute(pool)
+    .await
+    .context("drop the (sender_user, cmid) constraint for the no-dedup bug")?;
+    Ok(())
+}
+
+/// A hook [`send`] calls between the INSERT and the `send.before_commit` point, with the
+/// reply-to-be, the event as inserted and the users with an open membership (read in the
+/// same transaction). Only the deliberate bugs of the controls build pass one.
+pub type UncommittedHook = dyn Fn(&Sent, &Event, &[String]) + Send + Sync;
+
 /// The send transaction of SPEC 3, in four round trips: BEGIN; `UPDATE conversations …
 /// RETURNING` (takes the seq and the conversation row lock); one statement that inserts the
 /// event only if the sender has an open membership period and only if `(sender_user, cmid)`
@@ -191,22 +246,41 @@ async fn earlier_send(
 /// same transaction, so a rollback gives it back and the row lock orders commits per
 /// conversation: seqs are gapless. S1: the INSERT runs after the row lock was granted and
 /// `admin leave` takes the same lock, so its membership test sees any committed leave.
+///
+/// `on_uncommitted` is `None` except for the deliberate bugs (`bugs`) that break D1.
 pub async fn send(
     pool: &PgPool,
     who: &Principal,
     conv: &str,
     cmid: &str,
     body: &str,
+    on_uncommitted: Option<&UncommittedHook>,
 ) -> Result<SendOutcome, WireError> {
+    let taken_early = if bugs::active(bugs::SEQ_GAP) {
+        // Autocommitted: a rollback below no longer gives the seq back.
+        let taken = sqlx::query(TAKE_SEQ_SQL)
+            .bind(conv)
+            .fetch_optional(pool)
+            .await
+            .map_err(db("send.seq"))?;
+        Some(taken)
+    } else {
+        None
+    };
     let mut tx = pool.begin().await.map_err(db("send.begin"))?;
-    let taken = sqlx::query(
-        "UPDATE conversations SET next_seq = next_seq + 1 WHERE conv_id = $1
-         RETURNING next_seq - 1, epoch::bigint",
-    )
-    .bind(conv)
-    .fetch_optional(&mut *tx)
-    .await
-    .map_err(db("send.seq"))?;
+    let taken = match taken_early {
+        Some(taken) => taken,
+        None => sqlx::query(TAKE_SEQ_SQL)
+            .bind(conv)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db("send.seq"))?,
+    };
+    let insert_sql: Cow<'static, str> = if bugs::active(bugs::NO_DEDUP) {
+        bugs::rewrite(SEND_INSERT_SQL, NO_DEDUP_EDITS).into()
+    } else {
+        SEND_INSERT_SQL.into()
+    };
     let inserted = match taken {
         None => None,
         Some(taken) => {
@@ -216,29 +290,18 @@ pub async fn send(
                 Fired::Drop => return Ok(SendOutcome::NoReply),
                 Fired::Error => return Err(WireError::Unavailable),
             }
-            let row = sqlx::query(
-                "WITH ins AS (
-                     INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
-                     SELECT $1, $2, $3, $4, $5, $6
-                     WHERE EXISTS (SELECT 1 FROM memberships
-                                   WHERE conv_id = $1 AND user_id = $3 AND to_seq IS NULL)
-                       AND EXISTS (SELECT 1 FROM devices
-                                   WHERE device_id = $4 AND install_epoch = $8)
-                     ON CONFLICT (sender_user, cmid) DO NOTHING
-                     RETURNING mid)
-                 SELECT ins.mid, pg_notify($7, $1 || ':' || $2::text) FROM ins",
-            )
-            .bind(conv)
-            .bind(seq)
-            .bind(&who.user)
-            .bind(&who.device)
-            .bind(cmid)
-            .bind(body)
-            .bind(CHANNEL)
-            .bind(who.epoch)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db("send.insert"))?;
+            let row = sqlx::query(&insert_sql)
+                .bind(conv)
+                .bind(seq)
+                .bind(&who.user)
+                .bind(&who.device)
+                .bind(cmid)
+                .bind(body)
+                .bind(CHANNEL)
+                .bind(who.epoch)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db("send.insert"))?;
             row.map(|r| (seq, conv_epoch, r.get::<String, _>(0)))
         }
     };
@@ -253,29 +316,46 @@ pub async fn send(
             None => Err(WireError::NotMember),
         };
     };
+    let sent = Sent {
+        seq,
+        mid,
+        dup: false,
+        epoch: conv_epoch,
+    };
+    if let Some(hook) = on_uncommitted {
+        let row = sqlx::query(&format!(
+            "SELECT {EVENT_COLUMNS},
+                    ARRAY(SELECT DISTINCT m.user_id FROM memberships m
+                          WHERE m.conv_id = e.conv_id AND m.to_seq IS NULL)
+             FROM events e WHERE e.conv_id = $1 AND e.seq = $2"
+        ))
+        .bind(conv)
+        .bind(seq)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db("send.uncommitted"))?;
+        hook(&sent, &event_from(&row), &row.get::<Vec<String>, _>(8));
+    }
+    if bugs::active(bugs::COMMIT_AFTER_REPLY) {
+        tokio::spawn(async move {
+            if faults::check(points::SEND_BEFORE_COMMIT).await == Fired::Pass {
+                if let Err(e) = tx.commit().await {
+                    tracing::warn!(error = %e, "commit after the reply failed");
+                }
+            }
+        });
+        return Ok(SendOutcome::Reply(sent));
+    }
     match faults::check(points::SEND_BEFORE_COMMIT).await {
         Fired::Pass => {}
         Fired::Drop => return Ok(SendOutcome::NoReply),
         Fired::Error => return Err(WireError::Unavailable),
     }
     tx.commit().await.map_err(db("send.commit"))?;
-    Ok(SendOutcome::Reply(Sent {
-        seq,
-        mid,
-        dup: false,
-        epoch: conv_epoch,
-    }))
+    Ok(SendOutcome::Reply(sent))
 }
-
-/// `ack`: one statement that checks the install epoch, membership and the head, and upserts
-/// the cursor with GREATEST, returning the merged value.
-///
-/// D3: this is the only writer of `delivered_seq`, and it runs only on a device ack.
-/// D4: GREATEST never lowers it; an ack above the user's visible head is CURSOR_AHEAD and
-/// writes nothing. S1: a user without any membership period gets NOT_MEMBER.
-pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result<i64, WireError> {
-    let row = sqlx::query(
-        "WITH chk AS (
+/// The ack statement (see [`ack`]).
+const ACK_SQL: &str = "WITH chk AS (
              SELECT d.install_epoch::bigint AS install_epoch,
                     EXISTS (SELECT 1 FROM memberships m
                             WHERE m.conv_id = $2 AND m.user_id = d.user_id) AS member,
@@ -291,15 +371,34 @@ pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result
                      updated_at = clock_timestamp()
              RETURNING delivered_seq)
          SELECT chk.install_epoch, chk.member, chk.vhead, (SELECT delivered_seq FROM up)
-         FROM chk",
-    )
-    .bind(&who.device)
-    .bind(conv)
-    .bind(seq)
-    .bind(who.epoch)
-    .fetch_optional(pool)
-    .await
-    .map_err(db("ack"))?;
+         FROM chk";
+
+/// What the `cursor-overwrite` bug changes in [`ACK_SQL`]: the GREATEST merge of D4.
+const CURSOR_OVERWRITE_EDITS: &[(&str, &str)] = &[(
+    "GREATEST(device_cursors.delivered_seq, EXCLUDED.delivered_seq)",
+    "EXCLUDED.delivered_seq",
+)];
+
+/// `ack`: one statement that checks the install epoch, membership and the head, and upserts
+/// the cursor with GREATEST, returning the merged value.
+///
+/// D3: this is the only writer of `delivered_seq`, and it runs only on a device ack.
+/// D4: GREATEST never lowers it; an ack above the user's visible head is CURSOR_AHEAD and
+/// writes nothing. S1: a user without any membership period gets NOT_MEMBER.
+pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result<i64, WireError> {
+    let sql: Cow<'static, str> = if bugs::active(bugs::CURSOR_OVERWRITE) {
+        bugs::rewrite(ACK_SQL, CURSOR_OVERWRITE_EDITS).into()
+    } else {
+        ACK_SQL.into()
+    };
+    let row = sqlx::query(&sql)
+        .bind(&who.device)
+        .bind(conv)
+        .bind(seq)
+        .bind(who.epoch)
+        .fetch_optional(pool)
+        .await
+        .map_err(db("ack"))?;
     let Some(row) = row else {
         return Err(WireError::Unauthenticated("device no longer exists"));
     };
@@ -445,11 +544,47 @@ pub async fn sync(
         }
         events.push(ev);
     }
+    if bugs::active(bugs::CURSOR_ON_SYNC) {
+        if let Some(last) = events.last() {
+            // The server moves the cursor itself, without a device ack.
+            sqlx::query(
+                "INSERT INTO device_cursors (device_id, conv_id, install_epoch, delivered_seq)
+                 VALUES ($1, $2, $3::integer, $4)
+                 ON CONFLICT (device_id, conv_id) DO UPDATE
+                     SET delivered_seq = GREATEST(device_cursors.delivered_seq, EXCLUDED.delivered_seq),
+                         install_epoch = EXCLUDED.install_epoch,
+                         updated_at = clock_timestamp()",
+            )
+            .bind(&who.device)
+            .bind(conv)
+            .bind(who.epoch)
+            .bind(last.seq)
+            .execute(pool)
+            .await
+            .map_err(db("sync.cursor"))?;
+        }
+    }
     Ok(Page {
         events,
         head,
         complete,
     })
+}
+
+/// What the `s1-leak` bug removes from the fan-out audience: the membership period test.
+const S1_LEAK_EDITS: &[(&str, &str)] = &[
+    ("AND m.from_seq <= e.seq", ""),
+    ("AND (m.to_seq IS NULL OR e.seq < m.to_seq)", ""),
+];
+
+fn event_with_audience_sql() -> String {
+    format!(
+        "SELECT {EVENT_COLUMNS},
+                ARRAY(SELECT DISTINCT m.user_id FROM memberships m
+                      WHERE m.conv_id = e.conv_id AND m.from_seq <= e.seq
+                        AND (m.to_seq IS NULL OR e.seq < m.to_seq))
+         FROM events e WHERE e.conv_id = $1 AND e.seq = $2"
+    )
 }
 
 /// Fan-out read: the event and every user who may see it now (S1), in one query.
@@ -458,17 +593,15 @@ pub async fn event_with_audience(
     conv: &str,
     seq: i64,
 ) -> Result<Option<(Event, Vec<String>)>, sqlx::Error> {
-    let row = sqlx::query(&format!(
-        "SELECT {EVENT_COLUMNS},
-                ARRAY(SELECT DISTINCT m.user_id FROM memberships m
-                      WHERE m.conv_id = e.conv_id AND m.from_seq <= e.seq
-                        AND (m.to_seq IS NULL OR e.seq < m.to_seq))
-         FROM events e WHERE e.conv_id = $1 AND e.seq = $2"
-    ))
-    .bind(conv)
-    .bind(seq)
-    .fetch_optional(pool)
-    .await?;
+    let mut sql = event_with_audience_sql();
+    if bugs::active(bugs::S1_LEAK) {
+        sql = bugs::rewrite(&sql, S1_LEAK_EDITS);
+    }
+    let row = sqlx::query(&sql)
+        .bind(conv)
+        .bind(seq)
+        .fetch_optional(pool)
+        .await?;
     Ok(row.map(|r| (event_from(&r), r.get::<Vec<String>, _>(8))))
 }
 
@@ -499,4 +632,28 @@ pub async fn lagging(
         .into_iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every bug's rewrite still applies to the statement it edits (each fragment exactly
+    /// once), in both builds, so an edit of the SQL cannot silently disarm a bug.
+    #[test]
+    fn bug_rewrites_apply() {
+        let s = bugs::rewrite(CONNECT_SQL, ASYNC_COMMIT_EDITS);
+        assert!(
+            s.contains("'synchronous_commit', 'off'") && !s.contains("'on'"),
+            "{s}"
+        );
+        let s = bugs::rewrite(SEND_INSERT_SQL, NO_DEDUP_EDITS);
+        assert!(!s.contains("ON CONFLICT"), "{s}");
+        let s = bugs::rewrite(ACK_SQL, CURSOR_OVERWRITE_EDITS);
+        assert!(
+            !s.contains("GREATEST") && s.contains("SET delivered_seq = EXCLUDED.delivered_seq")
+        );
+        let s = bugs::rewrite(&event_with_audience_sql(), S1_LEAK_EDITS);
+        assert!(!s.contains("from_seq") && !s.contains("to_seq"), "{s}");
+    }
 }

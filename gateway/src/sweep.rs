@@ -3,6 +3,7 @@
 //! conversation where its device's cursor is below the head. Read-only: it never writes
 //! cursors (only acks do, D3).
 
+use crate::bugs;
 use crate::server::State;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -11,7 +12,15 @@ use std::time::Duration;
 /// D5: a lost push is found here within one interval; the hint makes the client sync and
 /// ack, after which the cursor equals the head and the hints stop.
 pub async fn run(state: Arc<State>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(state.cfg.sweep_interval_ms));
+    if bugs::active(bugs::NO_SWEEP) {
+        return;
+    }
+    let every = if bugs::active(bugs::SLOW_SWEEP) {
+        state.cfg.sweep_interval_ms * 3
+    } else {
+        state.cfg.sweep_interval_ms
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(every));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
     loop {

@@ -46,6 +46,8 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+use crate::history::{History, Type};
+
 /// Version of the state file layout; `load` refuses any other.
 const STATE_VERSION: u32 = 1;
 /// Pushes waiting for the pump. When full, further pushes are dropped and counted
@@ -69,6 +71,39 @@ static INSTANCE_SEQ: AtomicU64 = AtomicU64::new(0);
 
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
+/// Where a test client dies on purpose (`ClientOptions::crash_at`): it stops writing its
+/// state file and sending frames at once, as a killed process would; the scenario then
+/// calls [`Client::crash`] and [`Client::load`] (the restart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrashAt {
+    /// Right after the n-th automatic ack frame was written (1-based), before anything else
+    /// is persisted. A correct client persisted every acked event before the ack (D3), so
+    /// nothing acked is lost; a client that acks before persisting loses them.
+    AfterAck(u32),
+    /// In the middle of a sync: right after the n-th sync page (1-based) was persisted.
+    AfterSyncPage(u32),
+}
+
+/// Deliberate bugs of the test client and the harness (negative controls, `make
+/// controls`), chosen by `IM_BUG` like the gateway's; a name not listed here is the
+/// gateway's (forwarded to it, which validates it).
+pub mod bugs {
+    /// D3, client side: acks a pushed or synced event before persisting it.
+    pub const ACK_BEFORE_PERSIST: &str = "ack-before-persist";
+    /// D3/D5, client side: the cursor is the highest seq seen; gaps are never synced.
+    pub const CURSOR_MAX: &str = "cursor-max";
+    /// D6, harness side: the throwaway cluster runs with `fsync=off` (loses commits only
+    /// on a power cut, which the harness does not simulate yet).
+    pub const FSYNC_OFF: &str = "fsync-off";
+    pub const ALL: &[&str] = &[ACK_BEFORE_PERSIST, CURSOR_MAX, FSYNC_OFF];
+
+    /// The client bug `IM_BUG` names in this process, if it names one.
+    pub fn active() -> Option<&'static str> {
+        let v = std::env::var("IM_BUG").ok()?;
+        ALL.iter().copied().find(|b| *b == v.trim())
+    }
+}
+
 /// Tunables of the client; `Default` gives the values of SPEC section 5.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientOptions {
@@ -87,6 +122,8 @@ pub struct ClientOptions {
     pub request_timeout: Duration,
     /// How many received (and sent) frames are kept for `frames()`.
     pub frames_max: usize,
+    /// A crash point of this client (none by default).
+    pub crash_at: Option<CrashAt>,
 }
 
 impl Default for ClientOptions {
@@ -98,6 +135,7 @@ impl Default for ClientOptions {
             sync_limit: 100,
             request_timeout: Duration::from_secs(2),
             frames_max: 10_000,
+            crash_at: None,
         }
     }
 }
@@ -170,6 +208,9 @@ impl From<anyhow::Error> for ClientError {
         ClientError::Other(e)
     }
 }
+
+/// A state file's events: conv -> `[(seq, mid)]`, ascending.
+pub type StoredEvents = BTreeMap<String, Vec<(i64, String)>>;
 
 /// A message the client has tried to send and not yet seen answered for good.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -280,6 +321,13 @@ struct State {
     subscribed: bool,
     /// The last state file write failed: memory is ahead of the disk.
     dirty: bool,
+    /// A crash point fired: this instance writes nothing and sends nothing any more.
+    dead: bool,
+    /// Automatic acks sent and sync pages persisted by this instance (for `crash_at`).
+    auto_acks_done: u32,
+    sync_pages_done: u32,
+    /// The deliberate client bug of this process (`IM_BUG`), if any.
+    bug: Option<&'static str>,
 }
 
 impl State {
@@ -297,7 +345,15 @@ impl State {
             conn_seq: 0,
             subscribed: false,
             dirty: false,
+            dead: false,
+            auto_acks_done: 0,
+            sync_pages_done: 0,
+            bug: bugs::active(),
         }
+    }
+
+    fn bug(&self, name: &str) -> bool {
+        self.bug == Some(name)
     }
 
     fn cursor(&self, conv: &str) -> i64 {
@@ -389,6 +445,75 @@ struct Inner {
     st: Mutex<State>,
     /// Bumped after every change; `wait_for` sleeps on it.
     changed: watch::Sender<u64>,
+    /// Where operations, pushes and stores are recorded (the world's history), if anywhere.
+    hist: Option<History>,
+    /// The device, as history lines name the process.
+    device: String,
+    /// This instance's number for the device (1 for `create`, +1 per `load`).
+    instance: u64,
+}
+
+/// Error codes that say for certain the request did not take effect (history `fail`);
+/// every other outcome without a success reply is `info` (it may have happened).
+const DEFINITE_ERROR_CODES: [&str; 7] = [
+    "BAD_REQUEST",
+    "NOT_MEMBER",
+    "CMID_CONFLICT",
+    "TOO_LARGE",
+    "STALE_INSTALL",
+    "UNAUTHENTICATED",
+    "CURSOR_AHEAD",
+];
+
+/// The invoke value of a request frame: the frame without `t`, `rid`, secrets and bodies.
+fn invoke_value(frame: &Value) -> Value {
+    let mut v = frame.clone();
+    if let Some(o) = v.as_object_mut() {
+        o.remove("t");
+        o.remove("rid");
+        o.remove("token");
+        if let Some(body) = o.remove("body") {
+            let len = body.as_str().map_or(0, str::len);
+            o.insert("body_len".into(), json!(len));
+        }
+    }
+    v
+}
+
+/// The pieces of an `ev` object the history keeps (no body, no time).
+fn event_summary(ev: &Value) -> Value {
+    json!({"conv": ev.get("conv"), "seq": ev.get("seq"), "mid": ev.get("mid"),
+           "sender": ev.get("sender"), "cmid": ev.get("cmid")})
+}
+
+/// How a request ended, as a history line: its type and value.
+fn completion(r: &Result<Value, ClientError>) -> (Type, Value) {
+    match r {
+        Ok(reply) => {
+            let mut v = reply.clone();
+            if let Some(o) = v.as_object_mut() {
+                o.remove("t");
+                o.remove("rid");
+                if let Some(Value::Array(evs)) = o.get_mut("events") {
+                    for ev in evs.iter_mut() {
+                        *ev = event_summary(ev);
+                    }
+                }
+            }
+            (Type::Ok, v)
+        }
+        Err(ClientError::Server { code, msg, .. })
+            if DEFINITE_ERROR_CODES.contains(&code.as_str()) =>
+        {
+            (Type::Fail, json!({"code": code, "msg": msg}))
+        }
+        Err(ClientError::Server { code, .. }) => (Type::Info, json!({"why": code})),
+        Err(ClientError::Timeout) => (Type::Info, json!({"why": "timeout"})),
+        Err(ClientError::Disconnected) => (Type::Info, json!({"why": "disconnected"})),
+        Err(ClientError::Other(e)) => {
+            (Type::Info, json!({"why": "other", "msg": format!("{e:#}")}))
+        }
+    }
 }
 
 impl Inner {
@@ -400,12 +525,71 @@ impl Inner {
         self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }
 
+    /// Appends a history line for this client (no-op without a history).
+    fn rec(&self, kind: Type, op: &str, op_id: Option<u64>, value: Value) -> Option<u64> {
+        self.hist
+            .as_ref()
+            .map(|h| h.record(&self.device, self.instance, kind, op, op_id, value))
+    }
+
+    /// Records events just persisted (call right after a successful `persist`).
+    fn rec_store(&self, conv: &str, via: &str, events: &[(i64, Value)], cursor: i64) {
+        if events.is_empty() {
+            return;
+        }
+        let evs: Vec<Value> = events
+            .iter()
+            .map(|(seq, mid)| json!({"seq": seq, "mid": mid}))
+            .collect();
+        self.rec(
+            Type::Store,
+            "store",
+            None,
+            json!({"conv": conv, "via": via, "events": evs, "cursor": cursor}),
+        );
+    }
+
+    /// Fires crash point `AfterAck`/`AfterSyncPage` when its count is reached: from then on
+    /// this instance persists and sends nothing. Returns true if it is dead.
+    fn crash_point(&self, st: &mut State, at: CrashAt) -> bool {
+        if st.opts.crash_at == Some(at) && !st.dead {
+            st.dead = true;
+            tracing::info!(device = %self.device, ?at, "client crash point fired");
+        }
+        st.dead
+    }
+
+    /// Sends an ack of the cursor before persisting `events` (the `ack-before-persist`
+    /// client bug), then persists them, unless the crash point struck in between.
+    async fn ack_then_persist(&self, conv: &str, via: &str, events: Vec<(i64, Value)>) {
+        let (cursor, timeout) = {
+            let st = self.lock();
+            (st.cursor(conv), st.opts.request_timeout)
+        };
+        if self.lock().opts.auto_ack {
+            let _ = self.send_ack(conv, cursor, timeout, false).await;
+            let mut st = self.lock();
+            st.auto_acks_done += 1;
+            let n = st.auto_acks_done;
+            if self.crash_point(&mut st, CrashAt::AfterAck(n)) {
+                return;
+            }
+        }
+        let mut st = self.lock();
+        if self.persist(&mut st).is_ok() {
+            self.rec_store(conv, via, &events, cursor);
+        }
+    }
+
     fn opts(&self) -> ClientOptions {
         self.lock().opts
     }
 
     /// Writes the state file; call with the lock held so writes follow changes in order.
     fn persist(&self, st: &mut State) -> anyhow::Result<()> {
+        if st.dead {
+            bail!("this client instance crashed at its crash point: nothing is written");
+        }
         match write_state_file(&self.state_path, &self.tmp_path, &st.file) {
             Ok(()) => {
                 st.dirty = false;
@@ -420,8 +604,50 @@ impl Inner {
         }
     }
 
-    /// Sends `frame` with a fresh `rid` and waits for the reply until `timeout`.
-    async fn request(&self, mut frame: Value, timeout: Duration) -> Result<Value, ClientError> {
+    /// Sends `frame` with a fresh `rid` and waits for the reply until `timeout`; records
+    /// the invoke and its completion in the history.
+    async fn request(&self, frame: Value, timeout: Duration) -> Result<Value, ClientError> {
+        let invoke = invoke_value(&frame);
+        self.request_rec(frame, timeout, invoke).await
+    }
+
+    /// [`Inner::request`] with the history's invoke value given by the caller.
+    async fn request_rec(
+        &self,
+        frame: Value,
+        timeout: Duration,
+        invoke: Value,
+    ) -> Result<Value, ClientError> {
+        if self.lock().dead {
+            return Err(ClientError::Disconnected);
+        }
+        let op = field_str(&frame, "t").unwrap_or("?").to_string();
+        let op_id = self.hist.as_ref().map(History::next_op_id);
+        self.rec(Type::Invoke, &op, op_id, invoke);
+        let r = self.request_inner(frame, timeout).await;
+        let (kind, value) = completion(&r);
+        let line = self.rec(kind, &op, op_id, value);
+        // D1 probe: a `sent` reply means the event is committed, so another session must
+        // see it now.
+        if let (Some(h), Some(i), Ok(reply)) = (&self.hist, line, &r) {
+            if op == "send" {
+                if let (Some(conv), Some(seq), Some(mid)) = (
+                    field_str(reply, "conv"),
+                    field_i64(reply, "seq"),
+                    field_str(reply, "mid"),
+                ) {
+                    h.probe(i, conv, seq, mid);
+                }
+            }
+        }
+        r
+    }
+
+    async fn request_inner(
+        &self,
+        mut frame: Value,
+        timeout: Duration,
+    ) -> Result<Value, ClientError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let rid = format!("c{}", self.next_rid.fetch_add(1, Ordering::Relaxed) + 1);
         let obj = frame
@@ -469,15 +695,22 @@ impl Inner {
     }
 
     /// Sends an ack and records the reported `delivered`.
+    /// `explicit`: a test acks on purpose (`Client::ack`), not the client's own logic; the
+    /// checker holds only the client's own acks to D3.
     async fn send_ack(
         &self,
         conv: &str,
         seq: i64,
         timeout: Duration,
+        explicit: bool,
     ) -> Result<Value, ClientError> {
         self.lock().stats.acks_sent += 1;
         let r = self
-            .request(json!({"t": "ack", "conv": conv, "seq": seq}), timeout)
+            .request_rec(
+                json!({"t": "ack", "conv": conv, "seq": seq}),
+                timeout,
+                json!({"conv": conv, "seq": seq, "explicit": explicit}),
+            )
             .await;
         {
             let mut st = self.lock();
@@ -540,11 +773,14 @@ impl Inner {
                 )));
             };
             let mut last: Option<i64> = None;
+            let mut stored: Vec<(i64, Value)> = Vec::new();
+            let mut defer_persist = false;
             let persisted = {
                 let mut st = self.lock();
                 let st = &mut *st;
                 st.stats.syncs_run += 1;
                 st.note_head(conv, head);
+                let cursor_max = st.bug(bugs::CURSOR_MAX);
                 let c = st.file.convs.entry(conv.to_string()).or_default();
                 let mut new = 0usize;
                 for ev in events {
@@ -564,6 +800,7 @@ impl Inner {
                         std::collections::btree_map::Entry::Vacant(slot) => {
                             slot.insert(ev.clone());
                             st.stats.events_synced += 1;
+                            stored.push((seq, ev.get("mid").cloned().unwrap_or(Value::Null)));
                             new += 1;
                         }
                     }
@@ -577,13 +814,36 @@ impl Inner {
                 if complete {
                     c.cursor = c.cursor.max(head);
                 }
-                advance_contiguous(c);
+                if !cursor_max {
+                    advance_contiguous(c);
+                }
+                let cursor = c.cursor;
                 st.ack_track(conv).new_since_ack += new;
-                self.persist(st)
+                if st.bug(bugs::ACK_BEFORE_PERSIST) && !stored.is_empty() {
+                    defer_persist = true;
+                    Ok(())
+                } else {
+                    let r = self.persist(st);
+                    if r.is_ok() {
+                        self.rec_store(conv, "sync", &stored, cursor);
+                        st.sync_pages_done += 1;
+                        let n = st.sync_pages_done;
+                        if self.crash_point(st, CrashAt::AfterSyncPage(n)) {
+                            return Err(ClientError::Disconnected);
+                        }
+                    }
+                    r
+                }
             };
             self.notify();
             if let Err(e) = persisted {
                 return Err(ClientError::Other(e));
+            }
+            if defer_persist {
+                self.ack_then_persist(conv, "sync", stored).await;
+                if self.lock().dead {
+                    return Err(ClientError::Disconnected);
+                }
             }
             if complete {
                 return Ok(());
@@ -623,9 +883,16 @@ impl Inner {
             }
             (cursor, t.new_since_ack, opts)
         };
-        let r = self.send_ack(conv, target, opts.request_timeout).await;
+        let r = self
+            .send_ack(conv, target, opts.request_timeout, false)
+            .await;
         {
             let mut st = self.lock();
+            st.auto_acks_done += 1;
+            let n = st.auto_acks_done;
+            if self.crash_point(&mut st, CrashAt::AfterAck(n)) {
+                return;
+            }
             let cursor = st.cursor(conv);
             let t = st.ack_track(conv);
             match &r {
@@ -701,10 +968,12 @@ impl Inner {
             st.stats.malformed_frames += 1;
             return;
         };
+        let mut deferred = None;
         let gap_from = {
             let mut st = self.lock();
             let st = &mut *st;
             st.stats.pushes_received += 1;
+            let cursor_max = st.bug(bugs::CURSOR_MAX);
             let c = st.file.convs.entry(conv.clone()).or_default();
             let gap_from = if seq <= c.cursor || c.events.contains_key(&seq) {
                 st.stats.duplicates_ignored += 1;
@@ -712,21 +981,34 @@ impl Inner {
             } else {
                 c.events.insert(seq, ev.clone());
                 st.stats.pushes_applied += 1;
-                let gap = if Some(seq) == c.cursor.checked_add(1) {
+                let gap = if cursor_max {
+                    // The `cursor-max` bug: jump to the highest seq seen, never sync a gap.
+                    c.cursor = c.cursor.max(seq);
+                    None
+                } else if Some(seq) == c.cursor.checked_add(1) {
                     advance_contiguous(c);
                     None
                 } else {
                     st.stats.gaps_detected += 1;
                     Some(c.cursor)
                 };
+                let cursor = c.cursor;
                 st.ack_track(&conv).new_since_ack += 1;
-                // Failure is counted and blocks acks until a later write succeeds.
-                let _ = self.persist(st);
+                let stored = vec![(seq, ev.get("mid").cloned().unwrap_or(Value::Null))];
+                if st.bug(bugs::ACK_BEFORE_PERSIST) {
+                    deferred = Some(stored);
+                } else if self.persist(st).is_ok() {
+                    self.rec_store(&conv, "push", &stored, cursor);
+                }
+                // A failed write is counted and blocks acks until a later write succeeds.
                 gap
             };
             gap_from
         };
         self.notify();
+        if let Some(stored) = deferred {
+            self.ack_then_persist(&conv, "push", stored).await;
+        }
         if let Some(from) = gap_from {
             if let Err(e) = self.sync_until_complete(&conv, from).await {
                 tracing::debug!(conv, error = %e, "gap repair sync failed; waiting for a hint");
@@ -772,6 +1054,9 @@ impl Inner {
         };
         let route = {
             let mut st = self.lock();
+            if st.dead {
+                return;
+            }
             st.stats.frames_received += 1;
             if !parsed {
                 st.stats.malformed_frames += 1;
@@ -779,6 +1064,9 @@ impl Inner {
             let max = st.opts.frames_max;
             push_bounded(&mut st.frames, max, v.clone());
             let waiting = field_str(&v, "rid").and_then(|rid| st.pending.remove(rid));
+            if waiting.is_none() {
+                self.rec_push(&v);
+            }
             if waiting.is_none() && matches!(field_str(&v, "t"), Some("event" | "hint")) {
                 if let Err(mpsc::error::TrySendError::Full(_)) = pushes.try_send(v.clone()) {
                     st.stats.pushes_overflowed += 1;
@@ -790,6 +1078,34 @@ impl Inner {
             let _ = p.tx.send(Ok(v));
         }
         self.notify();
+    }
+
+    /// Records a received `event` (and probes it, D1) or `hint` in the history.
+    fn rec_push(&self, v: &Value) {
+        match field_str(v, "t") {
+            Some("event") => {
+                let ev = v.get("ev").cloned().unwrap_or(Value::Null);
+                let line = self.rec(Type::Recv, "push", None, event_summary(&ev));
+                if let (Some(h), Some(i)) = (&self.hist, line) {
+                    if let (Some(conv), Some(seq), Some(mid)) = (
+                        field_str(&ev, "conv"),
+                        field_i64(&ev, "seq"),
+                        field_str(&ev, "mid"),
+                    ) {
+                        h.probe(i, conv, seq, mid);
+                    }
+                }
+            }
+            Some("hint") => {
+                self.rec(
+                    Type::Recv,
+                    "hint",
+                    None,
+                    json!({"conv": v.get("conv"), "head": v.get("head"), "why": v.get("why")}),
+                );
+            }
+            _ => {}
+        }
     }
 
     fn record_frame(&self, v: Value) {
@@ -808,6 +1124,9 @@ impl Inner {
             if st.conn.as_ref().is_some_and(|l| l.id == conn_id) {
                 st.conn = None;
                 st.subscribed = false;
+                if !st.dead {
+                    self.rec(Type::Client, "disconnect", None, json!({}));
+                }
             }
             let rids: Vec<String> = st
                 .pending
@@ -935,6 +1254,7 @@ impl Client {
             convs: BTreeMap::new(),
         };
         let client = Client::from_file(state_path, file)?;
+        client.inner.rec(Type::Client, "create", None, json!({}));
         {
             let mut st = client.inner.lock();
             client
@@ -958,11 +1278,39 @@ impl Client {
                 file.version
             );
         }
-        Client::from_file(state_path, file)
+        let client = Client::from_file(state_path, file)?;
+        client.inner.rec(Type::Client, "restart", None, json!({}));
+        Ok(client)
     }
 
+    /// The events a state file holds, as the judge reads it at the end of a scenario:
+    /// `(device, conv -> [(seq, mid)])`.
+    pub fn read_store(state_path: &Path) -> anyhow::Result<(String, StoredEvents)> {
+        let bytes =
+            std::fs::read(state_path).with_context(|| format!("read {}", state_path.display()))?;
+        let file: StateFile = serde_json::from_slice(&bytes)
+            .with_context(|| format!("parse client state {}", state_path.display()))?;
+        let convs = file
+            .convs
+            .iter()
+            .map(|(conv, c)| {
+                let evs = c
+                    .events
+                    .iter()
+                    .map(|(seq, ev)| (*seq, field_str(ev, "mid").unwrap_or("").to_string()))
+                    .collect();
+                (conv.clone(), evs)
+            })
+            .collect();
+        Ok((file.device, convs))
+    }
+
+    /// Records into the process's current history (`crate::history::current`), if any.
     fn from_file(state_path: &Path, file: StateFile) -> anyhow::Result<Client> {
         let (changed, _) = watch::channel(0);
+        let hist = crate::history::current();
+        let device = file.device.clone();
+        let instance = hist.as_ref().map_or(0, |h| h.next_instance(&device));
         Ok(Client {
             inner: Arc::new(Inner {
                 state_path: state_path.to_path_buf(),
@@ -970,9 +1318,18 @@ impl Client {
                 next_rid: AtomicU64::new(0),
                 st: Mutex::new(State::new(file)),
                 changed,
+                hist,
+                device,
+                instance,
             }),
             tasks: None,
         })
+    }
+
+    /// True once a crash point (`ClientOptions::crash_at`) fired: the scenario should
+    /// `crash()` this instance and `load` a new one.
+    pub fn is_dead(&self) -> bool {
+        self.inner.lock().dead
     }
 
     pub fn with_options(self, o: ClientOptions) -> Self {
@@ -1011,13 +1368,31 @@ impl Client {
     pub async fn connect_raw(&mut self, ws_url: &str) -> anyhow::Result<()> {
         self.drop_connection().await;
         let timeout = self.inner.opts().request_timeout;
-        let (ws, _response) = tokio::time::timeout(
+        let op_id = self.inner.hist.as_ref().map(History::next_op_id);
+        self.inner
+            .rec(Type::Invoke, "connect", op_id, json!({"url": ws_url}));
+        let r = tokio::time::timeout(
             timeout,
             tokio_tungstenite::connect_async_with_config(ws_url, None, true),
         )
         .await
-        .map_err(|_| anyhow!("WebSocket connect to {ws_url} timed out after {timeout:?}"))?
-        .with_context(|| format!("WebSocket connect to {ws_url}"))?;
+        .map_err(|_| anyhow!("WebSocket connect to {ws_url} timed out after {timeout:?}"))
+        .and_then(|r| r.with_context(|| format!("WebSocket connect to {ws_url}")));
+        let (ws, _response) = match r {
+            Ok(x) => {
+                self.inner.rec(Type::Ok, "connect", op_id, json!({}));
+                x
+            }
+            Err(e) => {
+                self.inner.rec(
+                    Type::Fail,
+                    "connect",
+                    op_id,
+                    json!({"msg": format!("{e:#}")}),
+                );
+                return Err(e);
+            }
+        };
         let (sink, stream) = ws.split();
         let (out_tx, out_rx) = mpsc::channel(OUT_QUEUE_FRAMES_MAX);
         let (push_tx, push_rx) = mpsc::channel(PUSH_QUEUE_FRAMES_MAX);
@@ -1138,7 +1513,7 @@ impl Client {
     /// An explicit ack of `seq` (not clamped to the cursor: protocol tests may ack
     /// beyond head on purpose). Records the reported `delivered`.
     pub async fn ack(&self, conv: &str, seq: i64, timeout: Duration) -> Result<Value, ClientError> {
-        self.inner.send_ack(conv, seq, timeout).await
+        self.inner.send_ack(conv, seq, timeout, true).await
     }
 
     /// Subscribes. For every conversation whose server `delivered` is below head, syncs
@@ -1195,7 +1570,7 @@ impl Client {
                 let cursor = self.cursor(conv);
                 if cursor > *delivered {
                     self.inner
-                        .send_ack(conv, cursor, opts.request_timeout)
+                        .send_ack(conv, cursor, opts.request_timeout, false)
                         .await?;
                 }
             }
@@ -1358,6 +1733,8 @@ impl Client {
     /// Aborts the connection tasks and drops the socket: no close frame, no pending
     /// ack. The state file stays as it was; `Client::load` models the restart.
     pub async fn crash(mut self) {
+        self.inner.lock().dead = true;
+        self.inner.rec(Type::Client, "crash", None, json!({}));
         self.drop_connection().await;
     }
 

@@ -162,6 +162,66 @@ pub fn require_faults() -> anyhow::Result<()> {
 
 fn check_faults() -> anyhow::Result<()> {
     let bin = gateway_bin()?;
+    let stdout = gateway_version()?;
+    if stdout.contains("faults=on") {
+        Ok(())
+    } else if stdout.contains("faults=off") {
+        bail!(
+            "{} was built without the faults feature ({}): run `make build`",
+            bin.display(),
+            stdout.trim()
+        )
+    } else {
+        bail!(
+            "`{} version` printed {:?}, which says neither faults=on nor faults=off",
+            bin.display(),
+            stdout.trim()
+        )
+    }
+}
+
+/// The gateway bug `IM_BUG` asks for in this process (a name the test client does not
+/// own), forwarded to every gateway this harness starts.
+pub fn gateway_bug() -> Option<String> {
+    let v = std::env::var("IM_BUG").ok()?;
+    let v = v.trim();
+    (!v.is_empty() && !crate::client::bugs::ALL.contains(&v)).then(|| v.to_string())
+}
+
+/// A binary with deliberate bugs compiled in (`bugs=on`) runs only when a control asks for
+/// a gateway bug: `make test` and `make evidence` never judge it.
+fn check_bugs_binary() -> anyhow::Result<()> {
+    static CHECKED: OnceLock<Result<(), String>> = OnceLock::new();
+    CHECKED
+        .get_or_init(|| {
+            let v = gateway_version().map_err(|e| format!("{e:#}"))?;
+            match (v.contains("bugs=on"), gateway_bug()) {
+                (true, None) => Err(format!(
+                    "the gateway binary has deliberate bugs compiled in ({}) but IM_BUG names                      no gateway bug: unset IM_GATEWAY_BIN and run `make build`",
+                    v.trim()
+                )),
+                (false, Some(bug)) => Err(format!(
+                    "IM_BUG={bug} needs the controls build (`make controls` builds                      im-gateway-bugs), but the gateway binary says {}",
+                    v.trim()
+                )),
+                _ => Ok(()),
+            }
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+/// `im-gateway version`'s stdout, run once per process (blocking).
+fn gateway_version() -> anyhow::Result<String> {
+    static VERSION: OnceLock<Result<String, String>> = OnceLock::new();
+    VERSION
+        .get_or_init(|| run_version().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn run_version() -> anyhow::Result<String> {
+    let bin = gateway_bin()?;
     let mut cmd = Command::new(&bin);
     cmd.arg("version")
         .env_clear()
@@ -201,21 +261,7 @@ fn check_faults() -> anyhow::Result<()> {
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    if stdout.contains("faults=on") {
-        Ok(())
-    } else if stdout.contains("faults=off") {
-        bail!(
-            "{} was built without the faults feature ({}): run `make build`",
-            bin.display(),
-            stdout.trim()
-        )
-    } else {
-        bail!(
-            "`{} version` printed {:?}, which says neither faults=on nor faults=off",
-            bin.display(),
-            stdout.trim()
-        )
-    }
+    Ok(stdout.into_owned())
 }
 
 /// Runs `im-gateway admin ARGS…` against `db_url` with a cleared environment (only
@@ -306,6 +352,9 @@ fn serve_command(bin: &Path, db_url: &str, opts: &GatewayOpts) -> anyhow::Result
     if let Some(ms) = opts.db_timeout_ms {
         cmd.env("IM_DB_TIMEOUT_MS", ms.to_string());
     }
+    if let Some(bug) = gateway_bug() {
+        cmd.env("IM_BUG", bug);
+    }
     for (name, value) in &opts.env {
         if !(name.starts_with("IM_") || name == "RUST_LOG" || name == "RUST_BACKTRACE") {
             bail!("GatewayOpts.env: {name} is not allowed (only IM_*, RUST_LOG, RUST_BACKTRACE)");
@@ -348,6 +397,9 @@ impl Gateway {
         log_dir: &Path,
     ) -> anyhow::Result<Gateway> {
         let bin = gateway_bin()?;
+        tokio::task::spawn_blocking(check_bugs_binary)
+            .await
+            .context("join the bugs-binary check")??;
         let log_path = next_log_path(log_dir)?;
         let log = OpenOptions::new()
             .create(true)

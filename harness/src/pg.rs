@@ -339,6 +339,10 @@ impl Cluster {
         for (name, value) in SERVER_SETTINGS {
             cmd.arg("-c").arg(format!("{name}={value}"));
         }
+        if crate::client::bugs::active() == Some(crate::client::bugs::FSYNC_OFF) {
+            // The harness-side negative control: a cluster that does not flush.
+            cmd.arg("-c").arg("fsync=off");
+        }
         set_parent_death_signal(&mut cmd, libc::SIGQUIT);
         let child = cmd.spawn().context("spawn postgres")?;
         self.child = Some(child);
@@ -458,7 +462,9 @@ impl Drop for Cluster {
             }
         }
         let path = self.work_dir.display();
-        if std::thread::panicking() {
+        if defer_removal(&self.work_dir) {
+            // The check that owns this process decides at its verdict (`finish_run`).
+        } else if std::thread::panicking() {
             eprintln!("imfault: kept cluster work dir {path} (test failed)");
         } else if keep_requested() {
             eprintln!("imfault: kept cluster work dir {path} (IMFAULT_KEEP=1)");
@@ -481,6 +487,87 @@ impl std::fmt::Display for PortTaken {
 }
 
 impl std::error::Error for PortTaken {}
+
+/// The run this process is: its name (a check id) prefixes work directories, and while it
+/// is set dropped clusters leave their directories for [`finish_run`] to keep or remove.
+struct Run {
+    name: String,
+    dirs: Vec<PathBuf>,
+}
+
+static RUN: std::sync::Mutex<Option<Run>> = std::sync::Mutex::new(None);
+
+/// Starts a named run (one check, one process): cluster work directories are named after
+/// it and kept until [`finish_run`] decides, so a failed check keeps its cluster, gateway
+/// logs, history and client state files even though its world was dropped before the
+/// verdict.
+pub fn begin_run(name: &str) {
+    let name: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(60)
+        .collect();
+    *RUN.lock().unwrap_or_else(|p| p.into_inner()) = Some(Run {
+        name,
+        dirs: Vec::new(),
+    });
+}
+
+/// Ends the run: removes its work directories unless `keep` (or `IMFAULT_KEEP=1`), and
+/// returns them (the kept paths are what a failure message prints).
+pub fn finish_run(keep: bool) -> Vec<PathBuf> {
+    let run = RUN.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let dirs = run.map(|r| r.dirs).unwrap_or_default();
+    // `IMFAULT_KEEP_FAILED=0` (set by `make controls`, whose failures are expected and
+    // many) removes a failed run's directories too.
+    let keep = keep && std::env::var("IMFAULT_KEEP_FAILED").map_or(true, |v| v != "0");
+    if !keep && !keep_requested() {
+        for d in &dirs {
+            if let Err(e) = fs::remove_dir_all(d) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    eprintln!("imfault: could not remove {}: {e}", d.display());
+                }
+            }
+        }
+    }
+    dirs
+}
+
+/// The work directories of the current run so far (alive or dropped).
+pub fn run_dirs() -> Vec<PathBuf> {
+    RUN.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map(|r| r.dirs.clone())
+        .unwrap_or_default()
+}
+
+fn run_name() -> Option<String> {
+    RUN.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map(|r| r.name.clone())
+}
+
+fn register_run_dir(dir: &Path) {
+    if let Some(r) = RUN.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+        r.dirs.push(dir.to_path_buf());
+    }
+}
+
+/// True when a run owns `dir`'s removal.
+fn defer_removal(dir: &Path) -> bool {
+    RUN.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .is_some_and(|r| r.dirs.iter().any(|d| d == dir))
+}
 
 /// `IMFAULT_KEEP=1`: keep every work directory, also on success.
 pub(crate) fn keep_requested() -> bool {
@@ -761,8 +848,9 @@ fn create_work_dir() -> anyhow::Result<PathBuf> {
     let mut last_err = None;
     for _ in 0..8 {
         let n = CLUSTER_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let name = run_name().map(|r| format!("{r}-")).unwrap_or_default();
         let dir = base.join(format!(
-            "imfault-{}-{n}-{:08x}",
+            "imfault-{name}{}-{n}-{:08x}",
             std::process::id(),
             random_u32()
         ));
@@ -770,6 +858,7 @@ fn create_work_dir() -> anyhow::Result<PathBuf> {
             Ok(()) => {
                 fs::set_permissions(&dir, fs::Permissions::from_mode(0o755))
                     .with_context(|| format!("chmod {}", dir.display()))?;
+                register_run_dir(&dir);
                 return Ok(dir);
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last_err = Some(e),

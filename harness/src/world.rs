@@ -3,15 +3,47 @@
 //! counts, cursors, heads).
 //!
 //! Owns: the pairing of one `pg::Cluster` with the current `gateway::Gateway`, their
-//! drop order (gateway first), and a cached check pool. Must not: speak the WebSocket
-//! protocol (`crate::client`) or judge invariants (the scenarios do).
+//! drop order (gateway first), a cached check pool, the run's history (`history.jsonl` in
+//! the cluster's work dir: every nemesis action taken through the world is recorded
+//! there), the cursor audit the checker reads, and the final read that the checker judges
+//! ([`World::judge`]). Must not: speak the WebSocket protocol (`crate::client`).
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 
+use crate::checker::{self, Report};
+use crate::client::Client;
 use crate::gateway::{self, Gateway, GatewayOpts};
+use crate::history::{self, History, Type};
 use crate::pg::Cluster;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+/// The gateway's default `IM_SWEEP_MS` (SPEC 2b), for the liveness bound.
+const SWEEP_MS_DEFAULT: u64 = 1000;
+
+/// Audit of every `device_cursors` write (harness-owned, not part of the gateway's schema):
+/// the checker holds each cursor increase against the acks the device really sent (D3).
+const CURSOR_AUDIT_SQL: &str = "
+CREATE TABLE imfault_cursor_audit (
+    id        bigserial PRIMARY KEY,
+    device_id text NOT NULL,
+    conv_id   text NOT NULL,
+    old_seq   bigint,
+    new_seq   bigint NOT NULL,
+    wall_us   bigint NOT NULL);
+CREATE FUNCTION imfault_audit_cursor() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO imfault_cursor_audit (device_id, conv_id, old_seq, new_seq, wall_us)
+    VALUES (NEW.device_id, NEW.conv_id,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.delivered_seq END, NEW.delivered_seq,
+            (extract(epoch FROM clock_timestamp()) * 1000000)::bigint);
+    RETURN NEW;
+END $$;
+CREATE TRIGGER imfault_cursor_audit AFTER INSERT OR UPDATE ON device_cursors
+    FOR EACH ROW EXECUTE FUNCTION imfault_audit_cursor();";
 
 /// A migrated cluster and a gateway serving it. Fields drop in declaration order: the
 /// gateway is killed before the database goes away.
@@ -25,6 +57,18 @@ pub struct World {
     pub pg: Cluster,
     /// The options the current gateway was started with.
     opts: GatewayOpts,
+    /// This run's history.
+    hist: History,
+}
+
+/// device -> conv -> seq -> mid, as the client state files hold them.
+type Stores = BTreeMap<String, BTreeMap<String, BTreeMap<i64, String>>>;
+
+/// What [`World::judge`] found.
+pub struct Judgement {
+    pub report: Report,
+    /// The directory holding `history.jsonl`, `final.json` and `report.json`.
+    pub dir: PathBuf,
 }
 
 impl World {
@@ -46,13 +90,78 @@ impl World {
         let clients = pg.work_dir().join("clients");
         std::fs::create_dir_all(&clients)
             .with_context(|| format!("create {}", clients.display()))?;
+        let hist = History::create(&pg.work_dir().join("history.jsonl"))?;
+        history::set_current(Some(hist.clone()));
+        let pool = pg.pool().await?;
+        sqlx::raw_sql(CURSOR_AUDIT_SQL)
+            .execute(&pool)
+            .await
+            .context("install the cursor audit")?;
+        hist.set_probe_pool(pg.pool().await?);
         let gw = Gateway::start(&pg.url(), &opts, &pg.log_dir()).await?;
+        record_gateway_start(&hist, &opts);
         Ok(World {
             gw: Some(gw),
-            pool: tokio::sync::OnceCell::new(),
+            pool: tokio::sync::OnceCell::new_with(Some(pool)),
             pg,
             opts,
+            hist,
         })
+    }
+
+    /// This run's history.
+    pub fn history(&self) -> &History {
+        &self.hist
+    }
+
+    /// Waits for the current gateway to exit (a halt at a fault point) and records it.
+    pub async fn wait_gateway_exit(
+        &mut self,
+        within: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        let status = self.gw_mut().wait_exit(within).await?;
+        self.hist.nemesis_instant(
+            "gateway-exit",
+            json!({"status": self.gw().exit_code(), "raw": status.to_string()}),
+        );
+        Ok(status)
+    }
+
+    /// Crashes PostgreSQL (immediate shutdown), recorded as a nemesis action.
+    pub async fn crash_pg(&mut self) -> anyhow::Result<()> {
+        let id = self.hist.nemesis_start("pg-crash", json!({}));
+        let r = self.pg.crash().await;
+        self.hist
+            .nemesis_end("pg-crash", id, json!({"ok": r.is_ok()}));
+        r
+    }
+
+    /// Starts PostgreSQL again after a crash (recovery), recorded as a nemesis action.
+    pub async fn restart_pg(&mut self) -> anyhow::Result<()> {
+        let id = self.hist.nemesis_start("pg-restart", json!({}));
+        let r = self.pg.restart().await;
+        self.hist
+            .nemesis_end("pg-restart", id, json!({"ok": r.is_ok()}));
+        r
+    }
+
+    /// `pg_terminate_backend(pid)`, recorded as a nemesis action; returns its result.
+    pub async fn terminate_backend(&self, pid: i32) -> anyhow::Result<bool> {
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&self.pool().await?)
+            .await
+            .context("pg_terminate_backend")?;
+        self.hist.nemesis_instant(
+            "pg-terminate-backend",
+            json!({"pid": pid, "terminated": killed}),
+        );
+        Ok(killed)
+    }
+
+    /// Loads a client from its state file (a restarted device), recorded in the history.
+    pub fn load_client(&self, state: &std::path::Path) -> anyhow::Result<Client> {
+        Client::load(state)
     }
 
     /// Kills the current gateway (if it still runs) and starts a new one with `opts` on
@@ -64,9 +173,14 @@ impl World {
                 .context("join the faults check")??;
         }
         if let Some(mut old) = self.gw.take() {
-            old.kill();
+            if old.try_exit_status().is_none() {
+                let id = self.hist.nemesis_start("gateway-kill", json!({}));
+                old.kill();
+                self.hist.nemesis_end("gateway-kill", id, json!({}));
+            }
         }
         self.gw = Some(Gateway::start(&self.pg.url(), &opts, &self.pg.log_dir()).await?);
+        record_gateway_start(&self.hist, &opts);
         self.opts = opts;
         Ok(())
     }
@@ -117,18 +231,28 @@ impl World {
     /// `im-gateway admin join CONV USER`: opens a membership period.
     pub async fn join(&self, conv: &str, user: &str) -> anyhow::Result<()> {
         gateway::admin(&self.pg.url(), &["join", conv, user]).await?;
+        self.hist.nemesis_instant(
+            "membership",
+            json!({"action": "join", "conv": conv, "user": user}),
+        );
         Ok(())
     }
 
     /// `im-gateway admin leave CONV USER`: closes the open membership period.
     pub async fn leave(&self, conv: &str, user: &str) -> anyhow::Result<()> {
         gateway::admin(&self.pg.url(), &["leave", conv, user]).await?;
+        self.hist.nemesis_instant(
+            "membership",
+            json!({"action": "leave", "conv": conv, "user": user}),
+        );
         Ok(())
     }
 
     /// `im-gateway admin reinstall-device DEVICE`; returns the new token.
     pub async fn reinstall_device(&self, device: &str) -> anyhow::Result<String> {
         let token = gateway::admin(&self.pg.url(), &["reinstall-device", device]).await?;
+        self.hist
+            .nemesis_instant("reinstall", json!({"device": device}));
         single_line_token(token, "reinstall-device")
     }
 
@@ -184,6 +308,242 @@ impl World {
         let _ = std::fs::create_dir_all(&dir);
         dir.join(format!("{name}.json"))
     }
+}
+
+fn record_gateway_start(hist: &History, opts: &GatewayOpts) {
+    hist.nemesis_instant(
+        "gateway-start",
+        json!({"fault": opts.fault, "sweep_ms": opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT),
+               "bug": gateway::gateway_bug()}),
+    );
+}
+
+/// Devices whose client is connected and subscribed at the end of the history: per device
+/// and instance, `sub` ok subscribes, `connect` ok / `disconnect` / `crash` unsubscribe.
+fn live_devices(entries: &[history::Entry]) -> BTreeSet<String> {
+    let mut subscribed: HashMap<(String, u64), bool> = HashMap::new();
+    for e in entries {
+        let key = (e.process.clone(), e.instance);
+        match (e.kind, e.op.as_str()) {
+            (Type::Ok, "sub") => {
+                subscribed.insert(key, true);
+            }
+            (Type::Ok, "connect") | (Type::Client, "disconnect" | "crash") => {
+                subscribed.insert(key, false);
+            }
+            _ => {}
+        }
+    }
+    subscribed
+        .into_iter()
+        .filter(|(_, on)| *on)
+        .map(|((d, _), _)| d)
+        .collect()
+}
+
+impl World {
+    /// Judges the run (issue: one history, one checker): waits (bounded) until every
+    /// connected, subscribed device holds every event visible to it, at most until sweep
+    /// interval + 1 s after the last fault or send (D5); takes the final read of the
+    /// database and of every client state file; writes `final.json` and `report.json`
+    /// beside `history.jsonl`; and runs the checker over the whole history.
+    pub async fn judge(&self) -> anyhow::Result<Judgement> {
+        let hist = &self.hist;
+        hist.wait_probes(Duration::from_secs(3)).await;
+        let sweep_ms = self.opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT);
+        let bound_ms = sweep_ms + 1000;
+        let entries = hist.entries();
+        let live = live_devices(&entries);
+        // The liveness clock starts at the last fault (nemesis) or acknowledged send.
+        let from_ms = entries
+            .iter()
+            .filter(|e| e.kind == Type::Nemesis || (e.kind == Type::Ok && e.op == "send"))
+            .map(|e| e.t_ms)
+            .fold(0.0, f64::max);
+        let deadline_ms = from_ms + bound_ms as f64;
+        let wait_start = hist.now_ms();
+        let pool = self.pool().await?;
+        let missing = loop {
+            let missing = self.missing_events(&pool, &live).await?;
+            if missing.is_empty() || hist.now_ms() >= deadline_ms {
+                break missing;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        };
+        let waited_ms = hist.now_ms() - wait_start;
+        let fin = self
+            .final_read(&pool, sweep_ms, &live, bound_ms, waited_ms, missing)
+            .await?;
+        hist.record("harness", 0, Type::Meta, "final", None, json!({}));
+        let dir = self.pg.work_dir().to_path_buf();
+        write_json(&dir.join("final.json"), &fin)?;
+        let fin: checker::Final =
+            serde_json::from_value(fin).context("the final read does not fit checker::Final")?;
+        let report = checker::check(&hist.entries(), &fin);
+        write_json(&dir.join("report.json"), &report)?;
+        Ok(Judgement { report, dir })
+    }
+
+    /// Every client state file in `work_dir/clients`: device -> conv -> seq -> mid.
+    fn stores(&self) -> anyhow::Result<Stores> {
+        let dir = self.pg.work_dir().join("clients");
+        let mut out = Stores::new();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(e).with_context(|| format!("list {}", dir.display())),
+        };
+        for entry in entries {
+            let path = entry?.path();
+            let name = path.file_name().map(|n| n.to_string_lossy().to_string());
+            if path.extension().map_or(true, |x| x != "json")
+                || name.is_some_and(|n| n.starts_with('.'))
+            {
+                continue;
+            }
+            let (device, convs) = Client::read_store(&path)?;
+            let d = out.entry(device).or_default();
+            for (conv, evs) in convs {
+                d.entry(conv).or_default().extend(evs);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Events visible to each live device that its state file does not hold.
+    async fn missing_events(
+        &self,
+        pool: &sqlx::PgPool,
+        live: &BTreeSet<String>,
+    ) -> anyhow::Result<BTreeMap<String, BTreeMap<String, Vec<i64>>>> {
+        if live.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let devices: Vec<String> = live.iter().cloned().collect();
+        let visible: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT DISTINCT d.device_id, e.conv_id, e.seq
+             FROM devices d
+             JOIN memberships m ON m.user_id = d.user_id
+             JOIN events e ON e.conv_id = m.conv_id AND e.seq >= m.from_seq
+                          AND (m.to_seq IS NULL OR e.seq < m.to_seq)
+             WHERE d.device_id = ANY($1)
+             ORDER BY 1, 2, 3",
+        )
+        .bind(&devices)
+        .fetch_all(pool)
+        .await
+        .context("read the events visible to live devices")?;
+        let stores = self.stores()?;
+        let mut missing: BTreeMap<String, BTreeMap<String, Vec<i64>>> = BTreeMap::new();
+        for (device, conv, seq) in visible {
+            let held = stores
+                .get(&device)
+                .and_then(|c| c.get(&conv))
+                .is_some_and(|evs| evs.contains_key(&seq));
+            if !held {
+                missing
+                    .entry(device)
+                    .or_default()
+                    .entry(conv)
+                    .or_default()
+                    .push(seq);
+            }
+        }
+        Ok(missing)
+    }
+
+    /// The final read of the checker's contract (evidence/README.md, "Final read").
+    async fn final_read(
+        &self,
+        pool: &sqlx::PgPool,
+        sweep_ms: u64,
+        live: &BTreeSet<String>,
+        bound_ms: u64,
+        waited_ms: f64,
+        missing: BTreeMap<String, BTreeMap<String, Vec<i64>>>,
+    ) -> anyhow::Result<Value> {
+        let events: Vec<(String, i64, String, String, String, String)> = sqlx::query_as(
+            "SELECT conv_id, seq, mid, sender_user, sender_device, cmid FROM events
+             ORDER BY conv_id, seq",
+        )
+        .fetch_all(pool)
+        .await
+        .context("final read: events")?;
+        let heads: Vec<(String, i64)> =
+            sqlx::query_as("SELECT conv_id, next_seq - 1 FROM conversations ORDER BY conv_id")
+                .fetch_all(pool)
+                .await
+                .context("final read: heads")?;
+        let memberships: Vec<(String, String, i64, Option<i64>)> = sqlx::query_as(
+            "SELECT conv_id, user_id, from_seq, to_seq FROM memberships ORDER BY 1, 2, 3",
+        )
+        .fetch_all(pool)
+        .await
+        .context("final read: memberships")?;
+        let devices: Vec<(String, String)> =
+            sqlx::query_as("SELECT device_id, user_id FROM devices ORDER BY 1")
+                .fetch_all(pool)
+                .await
+                .context("final read: devices")?;
+        let cursors: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT device_id, conv_id, delivered_seq FROM device_cursors ORDER BY 1, 2",
+        )
+        .fetch_all(pool)
+        .await
+        .context("final read: cursors")?;
+        let audit: Vec<(String, String, Option<i64>, i64, i64)> = sqlx::query_as(
+            "SELECT device_id, conv_id, old_seq, new_seq, wall_us FROM imfault_cursor_audit
+             ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await
+        .context("final read: cursor audit")?;
+        let stores: BTreeMap<String, BTreeMap<String, Vec<Value>>> = self
+            .stores()?
+            .into_iter()
+            .map(|(d, convs)| {
+                let convs = convs
+                    .into_iter()
+                    .map(|(c, evs)| {
+                        let evs = evs
+                            .into_iter()
+                            .map(|(seq, mid)| json!({"seq": seq, "mid": mid}))
+                            .collect();
+                        (c, evs)
+                    })
+                    .collect();
+                (d, convs)
+            })
+            .collect();
+        Ok(json!({
+            "schema_version": history::SCHEMA_VERSION,
+            "t_ms": self.hist.now_ms(),
+            "wall_us": history::wall_us_now(),
+            "sweep_ms": sweep_ms,
+            "events": events.iter().map(|(c, s, m, u, d, cmid)| json!({
+                "conv": c, "seq": s, "mid": m, "sender_user": u, "sender_device": d, "cmid": cmid
+            })).collect::<Vec<_>>(),
+            "heads": heads.into_iter().collect::<BTreeMap<_, _>>(),
+            "memberships": memberships.iter().map(|(c, u, f, t)| json!({
+                "conv": c, "user": u, "from_seq": f, "to_seq": t
+            })).collect::<Vec<_>>(),
+            "devices": devices.into_iter().collect::<BTreeMap<_, _>>(),
+            "cursors": cursors.iter().map(|(d, c, v)| json!({
+                "device": d, "conv": c, "delivered": v
+            })).collect::<Vec<_>>(),
+            "cursor_audit": audit.iter().map(|(d, c, o, n, w)| json!({
+                "device": d, "conv": c, "old": o, "new": n, "wall_us": w
+            })).collect::<Vec<_>>(),
+            "stores": stores,
+            "live": live,
+            "liveness": {"bound_ms": bound_ms, "waited_ms": waited_ms, "missing": missing},
+        }))
+    }
+}
+
+fn write_json(path: &std::path::Path, v: &impl serde::Serialize) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(v).context("encode json")?;
+    std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))
 }
 
 /// An admin command that prints a token must print exactly one non-empty line.

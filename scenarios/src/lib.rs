@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 /// The evidence schema written by this version (see evidence/README.md).
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// Where each check's record goes: `$IMFAULT_EVIDENCE_DIR` (set by the evidence runner),
 /// else `target/imfault-records/`.
@@ -43,6 +43,15 @@ pub struct Record {
     pub duration_ms: u64,
     /// PostgreSQL the check ran against: version, fsync, synchronous_commit.
     pub postgres: Option<Value>,
+    /// The history checker's verdict over the whole run (`harness::checker`): verdict,
+    /// anomaly counts by kind, the first anomalies, statistics. Null if the check ended
+    /// before it was judged.
+    #[serde(default)]
+    pub checker: Option<Value>,
+    /// Where the run's cluster, gateway logs, history and client state files were kept
+    /// (a failed check only); null on PASS.
+    #[serde(default)]
+    pub kept: Option<Vec<String>>,
 }
 
 /// Accumulates a check's expectations and observations, then writes its record and fails
@@ -55,7 +64,10 @@ pub struct Check {
 }
 
 impl Check {
+    /// Starts the check: the run is named after `id`, and its work directories (cluster,
+    /// gateway logs, `history.jsonl`, client state files) are kept if it fails.
     pub fn new(id: &str, kind: &str, fault: Option<&str>) -> Check {
+        harness::pg::begin_run(id);
         Check {
             rec: Record {
                 id: id.to_string(),
@@ -67,6 +79,8 @@ impl Check {
                 reason: None,
                 duration_ms: 0,
                 postgres: None,
+                checker: None,
+                kept: None,
             },
             failures: Vec::new(),
             started: Instant::now(),
@@ -109,6 +123,11 @@ impl Check {
         self.rec.postgres = Some(v);
     }
 
+    /// The checker's verdict over this run's history (see [`judge`]).
+    pub fn set_checker(&mut self, v: Value) {
+        self.rec.checker = Some(v);
+    }
+
     /// Writes the record and panics (failing the test) unless every expectation held and
     /// the scenario returned Ok.
     pub fn finish(mut self, outcome: anyhow::Result<()>) {
@@ -119,6 +138,17 @@ impl Check {
             self.failures.push("no expectation was checked".into());
         }
         self.rec.duration_ms = self.started.elapsed().as_millis() as u64;
+        let failed = !self.failures.is_empty();
+        let dirs = harness::pg::finish_run(failed);
+        if failed {
+            self.rec.kept = Some(dirs.iter().map(|d| d.display().to_string()).collect());
+            for d in &dirs {
+                self.failures.push(format!(
+                    "kept for inspection (cluster, logs/, history.jsonl, final.json, report.json, clients/): {}",
+                    d.display()
+                ));
+            }
+        }
         if self.failures.is_empty() {
             self.rec.result = "PASS".into();
         } else {
@@ -142,6 +172,73 @@ impl Check {
             self.failures.join("\n  ")
         );
     }
+}
+
+/// The checker's anomalies listed in a record (the rest are counted).
+const ANOMALIES_IN_RECORD_MAX: usize = 20;
+
+/// Runs the database-wide invariant checks and the history checker over the whole run
+/// (`World::judge`), records both, and expects zero violations and zero anomalies.
+pub async fn judge(
+    c: &mut Check,
+    w: &harness::world::World,
+) -> anyhow::Result<harness::checker::Report> {
+    let v = db_invariant_violations(&w.pool().await?).await?;
+    c.expect(
+        "db_invariant_violations (P1, D4, S1)",
+        Vec::<String>::new(),
+        v,
+    );
+    let j = w.judge().await?;
+    let r = &j.report;
+    let anomalies: Vec<Value> = r
+        .anomalies
+        .iter()
+        .take(ANOMALIES_IN_RECORD_MAX)
+        .map(|a| json!(a))
+        .collect();
+    c.set_checker(json!({
+        "verdict": r.verdict,
+        "anomalies_by_kind": r.counts,
+        "anomalies": anomalies,
+        "anomalies_total": r.anomalies.len(),
+        "stats": r.stats,
+    }));
+    let kinds: std::collections::BTreeMap<&harness::checker::Kind, &u64> =
+        r.counts.iter().filter(|(_, n)| **n > 0).collect();
+    c.expect_that("checker_anomalies", 0, json!(kinds), r.anomalies.is_empty());
+    for a in r.anomalies.iter().take(5) {
+        eprintln!("checker: {}", json!(a));
+    }
+    Ok(j.report)
+}
+
+/// For tests outside the im-06 evidence (the protocol tests): judges the run with the
+/// history checker, writes `records_dir()/protocol/<test>.json` (the checker's verdict,
+/// read by `make controls`), and returns the report.
+pub async fn judge_test(w: &harness::world::World) -> anyhow::Result<harness::checker::Report> {
+    let j = w.judge().await?;
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("unnamed")
+        .rsplit("::")
+        .next()
+        .unwrap_or("unnamed")
+        .to_string();
+    let dir = records_dir().join("protocol");
+    std::fs::create_dir_all(&dir)?;
+    let rec = json!({
+        "test": test,
+        "verdict": j.report.verdict,
+        "anomalies_by_kind": j.report.counts,
+        "anomalies": j.report.anomalies.iter().take(ANOMALIES_IN_RECORD_MAX).collect::<Vec<_>>(),
+        "history": j.dir.join("history.jsonl"),
+    });
+    std::fs::write(
+        dir.join(format!("{test}.json")),
+        serde_json::to_vec_pretty(&rec)?,
+    )?;
+    Ok(j.report)
 }
 
 /// PostgreSQL's version and durability settings, as the cluster reports them.
@@ -239,6 +336,35 @@ pub async fn alice_and_bob(
     Ok((a, b))
 }
 
+/// RFC 3339 UTC time without a date library (days-from-civil, inverted).
+pub fn rfc3339(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Now, as [`rfc3339`].
+pub fn rfc3339_now() -> String {
+    rfc3339(std::time::SystemTime::now())
+}
+
 /// The `q`-quantile (0..=1) of `xs` by nearest rank; `None` for an empty slice.
 pub fn quantile(xs: &[f64], q: f64) -> Option<f64> {
     if xs.is_empty() {
@@ -294,6 +420,14 @@ pub const IM06_CHECKS: &[(&str, &str)] = &[
         "im06_listen_conn_killed_swept",
     ),
     ("06-queue-overflow-hint", "im06_queue_overflow_hint"),
+    ("06-commit-held-open", "im06_commit_held_open"),
+    ("06-lost-push-gap-synced", "im06_lost_push_gap_synced"),
+    ("06-sweep-hint-cadence", "im06_sweep_hint_cadence"),
+    (
+        "06-receiver-crash-after-ack",
+        "im06_receiver_crash_after_ack",
+    ),
+    ("06-receiver-crash-mid-sync", "im06_receiver_crash_mid_sync"),
 ];
 
 /// What the design note says was not run, and why it is not run here either.
@@ -308,6 +442,8 @@ pub fn im06_not_run() -> Vec<Record> {
         reason: Some(reason.into()),
         duration_ms: 0,
         postgres: None,
+        checker: None,
+        kept: None,
     };
     vec![
         rec(

@@ -6,7 +6,7 @@ use futures_util::future::join_all;
 use harness::client::{Client, ClientError};
 use harness::gateway::GatewayOpts;
 use harness::world::World;
-use scenarios::{alice_and_bob, connect, db_invariant_violations};
+use scenarios::{alice_and_bob, connect, db_invariant_violations, judge_test};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -25,11 +25,20 @@ async fn world() -> World {
         .expect("start cluster and gateway")
 }
 
+/// The database-wide invariants, then the history checker over the whole run: zero
+/// anomalies of any kind (D1-D6, P1, S1).
 async fn assert_invariants(w: &World) {
     let v = db_invariant_violations(&w.pool().await.unwrap())
         .await
         .unwrap();
     assert!(v.is_empty(), "database invariants violated: {v:?}");
+    let r = judge_test(w).await.expect("judge the history");
+    assert!(
+        r.anomalies.is_empty(),
+        "the history checker found anomalies (history in {}): {}",
+        w.pg.work_dir().display(),
+        serde_json::to_string_pretty(&r.anomalies).unwrap_or_default()
+    );
 }
 
 /// Proves nothing but `hello` is served before hello, that a wrong token, an unknown device
@@ -447,6 +456,7 @@ async fn two_devices_of_one_user_get_pushes_and_keep_separate_cursors() {
     assert_eq!(w.cursor("b2", "c1").await.unwrap(), Some(2));
     assert_eq!(w.cursor("a2", "c1").await.unwrap(), Some(5));
     assert!(b2.stats().pushes_applied >= 5);
+    assert_invariants(&w).await;
 }
 
 /// `sub` answers every conversation with head and delivered; `sync` pages ascending with
@@ -543,6 +553,7 @@ async fn sweep_hints_a_device_that_missed_events() {
         .count();
     assert!(hints >= 1, "a sweep hint arrived: {:?}", b.frames());
     assert_eq!(b.stored_seqs("c1"), vec![1, 2, 3]);
+    assert_invariants(&w).await;
 }
 
 /// Bad input never breaks the connection: malformed JSON, a non-object, an unknown type,

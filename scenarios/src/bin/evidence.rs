@@ -5,11 +5,12 @@
 //! a FAIL with that reason.
 
 use anyhow::{bail, Context};
+use scenarios::rfc3339;
 use scenarios::{im06_not_run, Record, IM06_CHECKS, SCHEMA_VERSION};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime};
 
 fn workspace() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
@@ -24,30 +25,6 @@ fn git(args: &[&str]) -> Option<String> {
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
-/// RFC 3339 UTC time without a date library (days-from-civil, inverted).
-pub fn rfc3339(t: SystemTime) -> String {
-    let secs = t
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
 }
 
 fn read_records(dir: &Path) -> anyhow::Result<Vec<Record>> {
@@ -118,6 +95,8 @@ fn main() -> anyhow::Result<()> {
                     reason: Some(format!("no record written: test {test} did not run or crashed before finishing (see the nextest output)")),
                     duration_ms: 0,
                     postgres: None,
+                    checker: None,
+                    kept: None,
                 };
                 r.observed.insert("record".into(), Value::Null);
                 checks.push(r);
@@ -197,13 +176,13 @@ mod tests {
     #[test]
     fn rfc3339_known_instants() {
         use std::time::{Duration, UNIX_EPOCH};
-        assert_eq!(super::rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
+        assert_eq!(scenarios::rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
         assert_eq!(
-            super::rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
+            scenarios::rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
             "2000-02-29T00:00:00Z"
         );
         assert_eq!(
-            super::rfc3339(UNIX_EPOCH + Duration::from_secs(1_796_031_218)),
+            scenarios::rfc3339(UNIX_EPOCH + Duration::from_secs(1_796_031_218)),
             "2026-11-30T09:33:38Z"
         );
     }

@@ -1,0 +1,447 @@
+//! `make controls`: the negative controls. Runs the scenario suite (the im-06 checks and
+//! the protocol tests that judge their history) once against the clean gateway, then
+//! against each deliberate bug (`IM_BUG`: the gateway's, from the controls build
+//! `im-gateway-bugs`, and the test client's and harness's, `harness::client::bugs`), and
+//! writes `evidence/controls/result.json` (format: evidence/README.md, "Controls"): per
+//! bug, caught or missed, by which tests and anomaly kinds, in how many of the runs.
+//!
+//! Run 1 of a bug runs the whole suite; runs 2..N run the tests that caught it in run 1
+//! (at most [`RERUN_TESTS_MAX`], the quickest), so "caught in each of N runs" costs
+//! seconds, not minutes. A bug counts as caught only when every run caught it.
+//! Nothing here judges an invariant: a test fails on its own assertions or on the
+//! checker's anomalies, and this runner only reads what the tests wrote.
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+/// Tests re-run in runs 2..N of a caught bug.
+const RERUN_TESTS_MAX: usize = 2;
+/// Version of evidence/controls/result.json.
+const SCHEMA_VERSION: u32 = 1;
+/// The suite a control runs: every im-06 check and the protocol tests.
+const SUITE: &str = "binary(im06) | binary(protocol)";
+
+/// What we know before running about the bugs no fault of ours can expose.
+fn known_limit(bug: &str) -> Option<&'static str> {
+    match bug {
+        "async-commit" | "fsync-off" => Some(
+            "needs a power cut: with synchronous_commit=off or fsync=off an acknowledged \
+             commit is lost only if the machine (its page cache) goes down before the WAL \
+             reaches the disk; a process crash and an immediate shutdown keep the page cache. \
+             The harness has no power-loss fault yet (issue 11).",
+        ),
+        _ => None,
+    }
+}
+
+fn workspace() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) if Path::new(&d).is_absolute() => PathBuf::from(d),
+        Some(d) => workspace().join(d),
+        None => workspace().join("target"),
+    }
+}
+
+struct Opts {
+    runs: u32,
+    only: Option<Vec<String>>,
+    out: PathBuf,
+}
+
+fn parse_args() -> anyhow::Result<Opts> {
+    let mut o = Opts {
+        runs: 10,
+        only: None,
+        out: workspace().join("evidence/controls/result.json"),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = |name: &str| args.next().with_context(|| format!("{name} needs a value"));
+        match a.as_str() {
+            "--runs" => o.runs = val("--runs")?.parse().context("--runs N")?,
+            "--only" => {
+                o.only = Some(
+                    val("--only")?
+                        .split(',')
+                        .map(|s| s.trim().to_string())
+                        .collect(),
+                )
+            }
+            "--out" => o.out = PathBuf::from(val("--out")?),
+            "-h" | "--help" => {
+                println!(
+                    "usage: controls [--runs N (10)] [--only BUG,BUG] [--out FILE]\n\
+                     Runs the suite against the clean gateway and each deliberate bug and \
+                     writes evidence/controls/result.json."
+                );
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?} (try --help)"),
+        }
+    }
+    if o.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    Ok(o)
+}
+
+/// One nextest run: which tests passed and failed, and what the tests wrote.
+struct RunResult {
+    passed: Vec<String>,
+    failed: Vec<String>,
+    /// im-06 records by id.
+    records: BTreeMap<String, Value>,
+    /// Protocol tests' checker verdicts by test name.
+    protocol: BTreeMap<String, Value>,
+    wall_ms: u64,
+}
+
+fn run_suite(filter: &str, env: &[(&str, String)], label: &str) -> anyhow::Result<RunResult> {
+    let dir = target_dir().join("imfault-controls").join(label);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("clear {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    let started = Instant::now();
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args([
+        "nextest",
+        "run",
+        "--workspace",
+        "--features",
+        "im-gateway/faults",
+        "--no-fail-fast",
+        "--status-level",
+        "all",
+        "--final-status-level",
+        "none",
+        "-E",
+        filter,
+    ])
+    .env("IMFAULT_EVIDENCE_DIR", &dir)
+    .env("RUST_BACKTRACE", "0")
+    // Failures are expected here, by the hundred: don't keep their clusters.
+    .env("IMFAULT_KEEP_FAILED", "0")
+    .env_remove("IM_BUG")
+    .env_remove("IM_GATEWAY_BIN")
+    .current_dir(workspace());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().context("run cargo nextest")?;
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    std::fs::write(dir.join("nextest.log"), &log)?;
+    let (mut passed, mut failed) = (Vec::new(), Vec::new());
+    for line in log.lines() {
+        let t = line.trim_start();
+        let status = t.split_whitespace().next().unwrap_or("");
+        if !t.contains('[') || !t.contains(']') {
+            continue;
+        }
+        let name = t.rsplit(' ').next().unwrap_or("").to_string();
+        match status {
+            "PASS" => passed.push(name),
+            "FAIL" | "TIMEOUT" | "SIGKILL" | "SIGABRT" | "SIGSEGV" | "ABORT" => failed.push(name),
+            _ => {}
+        }
+    }
+    if passed.is_empty() && failed.is_empty() {
+        bail!(
+            "nextest ran no test ({}); log: {}",
+            out.status,
+            dir.join("nextest.log").display()
+        );
+    }
+    let mut records = BTreeMap::new();
+    let mut protocol = BTreeMap::new();
+    for (sub, map) in [("", &mut records), ("protocol", &mut protocol)] {
+        let d = dir.join(sub);
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd {
+            let p = e?.path();
+            if p.extension().is_some_and(|x| x == "json") {
+                let v: Value = serde_json::from_slice(&std::fs::read(&p)?)
+                    .with_context(|| format!("parse {}", p.display()))?;
+                let key = v["id"]
+                    .as_str()
+                    .or(v["test"].as_str())
+                    .unwrap_or("?")
+                    .to_string();
+                map.insert(key, v);
+            }
+        }
+    }
+    Ok(RunResult {
+        passed,
+        failed,
+        records,
+        protocol,
+        wall_ms: started.elapsed().as_millis() as u64,
+    })
+}
+
+/// How a failing test caught the bug: the checker's anomaly kinds (if it judged), and
+/// whether its own assertions failed.
+fn how_caught(r: &RunResult, test: &str) -> Value {
+    let rec = r
+        .records
+        .values()
+        .find(|v| {
+            scenarios::IM06_CHECKS
+                .iter()
+                .any(|(id, t)| *t == test && v["id"] == *id)
+        })
+        .or_else(|| r.protocol.get(test));
+    let kinds: Vec<String> = rec
+        .and_then(|v| {
+            v.pointer("/checker/anomalies_by_kind")
+                .or(v.get("anomalies_by_kind"))
+        })
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .filter(|(_, n)| n.as_u64().unwrap_or(0) > 0)
+                .map(|(k, _)| k.clone())
+                .collect()
+        })
+        .unwrap_or_default();
+    let reason = rec
+        .and_then(|v| v["reason"].as_str())
+        .map(|s| s.chars().take(400).collect::<String>());
+    json!({
+        "test": test,
+        "anomaly_kinds": kinds,
+        "duration_ms": rec.and_then(|v| v["duration_ms"].as_u64()),
+        "failure": reason,
+    })
+}
+
+fn gateway_bugs(bin: &Path) -> anyhow::Result<Vec<String>> {
+    let out = Command::new(bin)
+        .arg("bugs")
+        .output()
+        .with_context(|| format!("run {} bugs", bin.display()))?;
+    if !out.status.success() {
+        bail!(
+            "`{} bugs` failed: {}",
+            bin.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect())
+}
+
+fn main() -> anyhow::Result<()> {
+    let o = parse_args()?;
+    let started = Instant::now();
+    let bugs_bin = target_dir().join("debug/im-gateway-bugs");
+    if !bugs_bin.is_file() {
+        bail!(
+            "{} not found: `make controls` builds it (cargo build -p im-gateway --features faults,bugs)",
+            bugs_bin.display()
+        );
+    }
+    let mut bugs: Vec<(String, &str)> = gateway_bugs(&bugs_bin)?
+        .into_iter()
+        .map(|b| (b, "gateway"))
+        .collect();
+    for b in harness::client::bugs::ALL {
+        let side = if *b == harness::client::bugs::FSYNC_OFF {
+            "harness"
+        } else {
+            "client"
+        };
+        bugs.push((b.to_string(), side));
+    }
+    if let Some(only) = &o.only {
+        for name in only {
+            if !bugs.iter().any(|(b, _)| b == name) {
+                bail!(
+                    "unknown bug {name:?}; known: {}",
+                    bugs.iter()
+                        .map(|(b, _)| b.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+        }
+        bugs.retain(|(b, _)| only.contains(b));
+    }
+
+    eprintln!("controls: the clean gateway, whole suite");
+    let clean = run_suite(SUITE, &[], "clean")?;
+    let clean_anomalies: u64 = clean
+        .records
+        .values()
+        .chain(clean.protocol.values())
+        .filter_map(|v| {
+            v.pointer("/checker/anomalies_total")
+                .or(v.pointer("/anomalies"))
+                .map(|a| {
+                    a.as_u64()
+                        .unwrap_or_else(|| a.as_array().map_or(0, |x| x.len() as u64))
+                })
+        })
+        .sum();
+    eprintln!(
+        "  clean: {} passed, {} failed, {} anomalies ({} s)",
+        clean.passed.len(),
+        clean.failed.len(),
+        clean_anomalies,
+        clean.wall_ms / 1000
+    );
+
+    let mut controls = Vec::new();
+    for (bug, side) in &bugs {
+        let mut env = vec![("IM_BUG", bug.clone())];
+        if *side == "gateway" {
+            env.push(("IM_GATEWAY_BIN", bugs_bin.display().to_string()));
+        }
+        eprintln!("controls: {bug} ({side}), run 1 of {}: whole suite", o.runs);
+        let first = run_suite(SUITE, &env, &format!("{bug}-1"))?;
+        let caught_by: Vec<Value> = first.failed.iter().map(|t| how_caught(&first, t)).collect();
+        let mut caught_runs = u32::from(!first.failed.is_empty());
+        let mut run_walls = vec![first.wall_ms];
+        let mut rerun_tests: Vec<(String, u64)> = caught_by
+            .iter()
+            .map(|c| {
+                (
+                    c["test"].as_str().unwrap_or("").to_string(),
+                    c["duration_ms"].as_u64().unwrap_or(u64::MAX),
+                )
+            })
+            .collect();
+        rerun_tests.sort_by_key(|(_, d)| *d);
+        rerun_tests.truncate(RERUN_TESTS_MAX);
+        let mut per_run_failed = vec![first.failed.clone()];
+        if !rerun_tests.is_empty() {
+            let filter = rerun_tests
+                .iter()
+                .map(|(t, _)| format!("test(={t})"))
+                .collect::<Vec<_>>()
+                .join(" | ");
+            for run in 2..=o.runs {
+                let r = run_suite(&filter, &env, &format!("{bug}-{run}"))?;
+                if !r.failed.is_empty() {
+                    caught_runs += 1;
+                }
+                run_walls.push(r.wall_ms);
+                per_run_failed.push(r.failed);
+            }
+        }
+        let runs = if rerun_tests.is_empty() { 1 } else { o.runs };
+        let caught = caught_runs == runs && caught_runs > 0;
+        let first_detection_ms = caught_by
+            .iter()
+            .filter_map(|c| c["duration_ms"].as_u64())
+            .min();
+        eprintln!(
+            "  {bug}: caught in {caught_runs}/{runs} runs by {} test(s)",
+            first.failed.len()
+        );
+        let mut kinds: Vec<String> = caught_by
+            .iter()
+            .flat_map(|c| c["anomaly_kinds"].as_array().cloned().unwrap_or_default())
+            .filter_map(|k| k.as_str().map(str::to_string))
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        controls.push(json!({
+            "bug": bug,
+            "side": side,
+            "result": if caught { "CAUGHT" } else if caught_runs > 0 { "FLAKY" } else { "MISSED" },
+            "runs": runs,
+            "caught_runs": caught_runs,
+            "caught_rate": f64::from(caught_runs) / f64::from(runs),
+            "anomaly_kinds": kinds,
+            "caught_by": caught_by,
+            "rerun_tests": rerun_tests.iter().map(|(t, _)| t).collect::<Vec<_>>(),
+            "failed_per_run": per_run_failed,
+            "first_detection_ms": first_detection_ms,
+            "run_wall_ms": run_walls,
+            "known_limit": known_limit(bug),
+        }));
+    }
+
+    let git = |args: &[&str]| -> Option<String> {
+        let out = Command::new("git")
+            .args(args)
+            .current_dir(workspace())
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    let count = |r: &str| controls.iter().filter(|c| c["result"] == r).count();
+    let doc = json!({
+        "schema_version": SCHEMA_VERSION,
+        "generated_by": "make controls (scenarios/src/bin/controls.rs)",
+        "environment": {
+            "git_commit": git(&["rev-parse", "HEAD"]),
+            "git_dirty": git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"]).map(|s| !s.is_empty()),
+            "generated_at": scenarios::rfc3339_now(),
+            "host_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "suite": SUITE,
+            "runs_per_bug": o.runs,
+            "rerun_tests_max": RERUN_TESTS_MAX,
+            "bugs_binary": "target/debug/im-gateway-bugs (--features faults,bugs)",
+        },
+        "clean": {
+            "passed": clean.passed.len(),
+            "failed": clean.failed,
+            "anomalies": clean_anomalies,
+            "wall_ms": clean.wall_ms,
+        },
+        "summary": {
+            "bugs": controls.len(),
+            "caught": count("CAUGHT"),
+            "flaky": count("FLAKY"),
+            "missed": count("MISSED"),
+            "wall_ms": started.elapsed().as_millis() as u64,
+        },
+        "controls": controls,
+    });
+    if let Some(dir) = o.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = o.out.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(&doc)? + "\n")?;
+    std::fs::rename(&tmp, &o.out)?;
+    println!("\n{} ({} s)", o.out.display(), started.elapsed().as_secs());
+    println!(
+        "  clean gateway: {} passed, {} failed, {} anomalies",
+        clean.passed.len(),
+        clean.failed.len(),
+        clean_anomalies
+    );
+    for c in doc["controls"].as_array().into_iter().flatten() {
+        println!(
+            "  {:<7} {:<20} {}/{} runs  {}",
+            c["result"].as_str().unwrap_or(""),
+            c["bug"].as_str().unwrap_or(""),
+            c["caught_runs"],
+            c["runs"],
+            c["anomaly_kinds"]
+        );
+    }
+    if !clean.failed.is_empty() || clean_anomalies > 0 {
+        eprintln!("the clean gateway failed or showed anomalies: the controls mean nothing");
+        std::process::exit(1);
+    }
+    Ok(())
+}
