@@ -501,7 +501,7 @@ type Period = (i64, Option<i64>);
 fn inside(periods: &[Period], seq: i64) -> bool {
     periods
         .iter()
-        .any(|&(from, to)| from <= seq && to.map_or(true, |t| seq < t))
+        .any(|&(from, to)| from <= seq && to.is_none_or(|t| seq < t))
 }
 
 fn periods_text(periods: &[Period]) -> String {
@@ -860,7 +860,7 @@ impl Persisted<'_> {
     fn advance(&mut self, head: i64) -> i64 {
         while self.through < head {
             let next = self.through + 1;
-            let visible = self.periods.map_or(true, |p| inside(p, next));
+            let visible = self.periods.is_none_or(|p| inside(p, next));
             if visible && !self.seqs.contains(&next) {
                 break;
             }
@@ -1274,7 +1274,7 @@ fn before_commit(cx: &Ctx, out: &mut Vec<Anomaly>) {
             continue;
         }
         let v = &e.value;
-        if !v.get("error").map_or(true, Value::is_null) {
+        if !v.get("error").is_none_or(Value::is_null) {
             continue;
         }
         let (Some(of), Some(expect)) = (v.get("of").and_then(Value::as_u64), s(v, "expect_mid"))
@@ -1329,7 +1329,7 @@ fn stats(cx: &Ctx, info_sends: InfoSends, gaps: Vec<f64>) -> Stats {
             Type::Store => stores += 1,
             Type::Probe => {
                 probes.total += 1;
-                if !e.value.get("error").map_or(true, Value::is_null) {
+                if !e.value.get("error").is_none_or(Value::is_null) {
                     probes.errors += 1;
                 } else if s(&e.value, "found_mid").is_some()
                     && s(&e.value, "found_mid") == s(&e.value, "expect_mid")

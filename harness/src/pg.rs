@@ -520,23 +520,25 @@ pub fn begin_run(name: &str) {
 }
 
 /// Ends the run: removes its work directories unless `keep` (or `IMFAULT_KEEP=1`), and
-/// returns them (the kept paths are what a failure message prints).
+/// returns the directories it kept (what a failure message prints).
 pub fn finish_run(keep: bool) -> Vec<PathBuf> {
     let run = RUN.lock().unwrap_or_else(|p| p.into_inner()).take();
     let dirs = run.map(|r| r.dirs).unwrap_or_default();
     // `IMFAULT_KEEP_FAILED=0` (set by `make controls`, whose failures are expected and
     // many) removes a failed run's directories too.
-    let keep = keep && std::env::var("IMFAULT_KEEP_FAILED").map_or(true, |v| v != "0");
-    if !keep && !keep_requested() {
-        for d in &dirs {
-            if let Err(e) = fs::remove_dir_all(d) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    eprintln!("imfault: could not remove {}: {e}", d.display());
-                }
+    let keep = (keep && std::env::var("IMFAULT_KEEP_FAILED").map_or(true, |v| v != "0"))
+        || keep_requested();
+    if keep {
+        return dirs;
+    }
+    for d in &dirs {
+        if let Err(e) = fs::remove_dir_all(d) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                eprintln!("imfault: could not remove {}: {e}", d.display());
             }
         }
     }
-    dirs
+    Vec::new()
 }
 
 /// The work directories of the current run so far (alive or dropped).

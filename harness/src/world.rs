@@ -396,7 +396,7 @@ impl World {
         for entry in entries {
             let path = entry?.path();
             let name = path.file_name().map(|n| n.to_string_lossy().to_string());
-            if path.extension().map_or(true, |x| x != "json")
+            if path.extension().is_none_or(|x| x != "json")
                 || name.is_some_and(|n| n.starts_with('.'))
             {
                 continue;

@@ -29,16 +29,22 @@ pub struct Record {
     pub id: String,
     /// normal, failure, boundary, recovery, crash
     pub kind: String,
-    /// The IM_FAULT the gateway ran with (or another fault injected), null for none.
-    pub fault: Option<String>,
-    /// What the design note says must be seen, by name.
-    pub expected: serde_json::Map<String, Value>,
-    /// What the harness saw, by name (every expected name plus extra observations).
-    pub observed: serde_json::Map<String, Value>,
     /// PASS, FAIL or NOT_RUN.
     pub result: String,
     /// Why it failed or was not run; null on PASS.
     pub reason: Option<String>,
+    /// The invariants this check proves (its own assertions; the history checker judges all).
+    #[serde(default)]
+    pub invariants: Vec<String>,
+    /// What the check does, in one sentence.
+    #[serde(default)]
+    pub what: String,
+    /// The IM_FAULT the gateway ran with (or another fault injected), null for none.
+    pub fault: Option<String>,
+    /// What must be seen, by name: `observed[name] <op> value` (machine-checkable).
+    pub expected: std::collections::BTreeMap<String, Expect>,
+    /// What the harness saw, by name (every expected name plus extra observations).
+    pub observed: serde_json::Map<String, Value>,
     /// Wall time of the check, milliseconds.
     pub duration_ms: u64,
     /// PostgreSQL the check ran against: version, fsync, synchronous_commit.
@@ -52,6 +58,55 @@ pub struct Record {
     /// (a failed check only); null on PASS.
     #[serde(default)]
     pub kept: Option<Vec<String>>,
+}
+
+/// How an observation is compared with its expected value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    /// Equal (JSON equality).
+    Eq,
+    /// Not equal.
+    Ne,
+    /// Numbers: observed >= value (and so on).
+    Ge,
+    Gt,
+    Le,
+    Lt,
+    /// Arrays: every element of `value` is in the observed array.
+    ContainsAll,
+}
+
+/// One expectation of a record: `observed <op> value`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Expect {
+    pub op: Op,
+    pub value: Value,
+}
+
+impl Expect {
+    /// Whether `observed` meets this expectation (the same rule the check used, so the
+    /// evidence can be re-derived from the file alone).
+    pub fn holds(&self, observed: &Value) -> bool {
+        let num = |v: &Value| v.as_f64();
+        match self.op {
+            Op::Eq => observed == &self.value,
+            Op::Ne => observed != &self.value,
+            Op::Ge | Op::Gt | Op::Le | Op::Lt => match (num(observed), num(&self.value)) {
+                (Some(o), Some(v)) => match self.op {
+                    Op::Ge => o >= v,
+                    Op::Gt => o > v,
+                    Op::Le => o <= v,
+                    _ => o < v,
+                },
+                _ => false,
+            },
+            Op::ContainsAll => match (observed.as_array(), self.value.as_array()) {
+                (Some(o), Some(v)) => v.iter().all(|x| o.contains(x)),
+                _ => false,
+            },
+        }
+    }
 }
 
 /// Accumulates a check's expectations and observations, then writes its record and fails
@@ -72,6 +127,8 @@ impl Check {
             rec: Record {
                 id: id.to_string(),
                 kind: kind.to_string(),
+                invariants: Vec::new(),
+                what: String::new(),
                 fault: fault.map(str::to_string),
                 expected: Default::default(),
                 observed: Default::default(),
@@ -87,31 +144,59 @@ impl Check {
         }
     }
 
-    /// Expects `observed == expected` under `name`.
-    pub fn expect(&mut self, name: &str, expected: impl Serialize, observed: impl Serialize) {
-        let e = json!(expected);
-        let o = json!(observed);
-        let ok = e == o;
-        self.expect_that(name, e, o, ok);
-    }
-
-    /// Records `expected` (a value or a description such as "<= 1500") against `observed`,
-    /// with `ok` computed by the caller.
-    pub fn expect_that(
+    /// Expects `observed <op> value` under `name`: the one place a verdict is computed, by
+    /// the same rule ([`Expect::holds`]) a reader can re-apply to the evidence file.
+    pub fn expect_op(
         &mut self,
         name: &str,
-        expected: impl Serialize,
+        op: Op,
+        value: impl Serialize,
         observed: impl Serialize,
-        ok: bool,
     ) {
-        let e = json!(expected);
+        let e = Expect {
+            op,
+            value: json!(value),
+        };
         let o = json!(observed);
-        if !ok {
-            self.failures
-                .push(format!("{name}: expected {e}, observed {o}"));
+        if !e.holds(&o) {
+            self.failures.push(format!(
+                "{name}: expected {:?} {}, observed {o}",
+                e.op, e.value
+            ));
         }
         self.rec.expected.insert(name.to_string(), e);
         self.rec.observed.insert(name.to_string(), o);
+    }
+
+    /// Expects `observed == expected` under `name`.
+    pub fn expect(&mut self, name: &str, expected: impl Serialize, observed: impl Serialize) {
+        self.expect_op(name, Op::Eq, expected, observed);
+    }
+
+    pub fn expect_ne(&mut self, name: &str, other: impl Serialize, observed: impl Serialize) {
+        self.expect_op(name, Op::Ne, other, observed);
+    }
+
+    pub fn expect_ge(&mut self, name: &str, min: impl Serialize, observed: impl Serialize) {
+        self.expect_op(name, Op::Ge, min, observed);
+    }
+
+    pub fn expect_le(&mut self, name: &str, max: impl Serialize, observed: impl Serialize) {
+        self.expect_op(name, Op::Le, max, observed);
+    }
+
+    pub fn expect_lt(&mut self, name: &str, bound: impl Serialize, observed: impl Serialize) {
+        self.expect_op(name, Op::Lt, bound, observed);
+    }
+
+    /// Expects every element of `items` in the observed array.
+    pub fn expect_contains_all(
+        &mut self,
+        name: &str,
+        items: impl Serialize,
+        observed: impl Serialize,
+    ) {
+        self.expect_op(name, Op::ContainsAll, items, observed);
     }
 
     /// An observation with no expectation attached (context for a reviewer).
@@ -206,7 +291,8 @@ pub async fn judge(
     }));
     let kinds: std::collections::BTreeMap<&harness::checker::Kind, &u64> =
         r.counts.iter().filter(|(_, n)| **n > 0).collect();
-    c.expect_that("checker_anomalies", 0, json!(kinds), r.anomalies.is_empty());
+    c.expect("checker_anomalies", 0, r.anomalies.len());
+    c.observe("checker_anomaly_kinds", json!(kinds));
     for a in r.anomalies.iter().take(5) {
         eprintln!("checker: {}", json!(a));
     }
@@ -381,61 +467,131 @@ pub fn ms(d: std::time::Duration) -> f64 {
     (d.as_secs_f64() * 10_000.0).round() / 10.0
 }
 
-/// The im-06 checks: `(evidence id, test name in tests/im06.rs)`. The evidence runner
-/// expects one record per entry; a missing record is a FAIL.
-pub const IM06_CHECKS: &[(&str, &str)] = &[
-    (
-        "06-crash-send.before_insert",
-        "im06_crash_send_before_insert",
-    ),
-    (
-        "06-crash-send.before_commit",
-        "im06_crash_send_before_commit",
-    ),
-    (
-        "06-crash-api.after_send_commit",
-        "im06_crash_api_after_send_commit",
-    ),
-    ("06-lost-reply-retry", "im06_lost_reply_retry"),
-    (
-        "06-push-ack-advances-cursor",
-        "im06_push_ack_advances_cursor",
-    ),
-    (
-        "06-ack-monotonic-and-bounded",
-        "im06_ack_monotonic_and_bounded",
-    ),
-    ("06-lost-push-swept", "im06_lost_push_swept"),
-    (
-        "06-db-immediate-stop-keeps-acked",
-        "im06_db_immediate_stop_keeps_acked",
-    ),
-    ("06-lost-ack-swept", "im06_lost_ack_swept"),
-    (
-        "06-receiver-crash-before-ack",
-        "im06_receiver_crash_before_ack",
-    ),
-    (
-        "06-listen-conn-killed-swept",
-        "im06_listen_conn_killed_swept",
-    ),
-    ("06-queue-overflow-hint", "im06_queue_overflow_hint"),
-    ("06-commit-held-open", "im06_commit_held_open"),
-    ("06-lost-push-gap-synced", "im06_lost_push_gap_synced"),
-    ("06-sweep-hint-cadence", "im06_sweep_hint_cadence"),
-    (
-        "06-receiver-crash-after-ack",
-        "im06_receiver_crash_after_ack",
-    ),
-    ("06-receiver-crash-mid-sync", "im06_receiver_crash_mid_sync"),
+/// One im-06 check: its evidence id, its test in tests/im06.rs, the invariants it proves
+/// (besides the history checker's, which every check runs) and what it does, in one sentence.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckInfo {
+    pub id: &'static str,
+    pub test: &'static str,
+    pub invariants: &'static [&'static str],
+    pub what: &'static str,
+}
+
+/// The im-06 checks. The evidence runner expects one record per entry; a missing record is
+/// a FAIL.
+pub const IM06_CHECKS: &[CheckInfo] = &[
+    CheckInfo {
+        id: "06-crash-send.before_insert",
+        test: "im06_crash_send_before_insert",
+        invariants: &["D1", "D2", "P1"],
+        what: "The gateway halts after taking the seq and before the INSERT: the sender gets no reply, no row exists, and the replayed outbox creates the message once (dup:false).",
+    },
+    CheckInfo {
+        id: "06-crash-send.before_commit",
+        test: "im06_crash_send_before_commit",
+        invariants: &["D1", "D2", "P1"],
+        what: "The gateway halts after the INSERT and before COMMIT: PostgreSQL rolls back, the seq is not consumed, and the replay creates the message once, with seq 1.",
+    },
+    CheckInfo {
+        id: "06-crash-api.after_send_commit",
+        test: "im06_crash_api_after_send_commit",
+        invariants: &["D1", "D2"],
+        what: "The gateway halts after COMMIT and before the reply: the row exists, and the replay answers dup:true with the original seq and mid, still one row.",
+    },
+    CheckInfo {
+        id: "06-lost-reply-retry",
+        test: "im06_lost_reply_retry",
+        invariants: &["D2"],
+        what: "The first sent reply is dropped: the client times out, resends the same cmid and gets dup:true with the original seq; one row.",
+    },
+    CheckInfo {
+        id: "06-push-ack-advances-cursor",
+        test: "im06_push_ack_advances_cursor",
+        invariants: &["D3"],
+        what: "Seven messages reach the receiver by push; it stores them, acks coalesced, and its delivered_seq becomes 7.",
+    },
+    CheckInfo {
+        id: "06-ack-monotonic-and-bounded",
+        test: "im06_ack_monotonic_and_bounded",
+        invariants: &["D4"],
+        what: "An ack of 1 after 7 leaves the cursor at 7, and an ack of 107 beyond the head is CURSOR_AHEAD and changes nothing.",
+    },
+    CheckInfo {
+        id: "06-lost-push-swept",
+        test: "im06_lost_push_swept",
+        invariants: &["D5"],
+        what: "Every push is dropped: in 30 trials the sweep's hint makes the receiver sync and ack within sweep interval + 1 s.",
+    },
+    CheckInfo {
+        id: "06-db-immediate-stop-keeps-acked",
+        test: "im06_db_immediate_stop_keeps_acked",
+        invariants: &["D6", "D2", "P1"],
+        what: "Four senders run until 200+ messages are acknowledged, then PostgreSQL is stopped immediately and restarted: every acknowledged message is there once, and the replayed in-flight sends end as one row each.",
+    },
+    CheckInfo {
+        id: "06-lost-ack-swept",
+        test: "im06_lost_ack_swept",
+        invariants: &["D3", "D5"],
+        what: "The receiver's first ack never reaches the database: the sweep hints again and the re-ack moves the cursor within sweep interval + 1 s.",
+    },
+    CheckInfo {
+        id: "06-receiver-crash-before-ack",
+        test: "im06_receiver_crash_before_ack",
+        invariants: &["D3"],
+        what: "The receiver crashes after storing 5 events and before acking: restarted from its state file, it syncs, drops the duplicates by seq and acks 5.",
+    },
+    CheckInfo {
+        id: "06-listen-conn-killed-swept",
+        test: "im06_listen_conn_killed_swept",
+        invariants: &["D5"],
+        what: "The LISTEN connection is terminated mid-stream: the gateway rebuilds it and sweeps at once, and the receiver ends with every message.",
+    },
+    CheckInfo {
+        id: "06-queue-overflow-hint",
+        test: "im06_queue_overflow_hint",
+        invariants: &["D5"],
+        what: "A slow receiver's queue overflows: pushes stop, an overflow hint follows once it drained, and the receiver syncs to every message.",
+    },
+    CheckInfo {
+        id: "06-commit-held-open",
+        test: "im06_commit_held_open",
+        invariants: &["D1"],
+        what: "Every commit is held open 300 ms: each sent reply and each push is probed on another session the moment it arrives, and its event is already committed.",
+    },
+    CheckInfo {
+        id: "06-lost-push-gap-synced",
+        test: "im06_lost_push_gap_synced",
+        invariants: &["D3", "D5"],
+        what: "The second push is dropped: the receiver sees the gap at the third, syncs it, and only then acks.",
+    },
+    CheckInfo {
+        id: "06-sweep-hint-cadence",
+        test: "im06_sweep_hint_cadence",
+        invariants: &["D5"],
+        what: "A receiver that never acks is hinted once per sweep interval: median gap at most 1.5 x the interval, none over interval + 1 s.",
+    },
+    CheckInfo {
+        id: "06-receiver-crash-after-ack",
+        test: "im06_receiver_crash_after_ack",
+        invariants: &["D3"],
+        what: "The receiver dies right after its first ack frame: whatever that ack covered is in its state file, and the restarted client catches up.",
+    },
+    CheckInfo {
+        id: "06-receiver-crash-mid-sync",
+        test: "im06_receiver_crash_mid_sync",
+        invariants: &["D3", "D5"],
+        what: "The receiver dies after persisting the first of three sync pages: restarted, it holds exactly that page, syncs the rest and acks the head.",
+    },
 ];
 
 /// What the design note says was not run, and why it is not run here either.
 pub fn im06_not_run() -> Vec<Record> {
-    let rec = |id: &str, kind: &str, fault: &str, reason: &str| Record {
+    let rec = |id: &str, kind: &str, fault: Option<&str>, reason: &str| Record {
         id: id.into(),
         kind: kind.into(),
-        fault: Some(fault.into()),
+        invariants: Vec::new(),
+        what: String::new(),
+        fault: fault.map(str::to_string),
         expected: Default::default(),
         observed: Default::default(),
         result: "NOT_RUN".into(),
@@ -449,7 +605,7 @@ pub fn im06_not_run() -> Vec<Record> {
         rec(
             "06-power-loss-keeps-acked",
             "crash",
-            "machine power loss",
+            Some("machine power loss"),
             "not simulated: the harness crashes processes (gateway _exit(137), postmaster \
              immediate shutdown), never the machine or its page cache. With fsync=on and \
              synchronous_commit=on (recorded in `environment`) the WAL is flushed before a \
@@ -458,14 +614,14 @@ pub fn im06_not_run() -> Vec<Record> {
         rec(
             "06-failover-u2",
             "crash",
-            "primary failover (U2)",
+            Some("primary failover (U2)"),
             "not built: the harness runs a single PostgreSQL cluster with no standby; \
              failover to a replica (U2 in the design note) is outside this suite.",
         ),
         rec(
             "06-sweep-cost-at-target-scale",
             "boundary",
-            "none",
+            None,
             "not a pass/fail check here: the sweep query is timed at 1k, 10k and 50k simulated \
              devices by `make bench` (evidence/bench/result.json, section `sweep`); the note's \
              chapter-02 target scale and its 3% redelivery rate were not run.",
@@ -475,6 +631,80 @@ pub fn im06_not_run() -> Vec<Record> {
 
 #[cfg(test)]
 mod tests {
+    /// Evidence that reads itself: every PASS and FAIL of the committed
+    /// evidence/im-06/result.json follows from its own `expected` and `observed` values by
+    /// [`super::Expect::holds`], and every judged PASS has the checker's PASS too.
+    #[test]
+    fn committed_im06_evidence_rederives_from_its_values() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../evidence/im-06/result.json");
+        let doc: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).expect("read the committed evidence"))
+                .expect("parse it");
+        assert_eq!(
+            doc["schema_version"],
+            super::SCHEMA_VERSION,
+            "regenerate: make evidence"
+        );
+        let checks: Vec<super::Record> =
+            serde_json::from_value(doc["checks"].clone()).expect("records");
+        assert!(!checks.is_empty());
+        for r in &checks {
+            let failed: Vec<&String> = r
+                .expected
+                .iter()
+                .filter(|(name, e)| {
+                    !e.holds(r.observed.get(*name).unwrap_or(&serde_json::Value::Null))
+                })
+                .map(|(name, _)| name)
+                .collect();
+            match r.result.as_str() {
+                "PASS" => {
+                    assert!(
+                        failed.is_empty(),
+                        "{}: PASS but {failed:?} do not hold",
+                        r.id
+                    );
+                    assert!(
+                        !r.expected.is_empty(),
+                        "{}: PASS without expectations",
+                        r.id
+                    );
+                    assert!(
+                        !r.invariants.is_empty() && !r.what.is_empty(),
+                        "{}: unnamed",
+                        r.id
+                    );
+                    if let Some(c) = &r.checker {
+                        assert_eq!(c["verdict"], "PASS", "{}", r.id);
+                    }
+                }
+                "FAIL" => assert!(
+                    !failed.is_empty() || r.reason.as_deref().is_some_and(|x| x.contains("error")),
+                    "{}: FAIL with every expectation met and no error",
+                    r.id
+                ),
+                "NOT_RUN" => assert!(r.reason.is_some(), "{}: NOT_RUN without reason", r.id),
+                other => panic!("{}: result {other}", r.id),
+            }
+        }
+    }
+
+    #[test]
+    fn expectations_hold_by_their_op() {
+        use super::{Expect, Op};
+        use serde_json::json;
+        let e = |op, v| Expect { op, value: v };
+        assert!(e(Op::Ge, json!(200)).holds(&json!(201)));
+        assert!(!e(Op::Ge, json!(200)).holds(&json!(199)));
+        assert!(!e(Op::Ge, json!(200)).holds(&json!("lots")));
+        assert!(e(Op::Lt, json!(40)).holds(&json!(39)));
+        assert!(e(Op::Le, json!(450.0)).holds(&json!(450)));
+        assert!(e(Op::Eq, json!([1, 2])).holds(&json!([1, 2])));
+        assert!(e(Op::Ne, json!(7)).holds(&json!(null)));
+        assert!(e(Op::ContainsAll, json!([1, 2])).holds(&json!([3, 2, 1])));
+        assert!(!e(Op::ContainsAll, json!([1, 4])).holds(&json!([1, 2])));
+    }
+
     #[test]
     fn quantile_is_nearest_rank() {
         let xs: Vec<f64> = (1..=100).map(f64::from).collect();

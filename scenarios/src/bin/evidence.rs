@@ -49,15 +49,43 @@ fn read_records(dir: &Path) -> anyhow::Result<Vec<Record>> {
     Ok(out)
 }
 
+/// `$CARGO_TARGET_DIR` (relative to the workspace) or `<workspace>/target`.
+fn target_dir(root: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) if Path::new(&d).is_absolute() => PathBuf::from(d),
+        Some(d) => root.join(d),
+        None => root.join("target"),
+    }
+}
+
+/// evidence/im-06/result.json, in the order a reader wants it.
+#[derive(serde::Serialize)]
+struct Doc<'a> {
+    schema_version: u32,
+    summary: Value,
+    suite: &'a str,
+    design_note: &'a str,
+    generated_by: &'a str,
+    environment: Value,
+    checks: &'a [Record],
+}
+
 fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let generated_at = rfc3339(SystemTime::now());
     let root = workspace();
-    let records_dir = root.join("target/imfault-evidence-run");
-    if records_dir.exists() {
-        std::fs::remove_dir_all(&records_dir).context("clear the previous run's records")?;
+    // Each run keeps its records under its own directory; `latest` points at the newest.
+    let runs = target_dir(&root).join("imfault-runs");
+    let run_dir = runs.join(format!("evidence-{}", generated_at.replace([':', '-'], "")));
+    let records_dir = run_dir.join("records");
+    std::fs::create_dir_all(&records_dir)
+        .with_context(|| format!("create {}", records_dir.display()))?;
+    let latest = runs.join("latest");
+    let _ = std::fs::remove_file(&latest);
+    if let Err(e) = std::os::unix::fs::symlink(&run_dir, &latest) {
+        eprintln!("evidence: could not link {}: {e}", latest.display());
     }
-    std::fs::create_dir_all(&records_dir)?;
+    eprintln!("evidence: this run's records: {}", run_dir.display());
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!(
         "evidence: running {} im-06 checks under cargo-nextest",
@@ -81,13 +109,21 @@ fn main() -> anyhow::Result<()> {
 
     let mut found = read_records(&records_dir)?;
     let mut checks: Vec<Record> = Vec::new();
-    for (id, test) in IM06_CHECKS {
-        match found.iter().position(|r| r.id == *id) {
-            Some(i) => checks.push(found.swap_remove(i)),
+    for info in IM06_CHECKS {
+        let (id, test) = (info.id, info.test);
+        match found.iter().position(|r| r.id == id) {
+            Some(i) => {
+                let mut r = found.swap_remove(i);
+                r.invariants = info.invariants.iter().map(|s| s.to_string()).collect();
+                r.what = info.what.to_string();
+                checks.push(r)
+            }
             None => {
                 let mut r = Record {
                     id: id.to_string(),
                     kind: "unknown".into(),
+                    invariants: info.invariants.iter().map(|s| s.to_string()).collect(),
+                    what: info.what.to_string(),
                     fault: None,
                     expected: Default::default(),
                     observed: Default::default(),
@@ -121,12 +157,19 @@ fn main() -> anyhow::Result<()> {
     let (pass, fail, not_run) = (count("PASS"), count("FAIL"), count("NOT_RUN"));
     let dirty =
         git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"]).map(|s| !s.is_empty());
-    let doc = json!({
-        "schema_version": SCHEMA_VERSION,
-        "suite": "im-06",
-        "design_note": "shared/seed/06-send-ack-and-recoverable-delivery.zh.md (sections 8 and 9)",
-        "generated_by": "make evidence (scenarios/src/bin/evidence.rs)",
-        "environment": {
+    // Summary first: a reader (or `head`) sees the verdict before the details (a struct,
+    // because a JSON map would sort its keys).
+    let doc = Doc {
+        schema_version: SCHEMA_VERSION,
+        summary: json!({
+            "total": checks.len(), "pass": pass, "fail": fail, "not_run": not_run,
+            "wall_ms": started.elapsed().as_millis() as u64,
+            "nextest_exit_code": status.code(),
+        }),
+        suite: "im-06",
+        design_note: "shared/seed/06-send-ack-and-recoverable-delivery.zh.md (sections 8 and 9)",
+        generated_by: "make evidence (scenarios/src/bin/evidence.rs)",
+        environment: json!({
             "postgres": postgres,
             "git_commit": git(&["rev-parse", "HEAD"]),
             "git_dirty": dirty,
@@ -135,14 +178,10 @@ fn main() -> anyhow::Result<()> {
             "os": std::env::consts::OS,
             "arch": std::env::consts::ARCH,
             "gateway_binary": "target/debug/im-gateway (built with --features faults)",
-        },
-        "summary": {
-            "total": checks.len(), "pass": pass, "fail": fail, "not_run": not_run,
-            "wall_ms": started.elapsed().as_millis() as u64,
-            "nextest_exit_code": status.code(),
-        },
-        "checks": checks,
-    });
+            "run_dir": run_dir.strip_prefix(&root).unwrap_or(&run_dir),
+        }),
+        checks: &checks,
+    };
     let out_dir = root.join("evidence/im-06");
     std::fs::create_dir_all(&out_dir)?;
     let tmp = out_dir.join(".result.json.tmp");
@@ -158,10 +197,7 @@ fn main() -> anyhow::Result<()> {
             "  {:<8} {:<34} {}",
             r.result,
             r.id,
-            r.reason
-                .as_deref()
-                .filter(|_| r.result == "FAIL")
-                .unwrap_or("")
+            r.reason.as_deref().unwrap_or("")
         );
     }
     println!("  {pass} PASS, {fail} FAIL, {not_run} NOT_RUN");
