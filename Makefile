@@ -1,9 +1,11 @@
 # imfault: `make evidence` runs the scenarios and writes evidence/; `make test` runs everything.
 CARGO    ?= cargo
+# Where cargo puts what it builds: $CARGO_TARGET_DIR if set, else ./target.
+TARGET   := $(or $(CARGO_TARGET_DIR),target)
 # The harness runs target/debug/im-gateway, which must carry the fault points.
 FEATURES := --features im-gateway/faults
 
-.PHONY: setup build test evidence controls lint repro bench bench-quick clean
+.PHONY: setup build test evidence controls fuzz up lint repro bench bench-quick clean
 
 setup:
 	@./scripts/setup.sh
@@ -22,7 +24,7 @@ test: build lint
 	$(CARGO) nextest run --workspace $(FEATURES) --no-fail-fast
 
 evidence: build
-	./target/debug/evidence
+	$(TARGET)/debug/evidence
 
 # make controls: the negative controls. Builds the gateway with its deliberate bugs
 # (--features faults,bugs) as target/debug/im-gateway-bugs, rebuilds the clean binary, then
@@ -31,14 +33,27 @@ evidence: build
 RUNS ?= 10
 controls: build
 	$(CARGO) build -p im-gateway --bin im-gateway --features faults,bugs
-	cp target/debug/im-gateway target/debug/im-gateway-bugs
+	cp $(TARGET)/debug/im-gateway $(TARGET)/debug/im-gateway-bugs
 	$(CARGO) build -p im-gateway --bin im-gateway $(FEATURES)
-	touch target/debug/im-gateway
-	./target/debug/controls --runs $(RUNS) $(if $(ONLY),--only $(ONLY))
+	touch $(TARGET)/debug/im-gateway
+	$(TARGET)/debug/controls --runs $(RUNS) $(if $(ONLY),--only $(ONLY))
+
+# make fuzz: the frame parser fuzzed with 10 million generated inputs (release build,
+# seeded: SEED=n repeats a run), then the real gateway's connection state machine over the
+# wire with 100,000 frames. `make test` runs a short pass of both.
+SEED ?= 1
+fuzz: build
+	$(CARGO) run --release -q -p imfault-fuzz -- --seed $(SEED) --inputs 10000000
+	IMFAULT_FUZZ_FRAMES=100000 IMFAULT_FUZZ_SEED=$(SEED) $(CARGO) nextest run --workspace $(FEATURES) -E 'binary(fuzz_wire)' --no-capture
+
+# make up: a throwaway cluster and the gateway, provisioned (alice/a1, bob/b1, c1), with one
+# example exchange printed; runs until Ctrl-C.
+up: build
+	$(TARGET)/debug/up
 
 # make repro FAULT='send.before_commit:halt'
 repro: build
-	./target/debug/repro '$(FAULT)'
+	$(TARGET)/debug/repro '$(FAULT)'
 
 # make bench: a load generator (bench/, imfault-bench) against the RELEASE gateway without
 # fault points (send path, fan-out, sweep), and the debug build with fault points from
