@@ -153,10 +153,12 @@ async fn explain(
     sql: &str,
     devices: &[String],
     users: &[String],
+    epochs: &[i64],
 ) -> anyhow::Result<Explain> {
     let row = sqlx::query(&format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"))
         .bind(devices)
         .bind(users)
+        .bind(epochs)
         .fetch_one(pool)
         .await
         .context("EXPLAIN the sweep query")?;
@@ -206,6 +208,8 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
         let provision_s = r3(t.elapsed().as_secs_f64());
         let devices = ids("sw-d", n);
         let users = ids("sw-u", n);
+        // Every simulated device is at its first install (the sweep serves current ones).
+        let epochs = vec![1i64; n];
         let pairs = (n * k) as u64;
         for (li, &lag) in p.sweep_lag_percents.iter().enumerate() {
             let lagging_pairs = set_lag(&ctx.pool, lag).await?;
@@ -228,7 +232,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
                     r + 1
                 ));
                 let t = Instant::now();
-                let got = im_gateway::store::lagging(&ctx.pool, &devices, &users)
+                let got = im_gateway::store::lagging(&ctx.pool, &devices, &users, &epochs)
                     .await
                     .context("store::lagging")?;
                 wall.push(r3(t.elapsed().as_secs_f64() * 1000.0));
@@ -249,7 +253,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
                     si + 1,
                     sizes.len()
                 ));
-                Some(explain(&ctx.pool, &sql, &devices, &users).await?)
+                Some(explain(&ctx.pool, &sql, &devices, &users, &epochs).await?)
             } else {
                 None
             };

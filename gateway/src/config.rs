@@ -18,10 +18,26 @@ pub struct Config {
     /// `IM_DB_POOL_MAX`: connections for requests, fan-out reads and the sweep (the pool has
     /// one more, for the LISTEN connection).
     pub db_pool_max: u32,
-    /// `IM_MAX_CONNECTIONS`: WebSocket connections served at once; more are refused with 503.
+    /// `IM_MAX_CONNECTIONS`: WebSocket connections served at once (handshake finished); more
+    /// are refused with 503. Handshakes in progress do not count (`handshakes_max` does).
     pub connections_max: usize,
+    /// `IM_HANDSHAKES_MAX`: upgrade handshakes in progress at once, a pool of its own so that
+    /// unfinished handshakes (slowloris) never take the slots of finished connections.
+    pub handshakes_max: usize,
+    /// `IM_HANDSHAKE_TIMEOUT_MS`: an upgrade request not complete by then is dropped.
+    pub handshake_timeout_ms: u64,
+    /// `IM_CONNS_PER_ADDR_MAX`: handshakes plus connections from one source IP address.
+    pub conns_per_addr_max: usize,
+    /// `IM_CONNS_PER_DEVICE_MAX`: authenticated connections of one device; the next `hello`
+    /// gets UNAVAILABLE and a close.
+    pub conns_per_device_max: usize,
     /// `IM_QUEUE_FRAMES_MAX`: outbound frames queued per connection before pushes overflow.
     pub queue_frames_max: usize,
+    /// `IM_QUEUE_BYTES_MAX`: bytes of one connection's outbound frames, queued or being built
+    /// (a sync page reserves its size before it is read). A reply that does not fit waits
+    /// (only that connection slows); a push that does not fit overflows. Never below
+    /// `sync_page_max_bytes`.
+    pub queue_bytes_max: usize,
     /// `IM_FRAME_MAX_BYTES`: largest inbound text frame; larger gets TOO_LARGE and a close.
     pub frame_max_bytes: usize,
     /// `IM_BODY_MAX_BYTES`: largest message body; larger gets TOO_LARGE (connection stays).
@@ -36,6 +52,15 @@ pub struct Config {
     pub fanout_inflight_max: usize,
     /// `IM_HELLO_TIMEOUT_MS`: a connection that has not said a good `hello` by then is closed.
     pub hello_timeout_ms: u64,
+    /// `IM_HELLO_FAILS_PER_ADDR_PER_MIN`: failed hellos one source address may make per
+    /// minute (a token bucket of this size refilled over a minute); past it a `hello` is
+    /// answered UNAVAILABLE without checking anything.
+    pub hello_fails_per_addr_per_min: u32,
+    /// `IM_HELLO_FAILS_PER_DEVICE_PER_MIN`: the same per device id (known or not).
+    pub hello_fails_per_device_per_min: u32,
+    /// `IM_READ_IDLE_MS`: a peer from which nothing (not even a pong) arrived for this long
+    /// is closed; after half of it in silence the gateway sends a ping.
+    pub read_idle_ms: u64,
     /// `IM_WRITE_TIMEOUT_MS`: a frame the peer does not take within this time ends the
     /// connection (a client that stopped reading cannot pin a task forever).
     pub write_timeout_ms: u64,
@@ -90,14 +115,19 @@ pub fn db_timeout() -> anyhow::Result<Duration> {
 
 impl Config {
     pub fn from_env() -> anyhow::Result<Config> {
-        Ok(Config {
+        let cfg = Config {
             database_url: database_url()?,
             listen: var("IM_LISTEN").unwrap_or_else(|| "127.0.0.1:8080".to_string()),
             sweep_interval_ms: num("IM_SWEEP_MS", 1000u64, 10, 3_600_000)?,
             db_timeout_ms: db_timeout()?.as_millis() as u64,
             db_pool_max: num("IM_DB_POOL_MAX", 16u32, 1, 1000)?,
             connections_max: num("IM_MAX_CONNECTIONS", 10_000usize, 1, 1_000_000)?,
+            handshakes_max: num("IM_HANDSHAKES_MAX", 1024usize, 1, 1_000_000)?,
+            handshake_timeout_ms: num("IM_HANDSHAKE_TIMEOUT_MS", 3000u64, 10, 600_000)?,
+            conns_per_addr_max: num("IM_CONNS_PER_ADDR_MAX", 256usize, 1, 1_000_000)?,
+            conns_per_device_max: num("IM_CONNS_PER_DEVICE_MAX", 8usize, 1, 10_000)?,
             queue_frames_max: num("IM_QUEUE_FRAMES_MAX", 256usize, 2, 1_000_000)?,
+            queue_bytes_max: num("IM_QUEUE_BYTES_MAX", 2usize << 20, 4096, 1 << 30)?,
             frame_max_bytes: num("IM_FRAME_MAX_BYTES", 65_536usize, 256, 16 << 20)?,
             body_max_bytes: num("IM_BODY_MAX_BYTES", 16_384usize, 1, 8 << 20)?,
             sync_limit_max: num("IM_SYNC_LIMIT_MAX", 500i64, 1, 10_000)?,
@@ -105,10 +135,32 @@ impl Config {
             conn_inflight_max: num("IM_CONN_INFLIGHT_MAX", 8usize, 1, 1024)?,
             fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 16usize, 1, 1024)?,
             hello_timeout_ms: num("IM_HELLO_TIMEOUT_MS", 10_000u64, 10, 3_600_000)?,
+            hello_fails_per_addr_per_min: num(
+                "IM_HELLO_FAILS_PER_ADDR_PER_MIN",
+                30u32,
+                1,
+                1_000_000,
+            )?,
+            hello_fails_per_device_per_min: num(
+                "IM_HELLO_FAILS_PER_DEVICE_PER_MIN",
+                10u32,
+                1,
+                1_000_000,
+            )?,
+            read_idle_ms: num("IM_READ_IDLE_MS", 90_000u64, 100, 3_600_000)?,
             write_timeout_ms: num("IM_WRITE_TIMEOUT_MS", 10_000u64, 10, 3_600_000)?,
             shutdown_grace_ms: num("IM_SHUTDOWN_GRACE_MS", 10_000u64, 0, 600_000)?,
             fault: std::env::var("IM_FAULT").unwrap_or_default(),
-        })
+        };
+        if cfg.sync_page_max_bytes > cfg.queue_bytes_max {
+            bail!(
+                "IM_SYNC_PAGE_MAX_BYTES={} is above IM_QUEUE_BYTES_MAX={}: a sync page must fit \
+                 in a connection's byte budget",
+                cfg.sync_page_max_bytes,
+                cfg.queue_bytes_max
+            );
+        }
+        Ok(cfg)
     }
 
     pub fn db_timeout(&self) -> Duration {

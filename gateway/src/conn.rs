@@ -1,25 +1,39 @@
 //! One WebSocket connection: its read loop (parse, authenticate, then hand each request to
 //! its own task, at most IM_CONN_INFLIGHT_MAX at once), and its writer task (drains the
 //! bounded queue, applies the reply/push fault points, sends overflow hints once drained,
-//! closes). It owns no SQL (that is `store`) and never blocks anyone else: fan-out only ever
-//! `try_send`s into its queue.
+//! pings when asked, closes). It owns no SQL (that is `store`) and never blocks anyone else:
+//! fan-out only ever `try_send`s into its queue.
+//!
+//! Memory per connection is bounded in bytes (`IM_QUEUE_BYTES_MAX`, [`Budget`]): every
+//! frame queued for the writer holds its length from the budget until it is written; a sync
+//! reserves its largest page before reading it, so the budget covers the replies being
+//! built as well as the queue. A reply that does not fit waits (that slows only this
+//! connection: its requests, then its reader, stop); a push that does not fit overflows
+//! (`hub`), and D5's repair path (overflow hint, then sync) brings the client back.
 //!
 //! Requests after `hello` run concurrently, so one slow request (say, waiting out the
 //! database deadline) never delays the next one's answer; replies are matched by `rid` and
 //! may leave in another order than the requests came.
+//!
+//! Closing keeps replies: the reader waits for in-flight requests, queues the close frame
+//! behind their replies, then keeps reading (and discarding) until the peer's close frame,
+//! EOF, or a short linger, so unread client data never makes the kernel reset the
+//! connection and discard what was queued (RFC 6455 section 7.1.1: the server closes TCP
+//! after the close handshake).
 
 use crate::bugs;
 use crate::config::{SUB_CONVS_MAX, SYNC_LIMIT_DEFAULT};
 use crate::error::WireError;
 use crate::faults::{self, points, Fired};
-use crate::hub::{ConnHandle, Kind, Out};
+use crate::hub::{Budget, Closer, ConnHandle, Kind, Out, Outbound, Reserved};
 use crate::protocol::{self, Request};
 use crate::server::State;
 use crate::store::{self, Principal, SendOutcome, Sent, UncommittedHook};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Semaphore};
@@ -30,94 +44,142 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
 type Sink = futures_util::stream::SplitSink<WebSocketStream<TcpStream>, Message>;
-/// The connection's entry in the hub, once it subscribed; shared with the writer.
-type HandleSlot = Arc<Mutex<Option<Arc<ConnHandle>>>>;
+
+/// After the writer wrote the close frame, how long the reader keeps draining the peer's
+/// data waiting for its close frame before it drops the socket.
+const CLOSE_LINGER: Duration = Duration::from_secs(2);
+
+/// What a JSON frame around a sync page adds to the events' own JSON (type, conv, head,
+/// complete, an escaped rid).
+const SYNC_FRAME_OVERHEAD_BYTES: usize = 1024;
 
 /// Serves one upgraded connection until the peer leaves, a fatal error, or shutdown.
-pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, peer: String) {
+pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, peer: SocketAddr) {
     let (sink, mut stream) = ws.split();
     let (tx, rx) = mpsc::channel::<Out>(state.cfg.queue_frames_max);
-    let slot: HandleSlot = Default::default();
+    let out = Arc::new(Outbound::new(state.cfg.queue_bytes_max));
+    let closer = Arc::new(Closer::default());
     let write_timeout = Duration::from_millis(state.cfg.write_timeout_ms);
     // Cancelled when the writer gives up (write failed or timed out): the reader stops too.
     let writer_gone = CancellationToken::new();
     let writer = state.tracker.spawn(writer(
         sink,
         rx,
-        slot.clone(),
+        out.clone(),
         id,
         write_timeout,
         writer_gone.clone(),
     ));
     let hello_deadline =
         tokio::time::Instant::now() + Duration::from_millis(state.cfg.hello_timeout_ms);
+    let read_idle = Duration::from_millis(state.cfg.read_idle_ms);
+    let mut last_read = tokio::time::Instant::now();
+    let mut ping_asked = false;
     let inflight_max = state.cfg.conn_inflight_max;
     let inflight = Arc::new(Semaphore::new(inflight_max));
-    // A request task cancels this to end the connection (after STALE_INSTALL, say).
-    let close = CancellationToken::new();
-    let close_code: Arc<Mutex<CloseCode>> = Arc::new(Mutex::new(CloseCode::Policy));
     tracing::info!(conn = id, %peer, "connection opened");
 
     let mut session: Option<Arc<Session>> = None;
-    let code = loop {
+    // The close code, and an error frame to send before the close frame.
+    let (code, last_error) = loop {
         let msg = tokio::select! {
-            _ = state.cancel.cancelled() => break CloseCode::Away,
-            _ = writer_gone.cancelled() => break CloseCode::Abnormal,
-            _ = close.cancelled() => break *close_code.lock().unwrap_or_else(|p| p.into_inner()),
+            _ = state.cancel.cancelled() => break (CloseCode::Away, None),
+            _ = writer_gone.cancelled() => break (CloseCode::Abnormal, None),
+            _ = closer.requested() => {
+                let (code, e) = closer.take().unwrap_or((1008, None));
+                break (CloseCode::from(code), e);
+            }
             _ = tokio::time::sleep_until(hello_deadline), if session.is_none() => {
                 tracing::info!(conn = id, "no hello within IM_HELLO_TIMEOUT_MS: closing");
-                break CloseCode::Policy;
+                break (CloseCode::Policy, None);
             }
-            m = stream.next() => m,
-        };
-        let text = match msg {
-            None => break CloseCode::Normal,
-            Some(Ok(Message::Text(t))) => t,
-            Some(Ok(Message::Binary(_))) => {
-                let e = WireError::bad("binary frames are not accepted: send JSON text");
-                reply(&tx, id, None, Err(e)).await;
+            _ = tokio::time::sleep_until(last_read + read_idle / 2), if !ping_asked => {
+                // Half the idle time in silence: a ping, which a live peer answers.
+                out.ping.notify_one();
+                ping_asked = true;
                 continue;
             }
-            Some(Ok(Message::Close(_))) => break CloseCode::Normal,
+            _ = tokio::time::sleep_until(last_read + read_idle) => {
+                tracing::info!(conn = id, "nothing read within IM_READ_IDLE_MS: closing");
+                break (CloseCode::Away, None);
+            }
+            m = stream.next() => {
+                last_read = tokio::time::Instant::now();
+                ping_asked = false;
+                m
+            }
+        };
+        let frame_max = state.cfg.frame_max_bytes;
+        let text = match msg {
+            None => break (CloseCode::Normal, None),
+            Some(Ok(Message::Text(t))) if t.len() > frame_max => {
+                tracing::info!(conn = id, "frame over the size limit: closing");
+                break (CloseCode::Size, Some(too_large(frame_max)));
+            }
+            Some(Ok(Message::Text(t))) => t,
+            Some(Ok(Message::Binary(b))) => {
+                if b.len() > frame_max {
+                    tracing::info!(conn = id, "frame over the size limit: closing");
+                    break (CloseCode::Size, Some(too_large(frame_max)));
+                }
+                let e = if session.is_some() {
+                    WireError::bad("binary frames are not accepted: send JSON text")
+                } else {
+                    WireError::Unauthenticated("say hello first")
+                };
+                reply(&tx, &out.budget, id, None, Err(e)).await;
+                continue;
+            }
+            Some(Ok(Message::Close(_))) => break (CloseCode::Normal, None),
             Some(Ok(_)) => continue, // ping/pong: tungstenite answers pings itself
             Some(Err(WsError::Capacity(_))) => {
-                too_large(&tx, id, state.cfg.frame_max_bytes).await;
-                break CloseCode::Size;
+                tracing::info!(conn = id, "frame over the size limit: closing");
+                break (CloseCode::Size, Some(too_large(frame_max)));
+            }
+            Some(Err(WsError::Utf8)) => {
+                tracing::info!(conn = id, "text frame is not UTF-8: closing (1007)");
+                break (CloseCode::Invalid, None);
+            }
+            Some(Err(WsError::Protocol(e))) => {
+                tracing::info!(conn = id, error = %e, "protocol violation: closing (1002)");
+                break (CloseCode::Protocol, None);
             }
             Some(Err(e)) => {
                 tracing::info!(conn = id, error = %e, "connection read error");
-                break CloseCode::Abnormal;
+                break (CloseCode::Abnormal, None);
             }
         };
-        if text.len() > state.cfg.frame_max_bytes {
-            too_large(&tx, id, state.cfg.frame_max_bytes).await;
-            break CloseCode::Size;
-        }
         let inbound = protocol::parse(&text, state.cfg.body_max_bytes);
         let Some(s) = &session else {
             // Nothing but `hello` is served before hello, and hello is served inline.
-            match hello(&state, &tx, id, inbound.rid.as_deref(), inbound.req).await {
-                Ok(Some(who)) => {
+            let ctx = Hello {
+                state: &state,
+                tx: &tx,
+                out: &out,
+                closer: &closer,
+                id,
+                peer,
+            };
+            match ctx.serve(inbound.rid.as_deref(), inbound.req).await {
+                Ok(Some(handle)) => {
                     session = Some(Arc::new(Session {
                         state: state.clone(),
                         id,
                         tx: tx.clone(),
-                        who,
-                        slot: slot.clone(),
-                        close: close.clone(),
-                        close_code: close_code.clone(),
+                        who: handle.who.clone(),
+                        handle,
                         sub_lock: tokio::sync::Mutex::new(()),
                     }))
                 }
                 Ok(None) => {}
-                Err(code) => break code,
+                Err(code) => break (code, None),
             }
             continue;
         };
         // Bounded concurrency per connection: past the limit the reader waits, which only
         // slows this connection.
         let Ok(permit) = inflight.clone().acquire_owned().await else {
-            break CloseCode::Error;
+            break (CloseCode::Error, None);
         };
         let s = s.clone();
         state.tracker.spawn(async move {
@@ -125,37 +187,104 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
             drop(permit);
         });
     };
-    // Let in-flight requests finish and queue their replies before the close frame.
+    // Let in-flight requests finish and queue their replies before the close frame. They
+    // cannot wait forever on the byte budget: the writer drains it, or closes it when it
+    // gives up.
     let _ = inflight.acquire_many(inflight_max as u32).await;
-    if let Some(h) = slot.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-        state.hub.remove(h);
-    }
-    let device = session
-        .as_ref()
-        .map(|s| s.who.device.clone())
-        .unwrap_or_default();
+    let device = match &session {
+        Some(s) => {
+            state.hub.unregister(&s.handle);
+            s.who.device.clone()
+        }
+        None => String::new(),
+    };
     if code != CloseCode::Abnormal {
+        if let Some(e) = &last_error {
+            reply(&tx, &out.budget, id, None, Err(e.clone())).await;
+        }
         let _ = tx
             .send(Out::new(Kind::Close(code.into()), String::new()))
             .await;
     }
     drop(session);
     drop(tx);
-    slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-    let _ = writer.await;
+    // Drain: read (and discard) until the peer's close frame or EOF while the writer
+    // finishes; then linger at most CLOSE_LINGER. Dropping the socket with unread data
+    // would make the kernel send a reset, and the peer would lose what is still in flight.
+    let drain = async {
+        if code == CloseCode::Abnormal {
+            return;
+        }
+        while let Some(m) = stream.next().await {
+            if matches!(m, Ok(Message::Close(_)) | Err(_)) {
+                break;
+            }
+        }
+    };
+    tokio::pin!(writer);
+    tokio::pin!(drain);
+    let linger = tokio::time::sleep(Duration::MAX / 4);
+    tokio::pin!(linger);
+    let mut writer_done = false;
+    let mut drained = false;
+    while !(writer_done && drained) {
+        tokio::select! {
+            _ = &mut writer, if !writer_done => {
+                writer_done = true;
+                linger.as_mut().reset(tokio::time::Instant::now() + CLOSE_LINGER);
+            }
+            _ = &mut drain, if !drained => drained = true,
+            _ = &mut linger, if writer_done => break,
+        }
+    }
+    drop(stream);
     tracing::info!(conn = id, %peer, device, code = u16::from(code), "connection closed");
 }
 
-/// Queues a frame. Replies wait for queue space: that only slows this connection.
-async fn queue(tx: &mpsc::Sender<Out>, kind: Kind, text: String) {
-    let _ = tx.send(Out::new(kind, text)).await;
+fn too_large(frame_max_bytes: usize) -> WireError {
+    WireError::TooLarge(format!("frame is larger than {frame_max_bytes} bytes"))
 }
 
+/// Queues a frame holding its length of the byte budget (`reserved`, if the caller took it
+/// beforehand, is shrunk to the frame or, if too small, given back and taken anew: no
+/// reservation is held while waiting for another). Replies wait for budget and queue space:
+/// that only slows this connection. Nothing is queued once the connection is gone.
+async fn queue(
+    tx: &mpsc::Sender<Out>,
+    budget: &Budget,
+    kind: Kind,
+    text: String,
+    reserved: Option<Reserved>,
+) {
+    let held = match reserved {
+        Some(mut r) if r.bytes() >= text.len() => {
+            r.shrink_to(text.len());
+            Some(r)
+        }
+        _ => budget.reserve(text.len()).await,
+    };
+    let Some(held) = held else { return };
+    let _ = tx.send(Out::reserved(kind, text, held)).await;
+}
+
+/// Renders and queues a reply (or error) to request `rid`.
 async fn reply(
     tx: &mpsc::Sender<Out>,
+    budget: &Budget,
     id: u64,
     rid: Option<&str>,
     r: Result<serde_json::Value, WireError>,
+) {
+    reply_reserved(tx, budget, id, rid, r, None).await
+}
+
+async fn reply_reserved(
+    tx: &mpsc::Sender<Out>,
+    budget: &Budget,
+    id: u64,
+    rid: Option<&str>,
+    r: Result<serde_json::Value, WireError>,
+    reserved: Option<Reserved>,
 ) {
     match r {
         Ok(mut v) => {
@@ -167,70 +296,113 @@ async fn reply(
             if let Some(rid) = rid {
                 v["rid"] = json!(rid);
             }
-            queue(tx, kind, v.to_string()).await;
+            let text = v.to_string();
+            drop(v);
+            queue(tx, budget, kind, text, reserved).await;
         }
         Err(e) => {
             if matches!(e, WireError::Internal) {
                 tracing::error!(conn = id, "request failed with INTERNAL");
             }
-            queue(tx, Kind::Reply, protocol::error_frame(rid, &e)).await
+            drop(reserved);
+            queue(
+                tx,
+                budget,
+                Kind::Reply,
+                protocol::error_frame(rid, &e),
+                None,
+            )
+            .await
         }
     }
 }
 
-async fn too_large(tx: &mpsc::Sender<Out>, id: u64, frame_max_bytes: usize) {
-    let e = WireError::TooLarge(format!("frame is larger than {frame_max_bytes} bytes"));
-    tracing::info!(conn = id, "frame over the size limit: closing");
-    queue(tx, Kind::Reply, protocol::error_frame(None, &e)).await;
+/// A connection before a good `hello`.
+struct Hello<'a> {
+    state: &'a Arc<State>,
+    tx: &'a mpsc::Sender<Out>,
+    out: &'a Arc<Outbound>,
+    closer: &'a Arc<Closer>,
+    id: u64,
+    peer: SocketAddr,
 }
 
-/// Serves a frame before hello. `Ok(Some)`: authenticated; `Ok(None)`: answered, go on;
-/// `Err(code)`: answered, close with `code` (a failed hello).
-async fn hello(
-    state: &State,
-    tx: &mpsc::Sender<Out>,
-    id: u64,
-    rid: Option<&str>,
-    req: Result<Request, WireError>,
-) -> Result<Option<Principal>, CloseCode> {
-    let (device, token, epoch) = match req {
-        Err(e) => {
-            reply(tx, id, rid, Err(e)).await;
-            return Ok(None);
+impl Hello<'_> {
+    /// Serves a frame before hello. `Ok(Some)`: authenticated and registered; `Ok(None)`:
+    /// answered, go on; `Err(code)`: answered, close with `code` (a failed hello).
+    ///
+    /// Any frame but a well-formed `hello` gets UNAUTHENTICATED (SPEC 2), malformed ones
+    /// included. A hello first takes a token from the failed-hello buckets of its source
+    /// address and device id (`limits::HelloThrottle`): with either empty it is answered
+    /// UNAVAILABLE and closed without any database work.
+    async fn serve(
+        &self,
+        rid: Option<&str>,
+        req: Result<Request, WireError>,
+    ) -> Result<Option<Arc<ConnHandle>>, CloseCode> {
+        let (state, tx, budget, id) = (self.state, self.tx, &self.out.budget, self.id);
+        let (device, token, epoch) = match req {
+            Ok(Request::Hello {
+                device,
+                token,
+                epoch,
+            }) => (device, token, epoch),
+            _ => {
+                let e = WireError::Unauthenticated("say hello first");
+                reply(tx, budget, id, rid, Err(e)).await;
+                return Ok(None);
+            }
+        };
+        let ip = self.peer.ip();
+        if !state.hello_throttle.attempt(ip, &device) {
+            tracing::info!(conn = id, peer = %self.peer, device, "failed hellos over the limit: refused");
+            let e = WireError::Throttled("too many failed hellos: retry later");
+            reply(tx, budget, id, rid, Err(e)).await;
+            return Err(CloseCode::Again);
         }
-        Ok(Request::Hello {
-            device,
-            token,
-            epoch,
-        }) => (device, token, epoch),
-        Ok(_) => {
-            reply(
-                tx,
-                id,
-                rid,
-                Err(WireError::Unauthenticated("say hello first")),
-            )
+        let d = device.clone();
+        let r = state
+            .db(move |pool| async move { store::authenticate(&pool, &d, &token, epoch).await })
             .await;
-            return Ok(None);
+        let failed = matches!(
+            r,
+            Err(WireError::Unauthenticated(_) | WireError::StaleInstall)
+        );
+        if !failed {
+            state.hello_throttle.not_failed(ip, &device);
         }
-    };
-    let r = state
-        .db(move |pool| async move { store::authenticate(&pool, &device, &token, epoch).await })
-        .await;
-    match r {
-        Ok(p) => {
-            let v = json!({"t": "welcome", "user": p.user, "device": p.device, "epoch": p.epoch});
-            tracing::debug!(conn = id, user = %p.user, device = %p.device, "authenticated");
-            reply(tx, id, rid, Ok(v)).await;
-            Ok(Some(p))
-        }
-        Err(e) => {
-            let fatal = matches!(e, WireError::Unauthenticated(_) | WireError::StaleInstall);
-            reply(tx, id, rid, Err(e)).await;
-            if fatal {
-                Err(CloseCode::Policy)
-            } else {
-                Ok(None)
+        match r {
+            Ok(p) => {
+                let handle = Arc::new(ConnHandle::new(
+                    id,
+                    p.clone(),
+                    tx.clone(),
+                    self.out.clone(),
+                    self.closer.clone(),
+                ));
+                if state
+                    .hub
+                    .register(&handle, state.cfg.conns_per_device_max)
+                    .is_err()
+                {
+                    tracing::info!(conn = id, device = %p.device, "IM_CONNS_PER_DEVICE_MAX reached: refused");
+                    let e = WireError::Throttled("too many connections for this device");
+                    reply(tx, budget, id, rid, Err(e)).await;
+                    return Err(CloseCode::Again);
+                }
+                let v =
+                    json!({"t": "welcome", "user": p.user, "device": p.device, "epoch": p.epoch});
+                tracing::debug!(conn = id, user = %p.user, device = %p.device, "authenticated");
+                reply(tx, budget, id, rid, Ok(v)).await;
+                Ok(Some(handle))
+            }
+            Err(e) => {
+                reply(tx, budget, id, rid, Err(e)).await;
+                if failed {
+                    Err(CloseCode::Policy)
+                } else {
+                    Ok(None)
+                }
             }
         }
     }
@@ -243,21 +415,32 @@ struct Session {
     tx: mpsc::Sender<Out>,
     /// Fixed by `hello`.
     who: Principal,
-    slot: HandleSlot,
-    /// Cancelled by a request that must end the connection; the reader then closes.
-    close: CancellationToken,
-    close_code: Arc<Mutex<CloseCode>>,
+    /// This connection in the hub (budget, closer, subscription).
+    handle: Arc<ConnHandle>,
     /// Serialises `sub` requests, so a failing one cannot undo a succeeding one.
     sub_lock: tokio::sync::Mutex<()>,
 }
 
 impl Session {
+    fn budget(&self) -> &Budget {
+        &self.handle.out.budget
+    }
+
     /// Replies; STALE_INSTALL (the device was reinstalled meanwhile) also ends the connection.
     async fn reply(&self, rid: Option<&str>, r: Result<serde_json::Value, WireError>) {
+        self.reply_reserved(rid, r, None).await
+    }
+
+    async fn reply_reserved(
+        &self,
+        rid: Option<&str>,
+        r: Result<serde_json::Value, WireError>,
+        reserved: Option<Reserved>,
+    ) {
         let stale = matches!(r, Err(WireError::StaleInstall));
-        reply(&self.tx, self.id, rid, r).await;
+        reply_reserved(&self.tx, self.budget(), self.id, rid, r, reserved).await;
         if stale {
-            self.close_with(CloseCode::Policy);
+            self.handle.closer.close(CloseCode::Policy.into(), None);
         }
     }
 
@@ -301,11 +484,6 @@ impl Session {
             }
         };
         Some((Arc::new(hook), replied))
-    }
-
-    fn close_with(&self, code: CloseCode) {
-        *self.close_code.lock().unwrap_or_else(|p| p.into_inner()) = code;
-        self.close.cancel();
     }
 
     /// Handles one request after hello, replies (or, after a `drop` fault, does not).
@@ -369,14 +547,8 @@ impl Session {
             Request::Sub => {
                 let _one_at_a_time = self.sub_lock.lock().await;
                 // Register before reading the state, so no event falls between the two.
-                let h = {
-                    let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
-                    slot.get_or_insert_with(|| {
-                        Arc::new(ConnHandle::new(self.id, who.clone(), self.tx.clone()))
-                    })
-                    .clone()
-                };
-                let newly = st.hub.subscribe(&h);
+                let h = &self.handle;
+                let newly = st.hub.subscribe(h);
                 let w = who.clone();
                 let r = st
                     .db(move |pool| async move {
@@ -392,7 +564,7 @@ impl Session {
                 });
                 if r.is_err() && newly {
                     // A failed `sub` takes no effect: the client was told it did not work.
-                    st.hub.remove(&h);
+                    st.hub.remove(h);
                 }
                 self.reply(rid, r).await
             }
@@ -403,6 +575,16 @@ impl Session {
                 let w = who.clone();
                 let c = conv.clone();
                 let page_max = st.cfg.sync_page_max_bytes;
+                // The page's largest frame is reserved before it is read, so pages being
+                // built count against the byte budget as much as queued ones do.
+                let event_max = st.cfg.body_max_bytes * 6 + SYNC_FRAME_OVERHEAD_BYTES;
+                let largest = (limit as usize)
+                    .saturating_mul(event_max)
+                    .min(page_max.max(event_max))
+                    + SYNC_FRAME_OVERHEAD_BYTES;
+                let Some(reserved) = self.budget().reserve(largest).await else {
+                    return; // the connection is gone
+                };
                 let r = st
                     .db(move |pool| async move {
                         store::sync(&pool, &w, &c, after, limit, page_max).await
@@ -413,7 +595,7 @@ impl Session {
                     json!({"t": "synced", "conv": conv, "events": events, "head": p.head,
                            "complete": p.complete})
                 });
-                self.reply(rid, r).await
+                self.reply_reserved(rid, r, Some(reserved)).await
             }
         }
     }
@@ -427,8 +609,8 @@ fn sent_json(conv: &str, sent: &Sent) -> serde_json::Value {
 
 /// Writes one frame; a peer that does not take it within `limit` is an error (the
 /// connection is then abandoned, so a half-written frame does not matter).
-async fn write(sink: &mut Sink, text: String, limit: Duration) -> Result<(), WsError> {
-    match tokio::time::timeout(limit, sink.send(Message::text(text))).await {
+async fn write(sink: &mut Sink, msg: Message, limit: Duration) -> Result<(), WsError> {
+    match tokio::time::timeout(limit, sink.send(msg)).await {
         Ok(r) => r,
         Err(_) => Err(WsError::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -437,40 +619,38 @@ async fn write(sink: &mut Sink, text: String, limit: Duration) -> Result<(), WsE
     }
 }
 
-/// A WebSocket ping this often when nothing else was written: a peer that vanished without
-/// closing is then found by the write timeout or the kernel, not never.
-const PING_INTERVAL: Duration = Duration::from_secs(30);
-
 /// Drains the queue to the socket. The `gw.reply.send`, `gw.reply.ack` and `gw.push` fault
 /// points act here, on the frame about to be written. Once the queue is empty it sends the
-/// overflow hints (`why:"overflow"`) the fan-out recorded while it was full. If a write
-/// fails or the peer stops reading for `limit`, it cancels `gone` so the reader ends the
-/// connection too (its replies would have nowhere to go).
+/// overflow hints (`why:"overflow"`) the fan-out recorded while it was full. A frame gives
+/// its bytes back to the budget once written (or dropped). Pushes and hints still queued
+/// when the install became stale are dropped. Pings when the reader asks (the peer was
+/// silent for half of IM_READ_IDLE_MS). If a write fails or the peer stops reading for
+/// `limit`, it cancels `gone` so the reader ends the connection too (its replies would have
+/// nowhere to go); on any exit it closes the budget so nobody waits for it.
 async fn writer(
     mut sink: Sink,
     mut rx: mpsc::Receiver<Out>,
-    handle: HandleSlot,
+    out: Arc<Outbound>,
     id: u64,
     limit: Duration,
     gone: CancellationToken,
 ) {
     let _gone = gone.drop_guard();
+    let _closed = CloseBudget(&out);
     loop {
-        let out = tokio::select! {
-            out = rx.recv() => match out {
-                Some(out) => out,
-                None => return,
-            },
-            _ = tokio::time::sleep(PING_INTERVAL) => {
-                let ping = tokio::time::timeout(limit, sink.send(Message::Ping(Default::default())));
-                if !matches!(ping.await, Ok(Ok(()))) {
+        let next = tokio::select! {
+            biased;
+            _ = out.ping.notified() => {
+                if write(&mut sink, Message::Ping(Default::default()), limit).await.is_err() {
                     tracing::info!(conn = id, "ping not taken: abandoning the connection");
                     return;
                 }
                 continue;
             }
+            next = rx.recv() => next,
         };
-        let point = match out.kind {
+        let Some(next) = next else { return };
+        let point = match next.kind {
             Kind::Close(code) => {
                 let frame = CloseFrame {
                     code: CloseCode::from(code),
@@ -483,47 +663,57 @@ async fn writer(
                 .await;
                 return;
             }
+            Kind::Push | Kind::Hint if out.is_revoked() => continue,
             Kind::Sent => Some(points::GW_REPLY_SEND),
             Kind::Acked => Some(points::GW_REPLY_ACK),
             Kind::Push => Some(points::GW_PUSH),
             Kind::Reply | Kind::Hint => None,
         };
-        let mut text = Some(out.text);
+        let kind = next.kind;
+        // `next` keeps its bytes of the budget until it is written or dropped.
+        let mut text = Some(next.text.as_str());
+        let replaced;
         if let Some(point) = point {
             match faults::check(point).await {
                 Fired::Pass => {}
                 Fired::Drop => text = None,
-                Fired::Error if out.kind == Kind::Push => text = None,
+                Fired::Error if kind == Kind::Push => text = None,
                 Fired::Error => {
                     // The operation already committed; the client sees UNAVAILABLE and retries.
-                    let rid = text
-                        .as_deref()
-                        .and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok())
+                    let rid = serde_json::from_str::<serde_json::Value>(&next.text)
+                        .ok()
                         .and_then(|v| v["rid"].as_str().map(str::to_string));
-                    text = Some(protocol::error_frame(
-                        rid.as_deref(),
-                        &WireError::Unavailable,
-                    ));
+                    replaced = protocol::error_frame(rid.as_deref(), &WireError::Unavailable);
+                    text = Some(replaced.as_str());
                 }
             }
         }
         if let Some(text) = text {
-            if let Err(e) = write(&mut sink, text, limit).await {
+            if let Err(e) = write(&mut sink, Message::text(text), limit).await {
                 tracing::info!(conn = id, error = %e, "write failed: abandoning the connection");
                 return;
             }
         }
+        drop(next);
         // Also after a dropped frame: an overflowed connection must get its hints.
         if rx.is_empty() {
-            let h = handle.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            if let Some(pending) = h.and_then(|h| h.take_overflow()) {
+            if let Some(pending) = out.take_overflow() {
                 for (conv, head) in pending {
                     let hint = protocol::hint_frame(&conv, head, "overflow");
-                    if write(&mut sink, hint, limit).await.is_err() {
+                    if write(&mut sink, Message::text(hint), limit).await.is_err() {
                         return;
                     }
                 }
             }
         }
+    }
+}
+
+/// Closes the budget when the writer ends, however it ends.
+struct CloseBudget<'a>(&'a Outbound);
+
+impl Drop for CloseBudget<'_> {
+    fn drop(&mut self) {
+        self.0.budget.close();
     }
 }

@@ -21,6 +21,10 @@ pub enum WireError {
     TooLarge(String),
     #[error("database unavailable, retry later")]
     Unavailable,
+    /// A limit refused the request for now (failed hellos, connections per device): code
+    /// UNAVAILABLE, the client may retry later.
+    #[error("{0}")]
+    Throttled(&'static str),
     #[error("internal error")]
     Internal,
 }
@@ -36,7 +40,7 @@ impl WireError {
             WireError::CursorAhead { .. } => "CURSOR_AHEAD",
             WireError::CmidConflict => "CMID_CONFLICT",
             WireError::TooLarge(_) => "TOO_LARGE",
-            WireError::Unavailable => "UNAVAILABLE",
+            WireError::Unavailable | WireError::Throttled(_) => "UNAVAILABLE",
             WireError::Internal => "INTERNAL",
         }
     }

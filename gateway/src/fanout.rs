@@ -3,6 +3,13 @@
 //! not one per recipient) and offers the push to every subscribed connection of every user
 //! who may see it now (S1). Reads run a few at a time but pushes leave in notification order.
 //!
+//! The same connection listens on `im_admin` (`store::ADMIN_CHANNEL`), where a trigger
+//! (migration 0002) announces every reinstall or removal of a device in the transaction
+//! that commits it: the gateway then closes that device's connections whose install is no
+//! longer current (`Hub::revoke_stale`). Fan-out itself reads the audience's current
+//! installs in the same query as the event, so nothing reaches a stale install between the
+//! commit and the notification.
+//!
 //! Notifications sent while the LISTEN connection is down are gone for good (and sqlx's
 //! listener sometimes reports a reset as an error): any error or loss of the connection
 //! rebuilds the listener and runs a sweep at once (D5), which finds every device left behind.
@@ -21,7 +28,7 @@ pub async fn listen(pool: &sqlx::PgPool) -> Result<PgListener, sqlx::Error> {
     l.ignore_pool_close_event(true);
     // A lost connection is rebuilt by `run` (which then sweeps), not inside `try_recv`.
     l.eager_reconnect(false);
-    l.listen(store::CHANNEL).await?;
+    l.listen_all([store::CHANNEL, store::ADMIN_CHANNEL]).await?;
     Ok(l)
 }
 
@@ -68,6 +75,20 @@ pub async fn run(state: Arc<State>, first: PgListener) {
                 r = l.try_recv() => r,
             };
             match r {
+                Ok(Some(n)) if n.channel() == store::ADMIN_CHANNEL => {
+                    match n.payload().strip_prefix("device:") {
+                        Some(device) => {
+                            let (st, device) = (state.clone(), device.to_string());
+                            state
+                                .tracker
+                                .spawn(async move { revoke(&st, &device).await });
+                        }
+                        None => tracing::warn!(
+                            payload = n.payload(),
+                            "unknown admin notification ignored"
+                        ),
+                    }
+                }
                 Ok(Some(n)) => match parse_payload(n.payload()) {
                     Some(item) => {
                         if tx.send(item).await.is_err() {
@@ -89,6 +110,29 @@ pub async fn run(state: Arc<State>, first: PgListener) {
         // Drop the old listener entirely and build a new one (then sweep).
         drop(l);
         state.sweep_now.notify_one();
+    }
+}
+
+/// A device was reinstalled or removed: close its connections whose install is no longer
+/// current (STALE_INSTALL, then a close). If the read fails, the next sweep does it.
+async fn revoke(state: &State, device: &str) {
+    let read = tokio::time::timeout(
+        state.cfg.db_timeout(),
+        store::install_epoch(&state.pool, device),
+    )
+    .await;
+    match read {
+        Ok(Ok(current)) => {
+            let n = state.hub.revoke_stale(device, current);
+            tracing::info!(device, current, closed = n, "device install changed");
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(device, error = %e, "install read failed; the sweep will close stale installs")
+        }
+        Err(_) => tracing::warn!(
+            device,
+            "install read timed out; the sweep will close stale installs"
+        ),
     }
 }
 
@@ -115,8 +159,11 @@ async fn deliver(state: Arc<State>, rx: mpsc::Receiver<(String, i64)>) {
         match r {
             Ok(Some((ev, audience))) => {
                 let frame = crate::protocol::event_frame(&ev);
-                for c in state.hub.conns_of(&audience) {
-                    c.push(&ev, &frame);
+                for c in state.hub.conns_of(&audience.users) {
+                    // Only current installs (read with the audience): a stale one gets nothing.
+                    if audience.installs.contains(&c.install_key()) {
+                        c.push(&ev, &frame);
+                    }
                 }
             }
             Ok(None) => tracing::warn!(conv, seq, "notified event not found"),

@@ -9,6 +9,12 @@
 //! - D5: [`sweep`] and the LISTEN-loss path of [`fanout`].
 //! - D6: PostgreSQL with `fsync=on`, `synchronous_commit=on`, and D1's reply-after-commit.
 //! - S1: the visibility predicates in [`store`] and `im_visible_head` in `migrations/`.
+//!
+//! Hostile peers (issue #8): a byte budget per connection ([`hub::Budget`]), connections per
+//! device ([`hub::Hub::register`]) and per source address ([`limits`]), a separate pool and
+//! deadline for handshakes ([`server`]), a failed-hello throttle ([`limits`]), stale installs
+//! closed on their reinstall ([`fanout`], [`sweep`]), a close that keeps replies and a
+//! read-idle timeout ([`conn`]).
 
 pub mod admin;
 pub mod bugs;
@@ -18,6 +24,7 @@ pub mod error;
 pub mod fanout;
 pub mod faults;
 pub mod hub;
+pub mod limits;
 pub mod migrate;
 pub mod protocol;
 pub mod server;

@@ -5,11 +5,18 @@ use anyhow::{bail, Context};
 use sqlx::PgPool;
 
 /// `(version, name, sql)`, in order. Files are embedded at build time.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "0001_init",
-    include_str!("../../migrations/0001_init.sql"),
-)];
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "0001_init",
+        include_str!("../../migrations/0001_init.sql"),
+    ),
+    (
+        2,
+        "0002_installs",
+        include_str!("../../migrations/0002_installs.sql"),
+    ),
+];
 
 /// Arbitrary constant for `pg_advisory_xact_lock`: two concurrent `migrate` runs serialise.
 const MIGRATE_LOCK_KEY: i64 = 0x1f_a017;

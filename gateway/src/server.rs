@@ -1,10 +1,18 @@
-//! `serve`: shared state, the accept loop with its connection cap, the per-request database
-//! deadline, and graceful shutdown. It owns task lifetimes (one root `CancellationToken`, one
+//! `serve`: shared state, the accept loop with its limits, the per-request database
+//! deadline, and graceful shutdown.
+//!
+//! Admission, in order: a place for the source address (`IM_CONNS_PER_ADDR_MAX`, counting
+//! handshakes and connections), a place in the handshake pool (`IM_HANDSHAKES_MAX`), the
+//! handshake within `IM_HANDSHAKE_TIMEOUT_MS`, and only once the upgrade request is complete
+//! a connection slot (`IM_MAX_CONNECTIONS`, 503 when none is free). Unfinished handshakes
+//! (slowloris) therefore never take the slots of finished connections, and handshake tasks
+//! end at once on shutdown. It owns task lifetimes (one root `CancellationToken`, one
 //! `TaskTracker`), not protocol logic (`conn`) nor SQL (`store`).
 
 use crate::config::Config;
 use crate::error::WireError;
 use crate::hub::Hub;
+use crate::limits::{AddrCounts, HelloThrottle};
 use crate::{conn, fanout, sweep};
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
@@ -30,6 +38,35 @@ pub struct State {
     pub cancel: CancellationToken,
     /// Wakes the sweep at once (after the LISTEN connection was lost and regained).
     pub sweep_now: Notify,
+    /// Failed hellos per source address and per device id.
+    pub hello_throttle: HelloThrottle,
+}
+
+/// Refusals (fixed 503s) being written at once; past it a refused socket is just closed.
+const REFUSALS_MAX: usize = 64;
+
+/// Writes a fixed 503 without reading the request or running a handshake, at most one
+/// second spent on it, at most [`REFUSALS_MAX`] at once.
+fn refuse(state: &State, refusals: &Arc<Semaphore>, tcp: tokio::net::TcpStream, why: &'static str) {
+    let Ok(permit) = refusals.clone().try_acquire_owned() else {
+        return;
+    };
+    state.tracker.spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        let mut tcp = tcp;
+        let body = format!("{why}\n");
+        let head = format!(
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        let refuse = async {
+            tcp.write_all(head.as_bytes()).await?;
+            tcp.write_all(body.as_bytes()).await?;
+            tcp.shutdown().await
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), refuse).await;
+        drop(permit);
+    });
 }
 
 impl State {
@@ -71,17 +108,25 @@ pub async fn serve(
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let state = Arc::new(State {
-        cfg,
         pool,
         hub: Hub::default(),
         tracker: TaskTracker::new(),
         cancel: cancel.clone(),
         sweep_now: Notify::new(),
+        hello_throttle: HelloThrottle::new(
+            cfg.hello_fails_per_addr_per_min,
+            cfg.hello_fails_per_device_per_min,
+        ),
+        cfg,
     });
     state.tracker.spawn(fanout::run(state.clone(), pg_listener));
     state.tracker.spawn(sweep::run(state.clone()));
 
     let slots = Arc::new(Semaphore::new(state.cfg.connections_max));
+    let handshakes = Arc::new(Semaphore::new(state.cfg.handshakes_max));
+    let per_addr = AddrCounts::new(state.cfg.conns_per_addr_max);
+    let refusals = Arc::new(Semaphore::new(REFUSALS_MAX));
+    let handshake_timeout = Duration::from_millis(state.cfg.handshake_timeout_ms);
     let next_id = AtomicU64::new(1);
     let ws_config = WebSocketConfig::default()
         // Hard cap for tungstenite; frames between frame_max and this get a TOO_LARGE reply.
@@ -100,24 +145,27 @@ pub async fn serve(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            // Over IM_MAX_CONNECTIONS: a fixed 503, written without reading the request or
-            // running a handshake, and at most one second spent on it.
-            state.tracker.spawn(async move {
-                use tokio::io::AsyncWriteExt;
-                let mut tcp = tcp;
-                let refuse = async {
-                    tcp.write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 25\r\nConnection: close\r\n\r\nconnection limit reached\n").await?;
-                    tcp.shutdown().await
-                };
-                let _ = tokio::time::timeout(Duration::from_secs(1), refuse).await;
-            });
-            tracing::info!(%peer, "connection limit reached: refused");
+        let Some(addr_slot) = per_addr.admit(peer.ip()) else {
+            tracing::info!(%peer, "IM_CONNS_PER_ADDR_MAX reached: refused");
+            refuse(
+                &state,
+                &refusals,
+                tcp,
+                "too many connections from this address",
+            );
+            continue;
+        };
+        let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+            tracing::info!(%peer, "IM_HANDSHAKES_MAX reached: refused");
+            refuse(&state, &refusals, tcp, "too many handshakes in progress");
             continue;
         };
         let id = next_id.fetch_add(1, Ordering::Relaxed);
         let st = state.clone();
+        let slots = slots.clone();
         state.tracker.spawn(async move {
+            // Taken when the upgrade request is complete, never before.
+            let mut slot = None;
             // The callback's signature is tungstenite's; its error type is not ours to shrink.
             #[allow(clippy::result_large_err)]
             let check = |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
@@ -132,22 +180,42 @@ pub async fn serve(
                         "the WebSocket endpoint is /ws",
                     ));
                 }
-                Ok(resp)
+                match slots.try_acquire_owned() {
+                    Ok(p) => {
+                        slot = Some(p);
+                        Ok(resp)
+                    }
+                    Err(_) => {
+                        tracing::info!(%peer, "connection limit reached: refused");
+                        Err(refuse(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "connection limit reached",
+                        ))
+                    }
+                }
             };
             let hs = tokio_tungstenite::accept_hdr_async_with_config(tcp, check, Some(ws_config));
-            let ws = match tokio::time::timeout(Duration::from_secs(10), hs).await {
-                Ok(Ok(ws)) => ws,
-                Ok(Err(e)) => {
-                    tracing::info!(conn = id, %peer, error = %e, "handshake refused or failed");
-                    return;
-                }
-                Err(_) => {
-                    tracing::info!(conn = id, %peer, "handshake timed out");
-                    return;
-                }
+            let ws = tokio::select! {
+                _ = st.cancel.cancelled() => return,
+                r = tokio::time::timeout(handshake_timeout, hs) => match r {
+                    Ok(Ok(ws)) => ws,
+                    Ok(Err(e)) => {
+                        tracing::info!(conn = id, %peer, error = %e, "handshake refused or failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::info!(conn = id, %peer, "handshake timed out (IM_HANDSHAKE_TIMEOUT_MS)");
+                        return;
+                    }
+                },
             };
-            conn::run(st, ws, id, peer.to_string()).await;
-            drop(permit);
+            drop(handshake);
+            let Some(slot) = slot else {
+                return; // unreachable: a finished handshake took a slot
+            };
+            conn::run(st, ws, id, peer).await;
+            drop(slot);
+            drop(addr_slot);
         });
     }
     drop(listener);

@@ -6,6 +6,7 @@ use crate::bugs;
 use crate::error::{from_db, WireError};
 use crate::faults::{self, points, Fired};
 use crate::protocol::Event;
+use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
@@ -23,6 +24,10 @@ pub struct Principal {
 
 /// The NOTIFY channel of the send transaction (SPEC 3).
 pub const CHANNEL: &str = "im_events";
+
+/// The NOTIFY channel of install changes: `device:ID`, sent by a trigger on `devices`
+/// (migration 0002) whenever an install epoch changes or a device is removed.
+pub const ADMIN_CHANNEL: &str = "im_admin";
 
 /// Set on every pool connection (`$1`: the statement timeout in ms).
 const CONNECT_SQL: &str = "SELECT set_config('synchronous_commit', 'on', false),
@@ -94,8 +99,15 @@ fn db(op: &'static str) -> impl Fn(sqlx::Error) -> WireError {
     }
 }
 
-/// `hello`: a wrong token or unknown device is UNAUTHENTICATED; an epoch below the device's
-/// install epoch is STALE_INSTALL (checked first, since a reinstall replaced the token).
+/// A digest no token has (compared against when the device is unknown, so an unknown
+/// device costs the same work as a wrong token).
+const NO_DIGEST: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// `hello`. Welcome only for the current install's token at the current epoch. STALE_INSTALL
+/// only for a client that proves it held an older install: the token of that install at
+/// that epoch (`device_installs`, migration 0002). Everything else (unknown device, wrong
+/// token at any epoch, a future epoch, a token of another epoch) is the same
+/// UNAUTHENTICATED, so a hello reveals neither whether a device exists nor its epoch.
 pub async fn authenticate(
     pool: &PgPool,
     device: &str,
@@ -103,29 +115,68 @@ pub async fn authenticate(
     epoch: i64,
 ) -> Result<Principal, WireError> {
     let row = sqlx::query(
-        "SELECT user_id, install_epoch::bigint, token_sha256 FROM devices WHERE device_id = $1",
+        "SELECT d.user_id, d.install_epoch::bigint, d.token_sha256,
+                (SELECT i.token_sha256 FROM device_installs i
+                 WHERE i.device_id = d.device_id AND i.install_epoch = $2)
+         FROM devices d WHERE d.device_id = $1",
     )
     .bind(device)
+    .bind(epoch)
     .fetch_optional(pool)
     .await
     .map_err(db("authenticate"))?;
+    let digest = token_sha256(token);
+    let refused = WireError::Unauthenticated("unknown device or wrong token");
     let Some(row) = row else {
-        return Err(WireError::Unauthenticated("unknown device or wrong token"));
+        let _ = digest_eq(&digest, NO_DIGEST);
+        return Err(refused);
     };
     let user: String = row.get(0);
     let install_epoch: i64 = row.get(1);
-    let stored: String = row.get(2);
-    if epoch < install_epoch {
+    let current: String = row.get(2);
+    let that_install: Option<String> = row.get(3);
+    if epoch == install_epoch && digest_eq(&digest, &current) {
+        return Ok(Principal {
+            user,
+            device: device.to_string(),
+            epoch,
+        });
+    }
+    let proves_older =
+        epoch < install_epoch && that_install.is_some_and(|older| digest_eq(&digest, &older));
+    if proves_older {
         return Err(WireError::StaleInstall);
     }
-    if epoch > install_epoch || !digest_eq(&token_sha256(token), &stored) {
-        return Err(WireError::Unauthenticated("unknown device or wrong token"));
-    }
-    Ok(Principal {
-        user,
-        device: device.to_string(),
-        epoch,
-    })
+    Err(refused)
+}
+
+/// The device's current install epoch (`None`: the device is gone).
+pub async fn install_epoch(pool: &PgPool, device: &str) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query_scalar("SELECT install_epoch::bigint FROM devices WHERE device_id = $1")
+        .bind(device)
+        .fetch_optional(pool)
+        .await
+}
+
+/// Of these `(device, epoch)` installs, the ones that are no longer current, with the
+/// current epoch (`None`: the device is gone). The sweep closes their connections, which
+/// covers a reinstall notification lost with the LISTEN connection.
+pub async fn stale_installs(
+    pool: &PgPool,
+    devices: &[String],
+    epochs: &[i64],
+) -> Result<Vec<(String, Option<i64>)>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT s.device_id, d.install_epoch::bigint
+         FROM unnest($1::text[], $2::bigint[]) AS s(device_id, epoch)
+         LEFT JOIN devices d ON d.device_id = s.device_id
+         WHERE d.install_epoch IS DISTINCT FROM s.epoch",
+    )
+    .bind(devices)
+    .bind(epochs)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
 /// STALE_INSTALL if the device was reinstalled (or removed) since this connection's hello.
@@ -234,6 +285,23 @@ pub async fn drop_dedup_constraint(pool: &PgPool) -> anyhow::Result<()> {
 /// same transaction). Only the deliberate bugs of the controls build pass one.
 pub type UncommittedHook = dyn Fn(&Sent, &Event, &[String]) + Send + Sync;
 
+/// Why a send inserted nothing: a stale install, or an earlier send of `(user, cmid)` (a
+/// duplicate, D2, or CMID_CONFLICT), else NOT_MEMBER (no such conversation or no open
+/// period).
+async fn not_inserted(
+    pool: &PgPool,
+    who: &Principal,
+    conv: &str,
+    cmid: &str,
+    body: &str,
+) -> Result<SendOutcome, WireError> {
+    check_install(pool, who).await?;
+    match earlier_send(pool, &who.user, conv, cmid, body).await? {
+        Some(earlier) => earlier.map(SendOutcome::Reply),
+        None => Err(WireError::NotMember),
+    }
+}
+
 /// The send transaction of SPEC 3, in four round trips: BEGIN; `UPDATE conversations …
 /// RETURNING` (takes the seq and the conversation row lock); one statement that inserts the
 /// event only if the sender has an open membership period and only if `(sender_user, cmid)`
@@ -247,6 +315,11 @@ pub type UncommittedHook = dyn Fn(&Sent, &Event, &[String]) + Send + Sync;
 /// conversation: seqs are gapless. S1: the INSERT runs after the row lock was granted and
 /// `admin leave` takes the same lock, so its membership test sees any committed leave.
 ///
+/// Membership is read once before the transaction, without any lock: a user with no open
+/// period is answered (NOT_MEMBER, STALE_INSTALL or the earlier send's `dup`) without ever
+/// queueing on the conversation's row lock, so outsiders cannot slow a conversation's
+/// members. The check after the lock (in the INSERT) stays: it is the one S1 relies on.
+///
 /// `on_uncommitted` is `None` except for the deliberate bugs (`bugs`) that break D1.
 pub async fn send(
     pool: &PgPool,
@@ -256,6 +329,18 @@ pub async fn send(
     body: &str,
     on_uncommitted: Option<&UncommittedHook>,
 ) -> Result<SendOutcome, WireError> {
+    let member: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM memberships
+                        WHERE conv_id = $1 AND user_id = $2 AND to_seq IS NULL)",
+    )
+    .bind(conv)
+    .bind(&who.user)
+    .fetch_one(pool)
+    .await
+    .map_err(db("send.member"))?;
+    if !member {
+        return not_inserted(pool, who, conv, cmid, body).await;
+    }
     let taken_early = if bugs::active(bugs::SEQ_GAP) {
         // Autocommitted: a rollback below no longer gives the seq back.
         let taken = sqlx::query(TAKE_SEQ_SQL)
@@ -310,11 +395,7 @@ pub async fn send(
         // `(user, cmid)` was used before (or by a concurrent send that just committed). Roll
         // back (the seq is given back, P1) and tell which, looking the earlier send up.
         drop(tx);
-        check_install(pool, who).await?;
-        return match earlier_send(pool, &who.user, conv, cmid, body).await? {
-            Some(earlier) => earlier.map(SendOutcome::Reply),
-            None => Err(WireError::NotMember),
-        };
+        return not_inserted(pool, who, conv, cmid, body).await;
     };
     let sent = Sent {
         seq,
@@ -514,36 +595,43 @@ pub async fn sync(
     if !member {
         return Err(WireError::NotMember);
     }
-    let rows = sqlx::query(&format!(
+    // Streamed, not fetched whole: 500 rows of 16 KB bodies would be 8 MB in memory at
+    // once; the page stops at `page_max_bytes`, so at most that much is held (plus one row).
+    let page_sql = format!(
         "SELECT {EVENT_COLUMNS} FROM events e
          WHERE e.conv_id = $1 AND e.seq > $2 AND e.seq <= $3
            AND EXISTS (SELECT 1 FROM memberships m
                        WHERE m.conv_id = e.conv_id AND m.user_id = $4 AND m.from_seq <= e.seq
                          AND (m.to_seq IS NULL OR e.seq < m.to_seq))
          ORDER BY e.seq LIMIT $5"
-    ))
-    .bind(conv)
-    .bind(after)
-    .bind(head)
-    .bind(&who.user)
-    .bind(limit + 1)
-    .fetch_all(pool)
-    .await
-    .map_err(db("sync.page"))?;
-    let mut complete = rows.len() as i64 <= limit;
+    );
+    let mut rows = sqlx::query(&page_sql)
+        .bind(conv)
+        .bind(after)
+        .bind(head)
+        .bind(&who.user)
+        .bind(limit + 1)
+        .fetch(pool);
+    let mut complete = true;
     let mut events = Vec::new();
     let mut bytes = 0usize;
-    for r in rows.iter().take(limit as usize) {
-        let ev = event_from(r);
-        // Bodies are at most IM_BODY_MAX_BYTES, but 500 of them (escaped) could make a frame
-        // of tens of MB: a page also stops at `page_max_bytes`, always keeping one event.
-        bytes += ev.to_json().to_string().len();
-        if bytes > page_max_bytes && !events.is_empty() {
+    while let Some(r) = rows.try_next().await.map_err(db("sync.page"))? {
+        if events.len() as i64 == limit {
             complete = false;
             break;
         }
+        let ev = event_from(&r);
+        // Bodies are at most IM_BODY_MAX_BYTES, but 500 of them (escaped) could make a frame
+        // of tens of MB: a page also stops at `page_max_bytes`, always keeping one event.
+        let len = ev.to_json().to_string().len();
+        if bytes + len > page_max_bytes && !events.is_empty() {
+            complete = false;
+            break;
+        }
+        bytes += len;
         events.push(ev);
     }
+    drop(rows);
     if bugs::active(bugs::CURSOR_ON_SYNC) {
         if let Some(last) = events.last() {
             // The server moves the cursor itself, without a device ack.
@@ -579,20 +667,35 @@ const S1_LEAK_EDITS: &[(&str, &str)] = &[
 
 fn event_with_audience_sql() -> String {
     format!(
-        "SELECT {EVENT_COLUMNS},
-                ARRAY(SELECT DISTINCT m.user_id FROM memberships m
-                      WHERE m.conv_id = e.conv_id AND m.from_seq <= e.seq
-                        AND (m.to_seq IS NULL OR e.seq < m.to_seq))
-         FROM events e WHERE e.conv_id = $1 AND e.seq = $2"
+        "SELECT {EVENT_COLUMNS}, a.users,
+                ARRAY(SELECT d.device_id || ':' || d.install_epoch FROM devices d
+                      WHERE d.user_id = ANY (a.users))
+         FROM events e
+         CROSS JOIN LATERAL (
+             SELECT ARRAY(SELECT DISTINCT m.user_id FROM memberships m
+                          WHERE m.conv_id = e.conv_id AND m.from_seq <= e.seq
+                            AND (m.to_seq IS NULL OR e.seq < m.to_seq)) AS users) a
+         WHERE e.conv_id = $1 AND e.seq = $2"
     )
 }
 
-/// Fan-out read: the event and every user who may see it now (S1), in one query.
+/// Who may get one event now: the users whose membership covers it (S1) and their
+/// devices' current installs as `device:epoch`.
+#[derive(Debug)]
+pub struct Audience {
+    pub users: Vec<String>,
+    pub installs: std::collections::HashSet<String>,
+}
+
+/// Fan-out read: the event, every user who may see it now (S1), and their devices' current
+/// installs, in one query: a connection of an install made stale by a reinstall that
+/// committed before this read gets nothing, even before the reinstall's notification
+/// closed it.
 pub async fn event_with_audience(
     pool: &PgPool,
     conv: &str,
     seq: i64,
-) -> Result<Option<(Event, Vec<String>)>, sqlx::Error> {
+) -> Result<Option<(Event, Audience)>, sqlx::Error> {
     let mut sql = event_with_audience_sql();
     if bugs::active(bugs::S1_LEAK) {
         sql = bugs::rewrite(&sql, S1_LEAK_EDITS);
@@ -602,35 +705,49 @@ pub async fn event_with_audience(
         .bind(seq)
         .fetch_optional(pool)
         .await?;
-    Ok(row.map(|r| (event_from(&r), r.get::<Vec<String>, _>(8))))
+    Ok(row.map(|r| {
+        let audience = Audience {
+            users: r.get::<Vec<String>, _>(8),
+            installs: r.get::<Vec<String>, _>(9).into_iter().collect(),
+        };
+        (event_from(&r), audience)
+    }))
 }
 
-/// Sweep (D5): for the given subscribed `(device, user)` pairs, every conversation where the
-/// device's cursor is below the user's visible head. One query for all connections.
+/// Sweep (D5): for the given subscribed `(device, user, epoch)` installs, every conversation
+/// where the device's cursor is below the user's visible head, for installs that are still
+/// current (read in the same query, so a reinstall committed before it gets no hint). The
+/// head is the visible head (S1): after a `leave` it stops where the user's period ended, so
+/// no hint ever points past what the user could see. One query for all connections.
 pub async fn lagging(
     pool: &PgPool,
     devices: &[String],
     users: &[String],
-) -> Result<Vec<(String, String, i64)>, sqlx::Error> {
+    epochs: &[i64],
+) -> Result<Vec<(String, i64, String, i64)>, sqlx::Error> {
     let rows = sqlx::query(
-        "WITH subs AS (SELECT DISTINCT * FROM unnest($1::text[], $2::text[]) AS s(device_id, user_id)),
+        "WITH subs AS (SELECT DISTINCT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(device_id, user_id, epoch)),
+              cur AS (
+                  SELECT s.* FROM subs s
+                  JOIN devices d ON d.device_id = s.device_id AND d.install_epoch = s.epoch),
               pairs AS (
-                  SELECT DISTINCT s.device_id, s.user_id, m.conv_id
-                  FROM subs s JOIN memberships m ON m.user_id = s.user_id),
+                  SELECT DISTINCT s.device_id, s.epoch, s.user_id, m.conv_id
+                  FROM cur s JOIN memberships m ON m.user_id = s.user_id),
               heads AS (
-                  SELECT p.device_id, p.conv_id, im_visible_head(p.conv_id, p.user_id) AS vhead
+                  SELECT p.device_id, p.epoch, p.conv_id, im_visible_head(p.conv_id, p.user_id) AS vhead
                   FROM pairs p)
-         SELECT h.device_id, h.conv_id, h.vhead FROM heads h
+         SELECT h.device_id, h.epoch, h.conv_id, h.vhead FROM heads h
          LEFT JOIN device_cursors dc ON dc.device_id = h.device_id AND dc.conv_id = h.conv_id
          WHERE COALESCE(dc.delivered_seq, 0) < h.vhead",
     )
     .bind(devices)
     .bind(users)
+    .bind(epochs)
     .fetch_all(pool)
     .await?;
     Ok(rows
         .into_iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
         .collect())
 }
 

@@ -49,32 +49,52 @@ pub async fn run(state: Arc<State>) {
     }
 }
 
-/// One sweep: one query for all subscribed connections. Returns the hints queued.
+/// One sweep: one query for all subscribed connections, for current installs only (read in
+/// that query). Connections of installs that are no longer current are closed first (a
+/// reinstall notification lost with the LISTEN connection). Returns the hints queued.
 pub async fn once(state: &State) -> anyhow::Result<usize> {
     let conns = state.hub.all();
     if conns.is_empty() {
         return Ok(0);
     }
-    let mut by_device: HashMap<&str, Vec<&crate::hub::ConnHandle>> = HashMap::new();
+    let mut by_install: HashMap<(&str, i64), Vec<&crate::hub::ConnHandle>> = HashMap::new();
     for c in &conns {
-        by_device.entry(c.who.device.as_str()).or_default().push(c);
+        by_install
+            .entry((c.who.device.as_str(), c.who.epoch))
+            .or_default()
+            .push(c);
     }
-    let mut devices = Vec::with_capacity(by_device.len());
-    let mut users = Vec::with_capacity(by_device.len());
-    for cs in by_device.values() {
+    let mut devices = Vec::with_capacity(by_install.len());
+    let mut users = Vec::with_capacity(by_install.len());
+    let mut epochs = Vec::with_capacity(by_install.len());
+    for cs in by_install.values() {
         devices.push(cs[0].who.device.clone());
         users.push(cs[0].who.user.clone());
+        epochs.push(cs[0].who.epoch);
     }
-    // Read-only, so dropping it at the deadline is harmless.
+    // Read-only, so dropping them at the deadline is harmless.
+    let stale = tokio::time::timeout(
+        state.cfg.db_timeout(),
+        crate::store::stale_installs(&state.pool, &devices, &epochs),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("stale-install query exceeded IM_DB_TIMEOUT_MS"))??;
+    for (device, current) in stale {
+        state.hub.revoke_stale(&device, current);
+    }
     let rows = tokio::time::timeout(
         state.cfg.db_timeout(),
-        crate::store::lagging(&state.pool, &devices, &users),
+        crate::store::lagging(&state.pool, &devices, &users, &epochs),
     )
     .await
     .map_err(|_| anyhow::anyhow!("sweep query exceeded IM_DB_TIMEOUT_MS"))??;
     let mut n = 0;
-    for (device, conv, head) in rows {
-        for c in by_device.get(device.as_str()).into_iter().flatten() {
+    for (device, epoch, conv, head) in rows {
+        for c in by_install
+            .get(&(device.as_str(), epoch))
+            .into_iter()
+            .flatten()
+        {
             c.hint(&conv, head, "sweep");
             n += 1;
         }

@@ -109,10 +109,11 @@ async fn hello_first_and_bad_credentials_are_unauthenticated_then_closed() {
     }
 }
 
-/// Proves `admin reinstall-device` raises the install epoch: the old install's hello gets
-/// STALE_INSTALL and a close; connections opened before the reinstall get STALE_INSTALL and
-/// a close on their next ack, send, sync or sub (and such a send writes nothing); the new
-/// token with the new epoch is welcome.
+/// Proves `admin reinstall-device` raises the install epoch: connections opened before the
+/// reinstall get `error{code:STALE_INSTALL}` and a close (1008) without asking anything (and
+/// write nothing); a hello with the old install's token and epoch gets STALE_INSTALL and a
+/// close, one with any other token UNAUTHENTICATED (a hello reveals no epoch); the new token
+/// with the new epoch is welcome.
 #[tokio::test]
 async fn reinstall_makes_older_installs_stale() {
     let w = world().await;
@@ -125,23 +126,31 @@ async fn reinstall_makes_older_installs_stale() {
     }
     let new_token = w.reinstall_device("b1").await.unwrap();
 
-    let rs = [
-        before[0].ack("c1", 0, T).await,
-        before[1].send("c1", "stale-1", "x", T).await,
-        before[2].sync_once("c1", 0, 10, T).await,
-        before[3].request(json!({"t":"sub"}), T).await,
-    ];
-    for (c, r) in before.iter().zip(&rs) {
-        assert_eq!(code(r).as_deref(), Some("STALE_INSTALL"), "{r:?}");
+    for c in &before {
         c.wait_closed(T).await.unwrap();
+        let frames = c.frames();
+        assert!(
+            frames
+                .iter()
+                .any(|(_, f)| f["t"] == "error" && f["code"] == "STALE_INSTALL"),
+            "{frames:?}"
+        );
+        assert!(
+            frames
+                .iter()
+                .any(|(_, f)| f["t"] == "_close" && f["code"] == 1008),
+            "{frames:?}"
+        );
     }
+    let r = before[1].send("c1", "stale-1", "x", T).await;
+    assert!(r.is_err(), "{r:?}");
     assert_eq!(
         w.count_events("c1").await.unwrap(),
         0,
         "a stale install writes nothing"
     );
 
-    let mut old = Client::create(&w.state_path("old"), "b1", "whatever", 1).unwrap();
+    let mut old = Client::create(&w.state_path("old"), "b1", &tb, 1).unwrap();
     let r = old.connect(&w.ws_url()).await;
     assert_eq!(
         r.as_ref().err().and_then(|e| e.code()),
@@ -149,6 +158,13 @@ async fn reinstall_makes_older_installs_stale() {
         "{r:?}"
     );
     old.wait_closed(T).await.unwrap();
+    let mut guess = Client::create(&w.state_path("guess"), "b1", "whatever", 1).unwrap();
+    let r = guess.connect(&w.ws_url()).await;
+    assert_eq!(
+        r.as_ref().err().and_then(|e| e.code()),
+        Some("UNAUTHENTICATED"),
+        "{r:?}"
+    );
 
     let mut new = Client::create(&w.state_path("new"), "b1", &new_token, 2).unwrap();
     let r = new.connect(&w.ws_url()).await.unwrap();

@@ -1,0 +1,210 @@
+//! Admission limits that span connections: handshakes plus connections per source address
+//! (`IM_CONNS_PER_ADDR_MAX`) and the failed-hello buckets per source address and per device
+//! id (`IM_HELLO_FAILS_PER_ADDR_PER_MIN`, `IM_HELLO_FAILS_PER_DEVICE_PER_MIN`). A leaf: it
+//! knows no sockets, frames or SQL, only counts and clocks.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Most keys a bucket map keeps. Past it, full buckets (nobody failing lately) are dropped;
+/// if it is still full, a new key is not tracked (fails open: the other bucket and the
+/// per-address cap still apply, and a 256-bit token is not guessed by brute force anyway).
+const BUCKET_KEYS_MAX: usize = 100_000;
+
+/// Handshakes plus connections per source address.
+pub struct AddrCounts {
+    max: usize,
+    counts: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// One place counted against an address; given back on drop.
+pub struct AddrSlot {
+    counts: Arc<AddrCounts>,
+    ip: IpAddr,
+}
+
+impl Drop for AddrSlot {
+    fn drop(&mut self) {
+        let mut m = self.counts.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
+    }
+}
+
+impl AddrCounts {
+    pub fn new(max: usize) -> Arc<AddrCounts> {
+        Arc::new(AddrCounts {
+            max,
+            counts: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// A place for one more handshake or connection from `ip`, or `None` at the cap.
+    pub fn admit(self: &Arc<Self>, ip: IpAddr) -> Option<AddrSlot> {
+        let mut m = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(AddrSlot {
+            counts: self.clone(),
+            ip,
+        })
+    }
+}
+
+/// A token bucket per key: `per_min` tokens, refilled evenly over a minute.
+struct Buckets<K> {
+    per_min: f64,
+    map: HashMap<K, (f64, Instant)>,
+}
+
+impl<K: Hash + Eq + Clone> Buckets<K> {
+    fn new(per_min: u32) -> Self {
+        Buckets {
+            per_min: f64::from(per_min),
+            map: HashMap::new(),
+        }
+    }
+
+    fn level(&self, tokens: f64, at: Instant, now: Instant) -> f64 {
+        let refill = now.saturating_duration_since(at).as_secs_f64() * self.per_min / 60.0;
+        (tokens + refill).min(self.per_min)
+    }
+
+    /// Takes one token; false if there is none.
+    fn take(&mut self, key: &K, now: Instant) -> bool {
+        if !self.map.contains_key(key) && self.map.len() >= BUCKET_KEYS_MAX {
+            let per_min = self.per_min;
+            let map = std::mem::take(&mut self.map);
+            self.map = map
+                .into_iter()
+                .filter(|(_, (t, at))| {
+                    let refill = now.saturating_duration_since(*at).as_secs_f64() * per_min / 60.0;
+                    t + refill < per_min
+                })
+                .collect();
+            if self.map.len() >= BUCKET_KEYS_MAX {
+                return true;
+            }
+        }
+        let (tokens, at) = self.map.get(key).copied().unwrap_or((self.per_min, now));
+        let level = self.level(tokens, at, now);
+        if level < 1.0 {
+            self.map.insert(key.clone(), (level, now));
+            return false;
+        }
+        self.map.insert(key.clone(), (level - 1.0, now));
+        true
+    }
+
+    /// Gives a token back (the attempt did not fail).
+    fn give_back(&mut self, key: &K, now: Instant) {
+        if let Some((tokens, at)) = self.map.get(key).copied() {
+            let level = (self.level(tokens, at, now) + 1.0).min(self.per_min);
+            self.map.insert(key.clone(), (level, now));
+        }
+    }
+}
+
+/// The failed-hello throttle: every `hello` takes a token from its source address's bucket
+/// and from its device id's bucket before anything is checked; one that did not fail gives
+/// them back. With either bucket empty the hello is refused (UNAVAILABLE) without touching
+/// the database. Device ids are counted whether or not they exist, so the throttle itself
+/// reveals nothing. The price: failures for a device id slow down that device's own hellos
+/// until its bucket refills (at most `per_device` per minute get through).
+pub struct HelloThrottle {
+    by_addr: Mutex<Buckets<IpAddr>>,
+    by_device: Mutex<Buckets<String>>,
+}
+
+impl HelloThrottle {
+    pub fn new(per_addr_per_min: u32, per_device_per_min: u32) -> HelloThrottle {
+        HelloThrottle {
+            by_addr: Mutex::new(Buckets::new(per_addr_per_min)),
+            by_device: Mutex::new(Buckets::new(per_device_per_min)),
+        }
+    }
+
+    /// Takes one attempt for `(ip, device)`; false: throttled (nothing was taken from the
+    /// device's bucket if the address's was empty).
+    pub fn attempt(&self, ip: IpAddr, device: &str) -> bool {
+        let now = Instant::now();
+        let mut a = self.by_addr.lock().unwrap_or_else(|p| p.into_inner());
+        if !a.take(&ip, now) {
+            return false;
+        }
+        let mut d = self.by_device.lock().unwrap_or_else(|p| p.into_inner());
+        d.take(&device.to_string(), now)
+    }
+
+    /// The attempt did not fail (welcome, or the database was unavailable): give it back.
+    pub fn not_failed(&self, ip: IpAddr, device: &str) {
+        let now = Instant::now();
+        self.by_addr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .give_back(&ip, now);
+        self.by_device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .give_back(&device.to_string(), now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn addr_slots_are_counted_and_given_back() {
+        let c = AddrCounts::new(2);
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let a = c.admit(ip).unwrap();
+        let _b = c.admit(ip).unwrap();
+        assert!(c.admit(ip).is_none());
+        assert!(c.admit("10.0.0.2".parse().unwrap()).is_some());
+        drop(a);
+        assert!(c.admit(ip).is_some());
+    }
+
+    #[test]
+    fn buckets_empty_then_refill() {
+        let mut b = Buckets::new(3);
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            assert!(b.take(&1u8, t0));
+        }
+        assert!(!b.take(&1u8, t0));
+        assert!(b.take(&2u8, t0), "keys are separate");
+        // One token comes back every 20 s at 3 per minute.
+        assert!(b.take(&1u8, t0 + Duration::from_secs(21)));
+        assert!(!b.take(&1u8, t0 + Duration::from_secs(22)));
+        b.give_back(&1u8, t0 + Duration::from_secs(22));
+        assert!(b.take(&1u8, t0 + Duration::from_secs(22)));
+    }
+
+    #[test]
+    fn throttle_counts_addresses_and_devices() {
+        let t = HelloThrottle::new(100, 2);
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        assert!(t.attempt(ip, "d"));
+        assert!(t.attempt(ip, "d"));
+        assert!(!t.attempt(ip, "d"), "the device's bucket is empty");
+        assert!(t.attempt(ip, "e"));
+        t.not_failed(ip, "d");
+        assert!(
+            t.attempt(ip, "d"),
+            "a hello that did not fail gave its token back"
+        );
+    }
+}
