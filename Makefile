@@ -17,6 +17,7 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets $(FEATURES) -- -D warnings
 	$(CARGO) clippy -p im-gateway --all-targets -- -D warnings
+	$(CARGO) clippy -p im-gateway --all-targets --features faults,bugs -- -D warnings
 
 test: build lint
 	@echo "gateway unit tests without the faults feature (IM_FAULT must be refused):"
