@@ -37,7 +37,7 @@ controls: build
 	cp $(TARGET)/debug/im-gateway $(TARGET)/debug/im-gateway-bugs
 	$(CARGO) build -p im-gateway --bin im-gateway $(FEATURES)
 	touch $(TARGET)/debug/im-gateway
-	$(TARGET)/debug/controls --runs $(RUNS) $(if $(ONLY),--only $(ONLY))
+	$(TARGET)/debug/controls --runs $(RUNS) $(if $(ONLY),--only $(ONLY)) $(if $(MERGE),--merge)
 
 # make fuzz: the frame parser fuzzed with 10 million generated inputs (release build,
 # seeded: SEED=n repeats a run), then the real gateway's connection state machine over the

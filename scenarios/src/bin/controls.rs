@@ -76,6 +76,9 @@ struct Opts {
     runs: u32,
     only: Option<Vec<String>>,
     out: PathBuf,
+    /// Replace only the `--only` bugs' entries of an existing result file (each entry keeps
+    /// the commit it ran at), after a clean baseline at the current commit.
+    merge: bool,
 }
 
 fn parse_args() -> anyhow::Result<Opts> {
@@ -83,6 +86,7 @@ fn parse_args() -> anyhow::Result<Opts> {
         runs: 10,
         only: None,
         out: workspace().join("evidence/controls/result.json"),
+        merge: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -98,9 +102,10 @@ fn parse_args() -> anyhow::Result<Opts> {
                 )
             }
             "--out" => o.out = PathBuf::from(val("--out")?),
+            "--merge" => o.merge = true,
             "-h" | "--help" => {
                 println!(
-                    "usage: controls [--runs N (10)] [--only BUG,BUG] [--out FILE]\n\
+                    "usage: controls [--runs N (10)] [--only BUG,BUG [--merge]] [--out FILE]\n\
                      Runs the suite against the clean gateway and each deliberate bug and \
                      writes evidence/controls/result.json."
                 );
@@ -111,6 +116,9 @@ fn parse_args() -> anyhow::Result<Opts> {
     }
     if o.runs == 0 {
         bail!("--runs must be at least 1");
+    }
+    if o.merge && o.only.is_none() {
+        bail!("--merge replaces the --only bugs' entries: give --only");
     }
     Ok(o)
 }
@@ -327,6 +335,16 @@ fn main() -> anyhow::Result<()> {
         clean.wall_ms / 1000
     );
 
+    let git = |args: &[&str]| -> Option<String> {
+        let out = Command::new("git")
+            .args(args)
+            .current_dir(workspace())
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
     let mut controls = Vec::new();
     for (bug, side) in &bugs {
         let mut env = vec![("IM_BUG", bug.clone())];
@@ -397,6 +415,7 @@ fn main() -> anyhow::Result<()> {
         kinds.dedup();
         controls.push(json!({
             "bug": bug,
+            "git_commit": git(&["rev-parse", "HEAD"]),
             "side": side,
             "result": if caught { "CAUGHT" } else if caught_runs > 0 { "FLAKY" } else { "MISSED" },
             "runs": runs,
@@ -414,16 +433,35 @@ fn main() -> anyhow::Result<()> {
         }));
     }
 
-    let git = |args: &[&str]| -> Option<String> {
-        let out = Command::new("git")
-            .args(args)
-            .current_dir(workspace())
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-    };
+    // --merge: keep the other bugs' entries of the existing file, as they were measured.
+    let mut partial = Vec::new();
+    if o.merge {
+        let old: Value = serde_json::from_slice(
+            &std::fs::read(&o.out).with_context(|| format!("read {} to merge", o.out.display()))?,
+        )
+        .context("parse the existing result to merge")?;
+        let fresh: Vec<Value> = std::mem::take(&mut controls);
+        for c in old["controls"].as_array().into_iter().flatten() {
+            match fresh.iter().find(|f| f["bug"] == c["bug"]) {
+                Some(f) => controls.push(f.clone()),
+                None => controls.push(c.clone()),
+            }
+        }
+        for f in &fresh {
+            if !controls.iter().any(|c| c["bug"] == f["bug"]) {
+                controls.push(f.clone());
+            }
+        }
+        partial = old["environment"]["partial_runs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        partial.push(json!({
+            "bugs": o.only,
+            "git_commit": git(&["rev-parse", "HEAD"]),
+            "generated_at": scenarios::rfc3339_now(),
+        }));
+    }
     let count = |r: &str| controls.iter().filter(|c| c["result"] == r).count();
     let doc = json!({
         "schema_version": SCHEMA_VERSION,
@@ -437,6 +475,7 @@ fn main() -> anyhow::Result<()> {
             "runs_per_bug": o.runs,
             "rerun_tests_max": RERUN_TESTS_MAX,
             "bugs_binary": "target/debug/im-gateway-bugs (--features faults,bugs)",
+            "partial_runs": partial,
         },
         "clean": {
             "passed": clean.passed.len(),
