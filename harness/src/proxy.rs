@@ -114,6 +114,13 @@ impl Proxy {
         self.shared.generation.send_modify(|g| *g += 1);
     }
 
+    /// Closes every open connection at once, throwing away the bytes still held back by
+    /// the delay (they had not left the machine that died); new connections still go to
+    /// the same upstream.
+    pub fn cut(&self) {
+        self.shared.generation.send_modify(|g| *g += 1);
+    }
+
     /// Counters: accepted, reset by a switch, refused by the upstream.
     pub fn stats(&self) -> serde_json::Value {
         serde_json::json!({

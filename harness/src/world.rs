@@ -188,15 +188,19 @@ impl World {
         r
     }
 
-    /// Failover (U2): the primary's machine dies (every process SIGKILLed at once), the
+    /// Failover (U2): the primary's machine dies (its replication link cut, every process
+    /// SIGKILLed at once), the
     /// standby is promoted, and the database address (the proxy) moves to it, closing every
     /// connection to the old one. The gateway is not restarted. Returns the timings (ms).
     pub async fn failover(&mut self) -> anyhow::Result<Value> {
         let t0 = std::time::Instant::now();
-        anyhow::ensure!(
-            self.failover.is_some(),
-            "failover: this world has no standby"
-        );
+        let Some(f) = self.failover.as_ref() else {
+            anyhow::bail!("failover: this world has no standby");
+        };
+        // The machine's network goes with it: replication bytes still on their way (held
+        // back by the link's delay) never reach the standby.
+        f.link.cut();
+        self.hist.nemesis_instant("replication-link-cut", json!({}));
         let id = self.hist.nemesis_start("pg-primary-kill", json!({}));
         let r = self.pg.kill_all().await;
         self.hist
@@ -451,12 +455,14 @@ async fn start_standby(pg: &Cluster, r: Replication) -> anyhow::Result<Failover>
     let pool = pg.pool().await?;
     if r.synchronous {
         // Only now: with no standby, every commit (the migrations') would wait for one.
-        sqlx::raw_sql(
-            "ALTER SYSTEM SET synchronous_standby_names = 'standby'; SELECT pg_reload_conf();",
-        )
-        .execute(&pool)
-        .await
-        .context("set synchronous_standby_names")?;
+        sqlx::raw_sql("ALTER SYSTEM SET synchronous_standby_names = 'standby'")
+            .execute(&pool)
+            .await
+            .context("set synchronous_standby_names")?;
+        sqlx::raw_sql("SELECT pg_reload_conf()")
+            .execute(&pool)
+            .await
+            .context("reload the configuration")?;
     }
     let want = if r.synchronous { "sync" } else { "async" };
     let deadline = std::time::Instant::now() + Duration::from_secs(20);

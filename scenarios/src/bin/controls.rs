@@ -25,14 +25,15 @@ const SCHEMA_VERSION: u32 = 1;
 /// The suite a control runs: every im-06 check and the protocol tests.
 const SUITE: &str = "binary(im06) | binary(protocol)";
 
-/// What we know before running about the bugs no fault of ours can expose.
+/// What we know before running about the bugs only some faults can expose.
 fn known_limit(bug: &str) -> Option<&'static str> {
     match bug {
         "async-commit" | "fsync-off" => Some(
-            "needs a power cut: with synchronous_commit=off or fsync=off an acknowledged \
-             commit is lost only if the machine (its page cache) goes down before the WAL \
+            "caught only by a power cut: with synchronous_commit=off or fsync=off an \
+             acknowledged commit is lost only if the machine's page cache goes before the WAL \
              reaches the disk; a process crash and an immediate shutdown keep the page cache. \
-             The harness has no power-loss fault yet (issue 11).",
+             06-power-loss-keeps-acked (the LazyFS layer) is that fault; on a machine without \
+             FUSE it is NOT_RUN and these bugs are MISSED.",
         ),
         _ => None,
     }
@@ -218,8 +219,15 @@ fn how_caught(r: &RunResult, test: &str) -> Value {
     let reason = rec
         .and_then(|v| v["reason"].as_str())
         .map(|s| s.chars().take(400).collect::<String>());
+    // What a durability bug cost: acknowledged messages missing after the fault.
+    let acked_lost = rec.and_then(|v| {
+        v.pointer("/observed/acknowledged_missing_after_recovery")
+            .or(v.pointer("/observed/acknowledged_lost_in_failover"))
+            .cloned()
+    });
     json!({
         "test": test,
+        "acknowledged_lost": acked_lost,
         "anomaly_kinds": kinds,
         "duration_ms": rec.and_then(|v| v["duration_ms"].as_u64()),
         "failure": reason,
