@@ -446,18 +446,17 @@ impl State {
     }
 
     fn cache(&mut self, ino: u64, file: &Arc<File>) -> std::io::Result<&mut FileCache> {
-        if !self.caches.contains_key(&ino) {
-            let size = file.metadata()?.len();
-            self.caches.insert(
-                ino,
-                FileCache {
+        Ok(match self.caches.entry(ino) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let size = file.metadata()?.len();
+                e.insert(FileCache {
                     file: file.clone(),
                     pages: BTreeMap::new(),
                     size,
-                },
-            );
-        }
-        Ok(self.caches.get_mut(&ino).expect("inserted above"))
+                })
+            }
+        })
     }
 
     fn write(
