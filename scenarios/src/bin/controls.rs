@@ -26,14 +26,17 @@ const SCHEMA_VERSION: u32 = 1;
 const SUITE: &str = "binary(im06) | binary(protocol)";
 
 /// What we know before running about the bugs only some faults can expose.
+/// (`async-commit` is not among them: an asynchronous commit is acknowledged while its WAL
+/// may still sit in PostgreSQL's WAL buffers, shared memory, so an immediate shutdown and a
+/// failover lose it too, not only a power cut.)
 fn known_limit(bug: &str) -> Option<&'static str> {
     match bug {
-        "async-commit" | "fsync-off" => Some(
-            "caught only by a power cut: with synchronous_commit=off or fsync=off an \
-             acknowledged commit is lost only if the machine's page cache goes before the WAL \
-             reaches the disk; a process crash and an immediate shutdown keep the page cache. \
-             06-power-loss-keeps-acked (the LazyFS layer) is that fault; on a machine without \
-             FUSE it is NOT_RUN and these bugs are MISSED.",
+        "fsync-off" => Some(
+            "caught only by a power cut: with fsync=off the WAL is written to the OS at \
+             commit but never flushed, so only losing the page cache loses it; a process \
+             crash and an immediate shutdown keep the page cache. 06-power-loss-keeps-acked \
+             (the LazyFS layer) is that fault; on a machine without FUSE it is NOT_RUN and \
+             this bug is MISSED.",
         ),
         _ => None,
     }
