@@ -336,45 +336,33 @@ pub async fn judge(
     c: &mut Check,
     w: &harness::world::World,
 ) -> anyhow::Result<harness::checker::Report> {
-    let v = db_invariant_violations(&w.pool().await?).await?;
-    c.expect(
-        "db_invariant_violations (P1, D4, S1)",
-        Vec::<String>::new(),
-        v,
-    );
-    let j = w.judge().await?;
-    let r = &j.report;
-    let anomalies: Vec<Value> = r
-        .anomalies
-        .iter()
-        .take(ANOMALIES_IN_RECORD_MAX)
-        .map(|a| json!(a))
-        .collect();
-    c.set_checker(json!({
-        "verdict": r.verdict,
-        "anomalies_by_kind": r.counts,
-        "anomalies": anomalies,
-        "anomalies_total": r.anomalies.len(),
-        "stats": r.stats,
-    }));
-    let kinds: std::collections::BTreeMap<&harness::checker::Kind, &u64> =
-        r.counts.iter().filter(|(_, n)| **n > 0).collect();
-    c.expect("checker_anomalies", 0, r.anomalies.len());
-    c.observe("checker_anomaly_kinds", json!(kinds));
-    for a in r.anomalies.iter().take(5) {
+    let (report, kinds) = judged(c, w).await?;
+    c.expect("checker_anomalies", 0, report.anomalies.len());
+    c.observe("checker_anomaly_kinds", kinds);
+    for a in report.anomalies.iter().take(5) {
         eprintln!("checker: {}", json!(a));
     }
-    Ok(j.report)
+    Ok(report)
 }
 
-/// [`judge`] for a run whose anomalies are the measurement, not a verdict (the U2 risk of
-/// an asynchronous failover): the database-wide invariants (P1, D4, S1) must hold, the
-/// checker's verdict is recorded in full, and its anomalies by kind are an observation
-/// (`checker_anomalies_measured`), not an expectation.
+/// [`judge`] for a check whose anomalies are its measurement (the asynchronous failover,
+/// U2): the checker runs and is recorded the same way, its anomaly kinds are observed as
+/// `checker_anomalies_measured`, with no expectation.
 pub async fn judge_measure(
     c: &mut Check,
     w: &harness::world::World,
 ) -> anyhow::Result<harness::checker::Report> {
+    let (report, kinds) = judged(c, w).await?;
+    c.observe("checker_anomalies_measured", kinds);
+    Ok(report)
+}
+
+/// The database-wide invariants (expected none) and the history checker over the whole
+/// run, recorded in the check; returns the report and its non-zero kinds.
+async fn judged(
+    c: &mut Check,
+    w: &harness::world::World,
+) -> anyhow::Result<(harness::checker::Report, Value)> {
     let v = db_invariant_violations(&w.pool().await?).await?;
     c.expect(
         "db_invariant_violations (P1, D4, S1)",
@@ -382,7 +370,7 @@ pub async fn judge_measure(
         v,
     );
     let j = w.judge().await?;
-    let r = &j.report;
+    let r = j.report;
     let anomalies: Vec<Value> = r
         .anomalies
         .iter()
@@ -398,30 +386,8 @@ pub async fn judge_measure(
     }));
     let kinds: std::collections::BTreeMap<&harness::checker::Kind, &u64> =
         r.counts.iter().filter(|(_, n)| **n > 0).collect();
-    c.observe("checker_anomalies_measured", json!(kinds));
-    Ok(j.report)
-}
-
-/// The settings a durability verdict rests on, as the run saw them: the server's
-/// `fsync`, `synchronous_commit` and `full_page_writes` (read through the world's
-/// database address) and the gateway sessions' own (from the gateway's start-up line).
-pub async fn durability_settings(
-    w: &harness::world::World,
-) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
-    let (fsync, sync_commit, fpw): (String, String, String) = sqlx::query_as(
-        "SELECT current_setting('fsync'), current_setting('synchronous_commit'),
-                current_setting('full_page_writes')",
-    )
-    .fetch_one(&w.pool().await?)
-    .await?;
-    let mut m = std::collections::BTreeMap::new();
-    m.insert("server.fsync".to_string(), fsync);
-    m.insert("server.synchronous_commit".to_string(), sync_commit);
-    m.insert("server.full_page_writes".to_string(), fpw);
-    for (k, v) in w.gw().session_durability() {
-        m.insert(format!("gateway_session.{k}"), v);
-    }
-    Ok(m)
+    let kinds = json!(kinds);
+    Ok((r, kinds))
 }
 
 /// For tests outside the im-06 evidence (the protocol tests): judges the run with the
