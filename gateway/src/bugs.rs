@@ -32,9 +32,9 @@ pub const SEQ_GAP: &str = "seq-gap";
 /// Fan-out's audience is every user who ever had a membership period in the conversation.
 /// Breaks S1: users who left still get pushes.
 pub const S1_LEAK: &str = "s1-leak";
-/// Pool connections run with `synchronous_commit = off`. Breaks D6: a send is answered
-/// before its WAL left PostgreSQL's shared memory, so even an immediate shutdown of the
-/// database (no power cut needed) loses acknowledged messages (`make controls` measured it).
+/// Pool connections run with `synchronous_commit = off`. Breaks D6: a replied send can be
+/// lost with its WAL not yet flushed (a power cut), or not yet even written out of
+/// PostgreSQL's shared WAL buffers (an immediate shutdown, a failover).
 pub const ASYNC_COMMIT: &str = "async-commit";
 /// Serving a sync page with events moves the device's cursor to the page's last seq.
 /// Breaks D3: the cursor moves without a device ack.
@@ -76,7 +76,7 @@ pub const ALL: &[(&str, &str)] = &[
     ),
     (
         ASYNC_COMMIT,
-        "D6: synchronous_commit=off (an immediate shutdown loses replied sends)",
+        "D6: synchronous_commit=off (loses replied sends on power loss, immediate shutdown, failover)",
     ),
     (
         CURSOR_ON_SYNC,

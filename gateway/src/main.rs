@@ -135,6 +135,13 @@ async fn serve() -> anyhow::Result<()> {
     )
     .await?;
     migrate::check(&pool).await?;
+    let (synchronous_commit, fsync, full_page_writes) = store::session_durability(&pool).await?;
+    tracing::info!(
+        %synchronous_commit,
+        %fsync,
+        %full_page_writes,
+        "database session durability"
+    );
     if bugs::active(bugs::NO_DEDUP) {
         store::drop_dedup_constraint(&pool).await?;
     }

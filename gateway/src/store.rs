@@ -77,6 +77,20 @@ pub async fn connect(
         .context("connect to PostgreSQL (IM_DATABASE_URL)")
 }
 
+/// The durability settings a pool connection runs under, as the server reports them to
+/// that session: `(synchronous_commit, fsync, full_page_writes)`. Logged once at start so
+/// a harness can tell what D6 rests on (issue 11's durability guard).
+pub async fn session_durability(pool: &PgPool) -> anyhow::Result<(String, String, String)> {
+    use anyhow::Context;
+    sqlx::query_as(
+        "SELECT current_setting('synchronous_commit'), current_setting('fsync'),
+                current_setting('full_page_writes')",
+    )
+    .fetch_one(pool)
+    .await
+    .context("read the session's durability settings")
+}
+
 pub fn token_sha256(token: &str) -> String {
     let digest = Sha256::digest(token.as_bytes());
     digest.iter().map(|b| format!("{b:02x}")).collect()

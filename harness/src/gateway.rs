@@ -506,6 +506,30 @@ impl Gateway {
         }
     }
 
+    /// The durability settings the gateway's database sessions run under, from its log line
+    /// `database session durability synchronous_commit=… fsync=… full_page_writes=…`
+    /// (written once at start, before `listening on`): name -> value. Empty if absent.
+    pub fn session_durability(&self) -> std::collections::BTreeMap<String, String> {
+        let text = self.log_text();
+        let Some(line) = text
+            .lines()
+            .find(|l| l.contains("database session durability"))
+        else {
+            return Default::default();
+        };
+        ["synchronous_commit", "fsync", "full_page_writes"]
+            .iter()
+            .filter_map(|k| {
+                let at = line.find(&format!("{k}="))? + k.len() + 1;
+                let v: String = line[at..]
+                    .chars()
+                    .take_while(|c| !c.is_whitespace())
+                    .collect();
+                Some((k.to_string(), v.trim_matches('"').to_string()))
+            })
+            .collect()
+    }
+
     /// The exit status if the process has exited (recorded), `None` while it runs.
     pub fn try_exit_status(&mut self) -> Option<ExitStatus> {
         if self.exit.is_none() {

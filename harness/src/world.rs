@@ -16,7 +16,8 @@ use crate::checker::{self, Report};
 use crate::client::Client;
 use crate::gateway::{self, Gateway, GatewayOpts};
 use crate::history::{self, History, Type};
-use crate::pg::Cluster;
+use crate::pg::{Cluster, ClusterOpts};
+use crate::proxy::Proxy;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
@@ -50,6 +51,11 @@ CREATE TRIGGER imfault_cursor_audit AFTER INSERT OR UPDATE ON device_cursors
 pub struct World {
     /// The current gateway; `None` only if a test took it out.
     pub gw: Option<Gateway>,
+    /// The standby and the proxies of a replicated world (dropped before the primary).
+    pub failover: Option<Failover>,
+    /// The database address the gateway, the admin commands and the checks use: the
+    /// primary's, or the failover proxy's in a replicated world.
+    db_url: String,
     /// Check pool, made on first use (survives a database crash: sqlx replaces
     /// broken connections on acquire).
     pool: tokio::sync::OnceCell<sqlx::PgPool>,
@@ -59,6 +65,40 @@ pub struct World {
     opts: GatewayOpts,
     /// This run's history.
     hist: History,
+}
+
+/// How the world's database is set up (beyond [`GatewayOpts`]).
+#[derive(Debug, Clone, Default)]
+pub struct WorldOpts {
+    /// The primary cluster's options (the LazyFS layer, extra settings).
+    pub cluster: ClusterOpts,
+    /// A streaming-replication standby behind a switchable proxy.
+    pub replication: Option<Replication>,
+}
+
+/// A standby for failover (issue 11, U2).
+#[derive(Debug, Clone, Copy)]
+pub struct Replication {
+    /// `synchronous_standby_names = 'standby'` on the primary (its `synchronous_commit`
+    /// stays `on`: a commit waits for the standby's flush).
+    pub synchronous: bool,
+    /// One-way delay of the replication link (a harness proxy between the standby and the
+    /// primary): the window in which an asynchronous standby lags.
+    pub link_delay: Duration,
+}
+
+/// The standby side of a replicated world.
+pub struct Failover {
+    /// "The database address": the gateway, admin commands and checks connect here.
+    pub proxy: Proxy,
+    /// The replication link, standby -> primary.
+    pub link: Proxy,
+    /// The standby (after [`World::failover`]: the new primary).
+    pub standby: Cluster,
+    /// How it was set up.
+    pub replication: Replication,
+    /// Whether the standby was promoted.
+    pub promoted: bool,
 }
 
 /// device -> conv -> seq -> mid, as the client state files hold them.
@@ -75,6 +115,12 @@ impl World {
     /// A migrated cluster and a gateway started with `opts`. A fault in `opts` needs a
     /// binary built with the faults feature: that is checked first.
     pub async fn start(opts: GatewayOpts) -> anyhow::Result<World> {
+        World::start_with(WorldOpts::default(), opts).await
+    }
+
+    /// [`World::start`] on a database set up as `wopts` says: a primary behind the LazyFS
+    /// layer, or a primary with a streaming standby behind a switchable proxy.
+    pub async fn start_with(wopts: WorldOpts, opts: GatewayOpts) -> anyhow::Result<World> {
         // Fail on a missing, stale or fault-less binary before starting a cluster.
         let needs_faults = opts.fault.is_some();
         tokio::task::spawn_blocking(move || {
@@ -86,27 +132,98 @@ impl World {
         })
         .await
         .context("join the gateway binary check")??;
-        let pg = Cluster::start_migrated().await?;
+        let pg = Cluster::start_migrated_with(wopts.cluster.clone()).await?;
         let clients = pg.work_dir().join("clients");
         std::fs::create_dir_all(&clients)
             .with_context(|| format!("create {}", clients.display()))?;
         let hist = History::create(&pg.work_dir().join("history.jsonl"))?;
         history::set_current(Some(hist.clone()));
-        let pool = pg.pool().await?;
-        sqlx::raw_sql(CURSOR_AUDIT_SQL)
-            .execute(&pool)
-            .await
-            .context("install the cursor audit")?;
-        hist.set_probe_pool(pg.pool().await?);
-        let gw = Gateway::start(&pg.url(), &opts, &pg.log_dir()).await?;
+        {
+            let pool = pg.pool().await?;
+            sqlx::raw_sql(CURSOR_AUDIT_SQL)
+                .execute(&pool)
+                .await
+                .context("install the cursor audit")?;
+            pool.close().await;
+        }
+        let failover = match wopts.replication {
+            Some(r) => Some(start_standby(&pg, r).await?),
+            None => None,
+        };
+        let db_url = match &failover {
+            Some(f) => url_at(f.proxy.addr().port()),
+            None => pg.url(),
+        };
+        let pool = pool_at(&db_url).await?;
+        hist.set_probe_pool(pool_at(&db_url).await?);
+        let gw = Gateway::start(&db_url, &opts, &pg.log_dir()).await?;
         record_gateway_start(&hist, &opts);
         Ok(World {
             gw: Some(gw),
+            failover,
+            db_url,
             pool: tokio::sync::OnceCell::new_with(Some(pool)),
             pg,
             opts,
             hist,
         })
+    }
+
+    /// The database address everything connects to (see [`World::start_with`]).
+    pub fn db_url(&self) -> &str {
+        &self.db_url
+    }
+
+    /// The power cut (LazyFS), recorded as a nemesis action: every process of the cluster
+    /// killed at once, unsynced writes thrown away, the layer remounted. Returns what the
+    /// cut dropped. [`World::restart_pg`] then recovers on what remains.
+    pub async fn power_cut_pg(&mut self) -> anyhow::Result<crate::lazyfs::Cut> {
+        let id = self.hist.nemesis_start("pg-power-cut", json!({}));
+        let r = self.pg.power_cut().await;
+        self.hist.nemesis_end(
+            "pg-power-cut",
+            id,
+            json!({"ok": r.is_ok(), "cut": r.as_ref().ok()}),
+        );
+        r
+    }
+
+    /// Failover (U2): the primary's machine dies (its replication link cut, every process
+    /// SIGKILLed at once), the
+    /// standby is promoted, and the database address (the proxy) moves to it, closing every
+    /// connection to the old one. The gateway is not restarted. Returns the timings (ms).
+    pub async fn failover(&mut self) -> anyhow::Result<Value> {
+        let t0 = std::time::Instant::now();
+        let Some(f) = self.failover.as_ref() else {
+            anyhow::bail!("failover: this world has no standby");
+        };
+        // The machine's network goes with it: replication bytes still on their way (held
+        // back by the link's delay) never reach the standby.
+        f.link.cut();
+        self.hist.nemesis_instant("replication-link-cut", json!({}));
+        let id = self.hist.nemesis_start("pg-primary-kill", json!({}));
+        let r = self.pg.kill_all().await;
+        self.hist
+            .nemesis_end("pg-primary-kill", id, json!({"ok": r.is_ok()}));
+        r?;
+        let killed_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        let f = self.failover.as_mut().expect("checked above");
+        let id = self.hist.nemesis_start("pg-promote", json!({}));
+        let r = f.standby.promote().await;
+        self.hist
+            .nemesis_end("pg-promote", id, json!({"ok": r.is_ok()}));
+        r?;
+        f.promoted = true;
+        let promoted_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        let to = std::net::SocketAddr::from(([127, 0, 0, 1], f.standby.port()));
+        f.proxy.switch(to);
+        self.hist
+            .nemesis_instant("db-address-switch", json!({"to": to.to_string()}));
+        Ok(json!({
+            "primary_killed_ms": killed_ms,
+            "standby_promoted_ms": promoted_ms,
+            "address_switched_ms": t0.elapsed().as_secs_f64() * 1000.0,
+        }))
     }
 
     /// This run's history.
@@ -179,7 +296,7 @@ impl World {
                 self.hist.nemesis_end("gateway-kill", id, json!({}));
             }
         }
-        self.gw = Some(Gateway::start(&self.pg.url(), &opts, &self.pg.log_dir()).await?);
+        self.gw = Some(Gateway::start(&self.db_url, &opts, &self.pg.log_dir()).await?);
         record_gateway_start(&self.hist, &opts);
         self.opts = opts;
         Ok(())
@@ -211,26 +328,26 @@ impl World {
 
     /// `im-gateway admin add-user USER`.
     pub async fn add_user(&self, user: &str) -> anyhow::Result<()> {
-        gateway::admin(&self.pg.url(), &["add-user", user]).await?;
+        gateway::admin(&self.db_url, &["add-user", user]).await?;
         Ok(())
     }
 
     /// `im-gateway admin add-device DEVICE --user USER`; returns the new token.
     pub async fn add_device(&self, device: &str, user: &str) -> anyhow::Result<String> {
-        let token = gateway::admin(&self.pg.url(), &["add-device", device, "--user", user]).await?;
+        let token = gateway::admin(&self.db_url, &["add-device", device, "--user", user]).await?;
         single_line_token(token, "add-device")
     }
 
     /// `im-gateway admin add-conv CONV --members U1,U2,…`.
     pub async fn add_conv(&self, conv: &str, members: &[&str]) -> anyhow::Result<()> {
         let members = members.join(",");
-        gateway::admin(&self.pg.url(), &["add-conv", conv, "--members", &members]).await?;
+        gateway::admin(&self.db_url, &["add-conv", conv, "--members", &members]).await?;
         Ok(())
     }
 
     /// `im-gateway admin join CONV USER`: opens a membership period.
     pub async fn join(&self, conv: &str, user: &str) -> anyhow::Result<()> {
-        gateway::admin(&self.pg.url(), &["join", conv, user]).await?;
+        gateway::admin(&self.db_url, &["join", conv, user]).await?;
         self.hist.nemesis_instant(
             "membership",
             json!({"action": "join", "conv": conv, "user": user}),
@@ -240,7 +357,7 @@ impl World {
 
     /// `im-gateway admin leave CONV USER`: closes the open membership period.
     pub async fn leave(&self, conv: &str, user: &str) -> anyhow::Result<()> {
-        gateway::admin(&self.pg.url(), &["leave", conv, user]).await?;
+        gateway::admin(&self.db_url, &["leave", conv, user]).await?;
         self.hist.nemesis_instant(
             "membership",
             json!({"action": "leave", "conv": conv, "user": user}),
@@ -250,7 +367,7 @@ impl World {
 
     /// `im-gateway admin reinstall-device DEVICE`; returns the new token.
     pub async fn reinstall_device(&self, device: &str) -> anyhow::Result<String> {
-        let token = gateway::admin(&self.pg.url(), &["reinstall-device", device]).await?;
+        let token = gateway::admin(&self.db_url, &["reinstall-device", device]).await?;
         self.hist
             .nemesis_instant("reinstall", json!({"device": device}));
         single_line_token(token, "reinstall-device")
@@ -258,7 +375,10 @@ impl World {
 
     /// A check pool on the cluster, made once and then shared.
     pub async fn pool(&self) -> anyhow::Result<sqlx::PgPool> {
-        self.pool.get_or_try_init(|| self.pg.pool()).await.cloned()
+        self.pool
+            .get_or_try_init(|| pool_at(&self.db_url))
+            .await
+            .cloned()
     }
 
     /// Rows in `events` for `conv`.
@@ -308,6 +428,69 @@ impl World {
         let _ = std::fs::create_dir_all(&dir);
         dir.join(format!("{name}.json"))
     }
+}
+
+/// `postgres://postgres@127.0.0.1:PORT/postgres`.
+fn url_at(port: u16) -> String {
+    format!("postgres://postgres@127.0.0.1:{port}/postgres")
+}
+
+/// A small check pool (as `Cluster::pool`) at `url`.
+async fn pool_at(url: &str) -> anyhow::Result<sqlx::PgPool> {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .with_context(|| format!("connect a pool to {url}"))
+}
+
+/// A standby of `pg` through a replication link (a delaying proxy), streaming (and, when
+/// synchronous, named in `synchronous_standby_names` and reported `sync`), plus the
+/// database-address proxy, pointing at the primary for now.
+async fn start_standby(pg: &Cluster, r: Replication) -> anyhow::Result<Failover> {
+    let primary = std::net::SocketAddr::from(([127, 0, 0, 1], pg.port()));
+    let link = Proxy::start(primary, r.link_delay)?;
+    let standby = Cluster::start_standby(pg, link.addr().port(), Vec::new()).await?;
+    let pool = pg.pool().await?;
+    if r.synchronous {
+        // Only now: with no standby, every commit (the migrations') would wait for one.
+        sqlx::raw_sql("ALTER SYSTEM SET synchronous_standby_names = 'standby'")
+            .execute(&pool)
+            .await
+            .context("set synchronous_standby_names")?;
+        sqlx::raw_sql("SELECT pg_reload_conf()")
+            .execute(&pool)
+            .await
+            .context("reload the configuration")?;
+    }
+    let want = if r.synchronous { "sync" } else { "async" };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let states: Vec<(String, String)> = sqlx::query_as(
+            "SELECT state, sync_state FROM pg_stat_replication WHERE application_name = 'standby'",
+        )
+        .fetch_all(&pool)
+        .await
+        .context("read pg_stat_replication")?;
+        if states.iter().any(|(s, ss)| s == "streaming" && ss == want) {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the standby is not streaming ({want}) within 20 s: {states:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    pool.close().await;
+    let proxy = Proxy::start(primary, Duration::ZERO)?;
+    Ok(Failover {
+        proxy,
+        link,
+        standby,
+        replication: r,
+        promoted: false,
+    })
 }
 
 fn record_gateway_start(hist: &History, opts: &GatewayOpts) {
