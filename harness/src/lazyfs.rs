@@ -573,7 +573,7 @@ impl State {
         for p in &gone {
             c.pages.remove(p);
         }
-        if size % PAGE != 0 {
+        if !size.is_multiple_of(PAGE) {
             if let Some(page) = c.pages.get_mut(&(size / PAGE)) {
                 page[(size % PAGE) as usize..].fill(0);
             }

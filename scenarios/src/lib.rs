@@ -390,6 +390,28 @@ async fn judged(
     Ok((r, kinds))
 }
 
+/// The settings a durability verdict rests on, as the run saw them: the server's
+/// `fsync`, `synchronous_commit` and `full_page_writes` (read through the world's
+/// database address) and the gateway sessions' own (from the gateway's start-up line).
+pub async fn durability_settings(
+    w: &harness::world::World,
+) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+    let (fsync, sync_commit, fpw): (String, String, String) = sqlx::query_as(
+        "SELECT current_setting('fsync'), current_setting('synchronous_commit'),
+                current_setting('full_page_writes')",
+    )
+    .fetch_one(&w.pool().await?)
+    .await?;
+    let mut m = std::collections::BTreeMap::new();
+    m.insert("server.fsync".to_string(), fsync);
+    m.insert("server.synchronous_commit".to_string(), sync_commit);
+    m.insert("server.full_page_writes".to_string(), fpw);
+    for (k, v) in w.gw().session_durability() {
+        m.insert(format!("gateway_session.{k}"), v);
+    }
+    Ok(m)
+}
+
 /// For tests outside the im-06 evidence (the protocol tests): judges the run with the
 /// history checker, writes `records_dir()/protocol/<test>.json` (the checker's verdict,
 /// read by `make controls`), and returns the report.
