@@ -11,6 +11,33 @@ use std::time::Instant;
 /// The evidence schema written by this version (see evidence/README.md).
 pub const SCHEMA_VERSION: u32 = 2;
 
+/// The workspace root (the scenarios crate's parent).
+pub fn workspace() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+/// Where cargo puts what it builds: `$CARGO_TARGET_DIR` (relative to the workspace) or
+/// `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) if std::path::Path::new(&d).is_absolute() => PathBuf::from(d),
+        Some(d) => workspace().join(d),
+        None => workspace().join("target"),
+    }
+}
+
+/// `git ARGS` in the workspace, trimmed stdout; None outside git or on failure.
+pub fn git(args: &[&str]) -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(args)
+        .current_dir(workspace())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
 /// Where each check's record goes: `$IMFAULT_EVIDENCE_DIR` (set by the evidence runner),
 /// else `target/imfault-records/`.
 pub fn records_dir() -> PathBuf {

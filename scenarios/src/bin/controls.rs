@@ -12,6 +12,7 @@
 //! checker's anomalies, and this runner only reads what the tests wrote.
 
 use anyhow::{bail, Context};
+use scenarios::{git, target_dir, workspace};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -59,18 +60,6 @@ fn designed_catcher(bug: &str) -> &'static [&'static str] {
         "ack-before-persist" => &["im06_receiver_crash_after_ack"],
         "cursor-max" => &["im06_lost_push_gap_synced"],
         _ => &[],
-    }
-}
-
-fn workspace() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-}
-
-fn target_dir() -> PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(d) if Path::new(&d).is_absolute() => PathBuf::from(d),
-        Some(d) => workspace().join(d),
-        None => workspace().join("target"),
     }
 }
 
@@ -346,16 +335,6 @@ fn main() -> anyhow::Result<()> {
         clean.wall_ms / 1000
     );
 
-    let git = |args: &[&str]| -> Option<String> {
-        let out = Command::new("git")
-            .args(args)
-            .current_dir(workspace())
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-    };
     let mut controls = Vec::new();
     for (bug, side) in &bugs {
         let mut env = vec![("IM_BUG", bug.clone())];

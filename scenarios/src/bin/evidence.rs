@@ -5,27 +5,12 @@
 //! a FAIL with that reason.
 
 use anyhow::{bail, Context};
-use scenarios::rfc3339;
+use scenarios::{git, rfc3339, target_dir, workspace};
 use scenarios::{im06_not_run, Record, IM06_CHECKS, SCHEMA_VERSION};
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Instant, SystemTime};
-
-fn workspace() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-}
-
-fn git(args: &[&str]) -> Option<String> {
-    let out = Command::new("git")
-        .args(args)
-        .current_dir(workspace())
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
 
 fn read_records(dir: &Path) -> anyhow::Result<Vec<Record>> {
     let mut out = Vec::new();
@@ -49,15 +34,6 @@ fn read_records(dir: &Path) -> anyhow::Result<Vec<Record>> {
     Ok(out)
 }
 
-/// `$CARGO_TARGET_DIR` (relative to the workspace) or `<workspace>/target`.
-fn target_dir(root: &Path) -> PathBuf {
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(d) if Path::new(&d).is_absolute() => PathBuf::from(d),
-        Some(d) => root.join(d),
-        None => root.join("target"),
-    }
-}
-
 /// evidence/im-06/result.json, in the order a reader wants it.
 #[derive(serde::Serialize)]
 struct Doc<'a> {
@@ -75,7 +51,7 @@ fn main() -> anyhow::Result<()> {
     let generated_at = rfc3339(SystemTime::now());
     let root = workspace();
     // Each run keeps its records under its own directory; `latest` points at the newest.
-    let runs = target_dir(&root).join("imfault-runs");
+    let runs = target_dir().join("imfault-runs");
     let run_dir = runs.join(format!("evidence-{}", generated_at.replace([':', '-'], "")));
     let records_dir = run_dir.join("records");
     std::fs::create_dir_all(&records_dir)
