@@ -143,20 +143,30 @@ impl Cluster {
                 cluster.work_dir.display()
             )));
         }
+        cluster
+            .launch_on_free_port("start PostgreSQL cluster")
+            .await?;
+        Ok(cluster)
+    }
+
+    /// Launches the postmaster on a free port, trying another port (at most
+    /// `PORT_ATTEMPTS` in all) when another process took it first; on any other failure the
+    /// work directory is kept and the error says `what` failed.
+    async fn launch_on_free_port(&mut self, what: &str) -> anyhow::Result<()> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            cluster.port = free_port()?;
-            match cluster.launch().await {
-                Ok(()) => return Ok(cluster),
+            self.port = free_port()?;
+            match self.launch().await {
+                Ok(()) => return Ok(()),
                 Err(e) if e.downcast_ref::<PortTaken>().is_some() && attempt < PORT_ATTEMPTS => {
                     continue
                 }
                 Err(e) => {
-                    cluster.keep = true;
+                    self.keep = true;
                     return Err(e.context(format!(
-                        "start PostgreSQL cluster in {} (work dir kept)",
-                        cluster.work_dir.display()
+                        "{what} in {} (work dir kept)",
+                        self.work_dir.display()
                     )));
                 }
             }
@@ -572,24 +582,8 @@ impl Cluster {
                 cluster.work_dir.display()
             )));
         }
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            cluster.port = free_port()?;
-            match cluster.launch().await {
-                Ok(()) => return Ok(cluster),
-                Err(e) if e.downcast_ref::<PortTaken>().is_some() && attempt < PORT_ATTEMPTS => {
-                    continue
-                }
-                Err(e) => {
-                    cluster.keep = true;
-                    return Err(e.context(format!(
-                        "start standby in {} (work dir kept)",
-                        cluster.work_dir.display()
-                    )));
-                }
-            }
-        }
+        cluster.launch_on_free_port("start standby").await?;
+        Ok(cluster)
     }
 
     /// Promotes a standby (`pg_promote(wait => true)`) and waits until it accepts writes.
