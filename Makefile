@@ -5,7 +5,7 @@ TARGET   := $(or $(CARGO_TARGET_DIR),target)
 # The harness runs target/debug/im-gateway, which must carry the fault points.
 FEATURES := --features im-gateway/faults
 
-.PHONY: setup build test evidence controls fuzz up lint repro bench bench-quick clean
+.PHONY: setup build test test-containers evidence controls fuzz up lint repro bench bench-quick clean
 
 setup:
 	@./scripts/setup.sh
@@ -18,11 +18,20 @@ lint:
 	$(CARGO) clippy --workspace --all-targets $(FEATURES) -- -D warnings
 	$(CARGO) clippy -p im-gateway --all-targets -- -D warnings
 	$(CARGO) clippy -p im-gateway --all-targets --features faults,bugs -- -D warnings
+	$(CARGO) clippy -p harness --all-targets --features container -- -D warnings
 
 test: build lint
 	@echo "gateway unit tests without the faults feature (IM_FAULT must be refused):"
 	$(CARGO) nextest run -p im-gateway --lib
 	$(CARGO) nextest run --workspace $(FEATURES) --no-fail-fast
+
+# make test-containers: the crash scenarios with PostgreSQL in a container (IMFAULT_PG=container,
+# testcontainers), from an image built here from Debian's packages. Installs docker.io and
+# debootstrap when missing and starts dockerd; where no engine can run, SKIPPED with the reason
+# (target/test-containers/result.json). Not part of `make test`: it needs root and a container
+# engine, and takes a minute more the first time.
+test-containers: build
+	CARGO='$(CARGO)' TARGET='$(TARGET)' ./scripts/test-containers.sh
 
 evidence: build
 	$(TARGET)/debug/evidence

@@ -1,5 +1,6 @@
 pub mod checker;
 pub mod client;
+pub mod container;
 pub mod gateway;
 pub mod history;
 pub mod lazyfs;

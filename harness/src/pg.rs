@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use sqlx::{Connection, PgConnection};
 
+use crate::container::{Backend, PgContainer};
 use crate::lazyfs::{self, LazyFs};
 
 /// How long a (re)started postmaster may take to accept connections, crash recovery included.
@@ -90,8 +91,9 @@ pub struct Cluster {
     /// uid/gid the server programs run as: `Some` when we are root (PostgreSQL refuses
     /// to run as root), `None` to run them as ourselves.
     owner: Option<(u32, u32)>,
-    /// Where `postgres` lives.
-    install: &'static PgInstall,
+    /// Where `postgres` lives; `None` on the container backend, which needs no local
+    /// server programs.
+    install: Option<&'static PgInstall>,
     /// Set by `keep()` or a failed start: keep the work directory on drop.
     keep: bool,
     /// Settings after [`SERVER_SETTINGS`] on the postmaster's command line (replication).
@@ -99,6 +101,9 @@ pub struct Cluster {
     /// The power-cut layer the data directory is mounted through, if any: `pgdata/` is
     /// then its mountpoint and `pgdata-backing/` the "disk".
     lazy: Option<LazyFs>,
+    /// `IMFAULT_PG=container`: the server runs in this container instead of as `child`,
+    /// and `port` is the container's proxy (docker maps a new host port on every start).
+    container: Option<PgContainer>,
 }
 
 /// How a cluster is set up beyond the defaults.
@@ -118,7 +123,12 @@ impl Cluster {
     }
 
     /// [`Cluster::start`] with `opts`: the LazyFS layer, extra settings.
+    /// With `IMFAULT_PG=container` the server runs in a container instead
+    /// ([`crate::container`]).
     pub async fn start_with(opts: ClusterOpts) -> anyhow::Result<Cluster> {
+        if Backend::from_env()? == Backend::Container {
+            return Cluster::start_container(opts).await;
+        }
         let install = pg_install()?;
         let owner = server_owner()?;
         let template = tokio::task::spawn_blocking(move || ensure_template(install, owner))
@@ -131,10 +141,11 @@ impl Cluster {
             port: 0,
             child: None,
             owner,
-            install,
+            install: Some(install),
             keep: false,
             settings: opts.settings.clone(),
             lazy: None,
+            container: None,
         };
         if let Err(e) = cluster.prepare(&template, opts.lazyfs).await {
             cluster.keep = true;
@@ -147,6 +158,70 @@ impl Cluster {
             .launch_on_free_port("start PostgreSQL cluster")
             .await?;
         Ok(cluster)
+    }
+
+    /// [`Cluster::start_with`] on the container backend: a container of `IMFAULT_PG_IMAGE`
+    /// with the same server settings, behind a proxy whose port is `port()`.
+    async fn start_container(opts: ClusterOpts) -> anyhow::Result<Cluster> {
+        if opts.lazyfs {
+            bail!(
+                "IMFAULT_PG=container: the LazyFS power-cut layer needs the data directory on \
+                 this machine; run this scenario on the local backend (unset IMFAULT_PG)"
+            );
+        }
+        let work_dir = create_work_dir()?;
+        let mut cluster = Cluster {
+            work_dir,
+            port: 0,
+            child: None,
+            owner: None,
+            install: None,
+            keep: false,
+            settings: opts.settings.clone(),
+            lazy: None,
+            container: None,
+        };
+        cluster.make_dirs()?;
+        let mut settings: Vec<(String, String)> = SERVER_SETTINGS
+            .iter()
+            .filter(|(name, _)| *name != "listen_addresses")
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        settings.extend(opts.settings);
+        if crate::client::bugs::active() == Some(crate::client::bugs::FSYNC_OFF) {
+            settings.push(("fsync".into(), "off".into()));
+        }
+        let image = crate::container::image_from_env();
+        match PgContainer::start(&image, settings).await {
+            Ok(c) => {
+                cluster.port = c.addr().port();
+                cluster.container = Some(c);
+                Ok(cluster)
+            }
+            Err(e) => {
+                cluster.keep = true;
+                Err(e.context(format!(
+                    "start a PostgreSQL container ({image}) for {}",
+                    cluster.work_dir.display()
+                )))
+            }
+        }
+    }
+
+    /// The server's log so far: `logs/postgres.log`, or `docker logs` of the container.
+    pub fn server_log(&self) -> String {
+        match &self.container {
+            Some(c) => c.logs(),
+            None => fs::read_to_string(self.log_path()).unwrap_or_default(),
+        }
+    }
+
+    /// Which backend runs this cluster's server: `local` or `container IMAGE`.
+    pub fn backend(&self) -> String {
+        match &self.container {
+            Some(c) => format!("container {} ({})", c.image(), c.id()),
+            None => "local".to_string(),
+        }
     }
 
     /// Launches the postmaster on a free port, trying another port (at most
@@ -226,7 +301,11 @@ impl Cluster {
     /// Crashes the database: SIGQUIT to the postmaster (immediate shutdown, as
     /// `pg_ctl stop -m immediate`; no checkpoint, recovery replays the WAL on restart)
     /// and waits until it has exited and been reaped.
+    /// On the container backend: `docker kill -s KILL` (PID 1 is the postmaster).
     pub async fn crash(&mut self) -> anyhow::Result<()> {
+        if let Some(c) = &self.container {
+            return c.kill().await;
+        }
         self.signal_and_wait(libc::SIGQUIT, CRASH_TIMEOUT, "crash (SIGQUIT)")
             .await
             .map(|_| ())
@@ -234,6 +313,9 @@ impl Cluster {
 
     /// Fast shutdown: SIGINT to the postmaster, waits until it has exited.
     pub async fn stop(&mut self) -> anyhow::Result<()> {
+        if let Some(c) = &self.container {
+            return c.stop().await;
+        }
         self.signal_and_wait(libc::SIGINT, STOP_TIMEOUT, "stop (SIGINT)")
             .await
             .map(|_| ())
@@ -249,6 +331,12 @@ impl Cluster {
                 self.port
             );
         }
+        if let Some(c) = &self.container {
+            return c
+                .start_again()
+                .await
+                .with_context(|| format!("restart the PostgreSQL container {}", c.id()));
+        }
         self.launch()
             .await
             .with_context(|| format!("restart PostgreSQL in {}", self.work_dir.display()))
@@ -256,6 +344,10 @@ impl Cluster {
 
     /// Whether the postmaster is still running (reaps it if it has exited).
     pub fn is_running(&mut self) -> bool {
+        if let Some(c) = &self.container {
+            // One `docker inspect` (tens of milliseconds).
+            return c.is_running_blocking();
+        }
         let Some(child) = self.child.as_mut() else {
             return false;
         };
@@ -384,7 +476,10 @@ impl Cluster {
             .try_clone()
             .with_context(|| format!("dup {}", log_path.display()))?;
 
-        let mut cmd = server_command(&self.install.bin_dir.join("postgres"), self.owner);
+        let install = self
+            .install
+            .context("launch: this cluster has no local PostgreSQL install")?;
+        let mut cmd = server_command(&install.bin_dir.join("postgres"), self.owner);
         cmd.current_dir(&self.work_dir)
             .arg("-D")
             .arg(self.pgdata())
@@ -515,6 +610,11 @@ impl Cluster {
         upstream_port: u16,
         settings: Vec<(String, String)>,
     ) -> anyhow::Result<Cluster> {
+        if primary.container.is_some() {
+            bail!(
+                "IMFAULT_PG=container: standbys run on the local backend only (unset IMFAULT_PG)"
+            );
+        }
         let install = pg_install()?;
         let owner = server_owner()?;
         let work_dir = create_work_dir()?;
@@ -528,10 +628,11 @@ impl Cluster {
             port: 0,
             child: None,
             owner,
-            install,
+            install: Some(install),
             keep: false,
             settings,
             lazy: None,
+            container: None,
         };
         let made = async {
             cluster.make_dirs()?;
@@ -617,6 +718,9 @@ impl Cluster {
     /// The machine's end: SIGKILL to the postmaster and every backend (its process group)
     /// at once, no shutdown of any kind; waits until all of them are gone.
     pub async fn kill_all(&mut self) -> anyhow::Result<()> {
+        if self.container.is_some() {
+            bail!("IMFAULT_PG=container: kill_all needs the process group on this machine (unset IMFAULT_PG)");
+        }
         let Some(child) = self.child.as_mut() else {
             bail!("kill: the postmaster on port {} is not running", self.port);
         };
@@ -733,6 +837,14 @@ fn group_alive(pgid: u32) -> bool {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        if let Some(c) = self.container.take() {
+            // The container's log is the server log a kept work directory must hold.
+            let log = self.log_path();
+            if let Err(e) = fs::write(&log, c.logs()) {
+                eprintln!("imfault: could not write {}: {e}", log.display());
+            }
+            drop(c);
+        }
         let pgid = self.child.as_ref().map(Child::id);
         if let Some(mut child) = self.child.take() {
             if let Ok(None) = child.try_wait() {
@@ -1232,10 +1344,10 @@ mod tests {
         assert_eq!(cluster.setting("fsync").await?, "on");
         assert_eq!(cluster.setting("synchronous_commit").await?, "on");
         assert_eq!(cluster.setting("full_page_writes").await?, "on");
-        assert!(cluster
-            .server_version()
-            .await?
-            .starts_with(&format!("{}.", cluster.install.major)));
+        assert!(cluster.server_version().await?.starts_with(&format!(
+            "{}.",
+            cluster.install.expect("local install").major
+        )));
 
         let pool = cluster.pool().await?;
         sqlx::query("CREATE TABLE t (id int PRIMARY KEY, note text NOT NULL)")
