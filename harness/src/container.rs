@@ -426,6 +426,20 @@ mod tests {
         assert_eq!(split_image("pg"), ("pg".into(), "latest".into()));
     }
 
+    /// A harness built without the feature refuses the backend and names the make target.
+    #[cfg(not(feature = "container"))]
+    #[tokio::test]
+    async fn without_the_feature_the_backend_is_refused_with_the_way_to_get_it() {
+        let Err(e) = PgContainer::start(DEFAULT_IMAGE, vec![]).await else {
+            panic!("the stub started a container");
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains("make test-containers") && e.contains(DEFAULT_IMAGE),
+            "{e}"
+        );
+    }
+
     /// The container backend end to end (`make test-containers` runs it with the feature;
     /// it needs the image): the settings reach the server (fsync on), a committed row
     /// survives `docker kill -s KILL` and the restart's crash recovery, and the cluster keeps
