@@ -843,7 +843,7 @@ impl Drop for Cluster {
             if let Err(e) = fs::write(&log, c.logs()) {
                 eprintln!("imfault: could not write {}: {e}", log.display());
             }
-            drop(c);
+            // `c` is dropped here: the container is removed.
         }
         let pgid = self.child.as_ref().map(Child::id);
         if let Some(mut child) = self.child.take() {
