@@ -14,7 +14,7 @@
 //! listener sometimes reports a reset as an error): any error or loss of the connection
 //! rebuilds the listener and runs a sweep at once (D5), which finds every device left behind.
 
-use crate::server::State;
+use crate::state::State;
 use crate::store;
 use futures_util::StreamExt;
 use sqlx::postgres::PgListener;

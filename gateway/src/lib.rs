@@ -28,5 +28,6 @@ pub mod limits;
 pub mod migrate;
 pub mod protocol;
 pub mod server;
+pub mod state;
 pub mod store;
 pub mod sweep;

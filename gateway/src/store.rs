@@ -4,13 +4,14 @@
 
 use crate::bugs;
 use crate::error::{from_db, WireError};
-use crate::faults::{self, points, Fired};
-use crate::protocol::Event;
+use crate::faults::{self, points};
+use crate::protocol::{ConvHead, Event};
 use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
 use std::borrow::Cow;
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 /// The authenticated side of a connection, fixed by `hello`.
@@ -39,7 +40,7 @@ const ASYNC_COMMIT_EDITS: &[(&str, &str)] =
 
 /// Opens a pool. Every connection gets `synchronous_commit = on` (D6 must not depend on a
 /// server or role default), and, with `statement_timeout`, that timeout, so statements left
-/// running after a request's deadline (see `server::State::db`) cannot pin connections.
+/// running after a request's deadline (see `state::State::db`) cannot pin connections.
 pub async fn connect(
     url: &str,
     max: u32,
@@ -384,10 +385,14 @@ pub async fn send(
         None => None,
         Some(taken) => {
             let (seq, conv_epoch): (i64, i64) = (taken.get(0), taken.get(1));
-            match faults::check(points::SEND_BEFORE_INSERT).await {
-                Fired::Pass => {}
-                Fired::Drop => return Ok(SendOutcome::NoReply),
-                Fired::Error => return Err(WireError::Unavailable),
+            if let ControlFlow::Break(r) = faults::gate(
+                points::SEND_BEFORE_INSERT,
+                Ok(SendOutcome::NoReply),
+                Err(WireError::Unavailable),
+            )
+            .await
+            {
+                return r;
             }
             let row = sqlx::query(&insert_sql)
                 .bind(conv)
@@ -433,7 +438,8 @@ pub async fn send(
     }
     if bugs::active(bugs::COMMIT_AFTER_REPLY) {
         tokio::spawn(async move {
-            if faults::check(points::SEND_BEFORE_COMMIT).await == Fired::Pass {
+            let point = faults::gate(points::SEND_BEFORE_COMMIT, (), ()).await;
+            if point.is_continue() {
                 if let Err(e) = tx.commit().await {
                     tracing::warn!(error = %e, "commit after the reply failed");
                 }
@@ -441,10 +447,14 @@ pub async fn send(
         });
         return Ok(SendOutcome::Reply(sent));
     }
-    match faults::check(points::SEND_BEFORE_COMMIT).await {
-        Fired::Pass => {}
-        Fired::Drop => return Ok(SendOutcome::NoReply),
-        Fired::Error => return Err(WireError::Unavailable),
+    if let ControlFlow::Break(r) = faults::gate(
+        points::SEND_BEFORE_COMMIT,
+        Ok(SendOutcome::NoReply),
+        Err(WireError::Unavailable),
+    )
+    .await
+    {
+        return r;
     }
     tx.commit().await.map_err(db("send.commit"))?;
     Ok(SendOutcome::Reply(sent))
@@ -518,20 +528,12 @@ pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConvState {
-    pub conv: String,
-    /// The user's visible head (SPEC: head = next_seq - 1, bounded by membership periods).
-    pub head: i64,
-    pub delivered: i64,
-}
-
 /// `sub`: every conversation the user has a membership period in, with head and cursor.
 pub async fn conv_states(
     pool: &PgPool,
     who: &Principal,
     max: i64,
-) -> Result<Vec<ConvState>, WireError> {
+) -> Result<Vec<ConvHead>, WireError> {
     check_install(pool, who).await?;
     let rows = sqlx::query(
         "SELECT m.conv_id, im_visible_head(m.conv_id, $1), COALESCE(dc.delivered_seq, 0)
@@ -547,7 +549,7 @@ pub async fn conv_states(
     .map_err(db("sub"))?;
     Ok(rows
         .into_iter()
-        .map(|r| ConvState {
+        .map(|r| ConvHead {
             conv: r.get(0),
             head: r.get(1),
             delivered: r.get(2),
