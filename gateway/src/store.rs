@@ -520,7 +520,8 @@ pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result
     }
     match delivered {
         Some(d) => {
-            // D4 as a hard assertion: the merged cursor is at least what was acked.
+            // D4 as a hard assertion: the merged cursor is at least what was acked (GREATEST
+            // never lowers it). A panic ends the process (`invariant`), not only this task.
             assert!(d >= seq, "D4 broken: merged cursor {d} below acked {seq}");
             Ok(d)
         }
@@ -648,6 +649,7 @@ pub async fn sync(
         events.push(ev);
     }
     drop(rows);
+    assert_page_order(&events, after, head);
     if bugs::active(bugs::CURSOR_ON_SYNC) {
         if let Some(last) = events.last() {
             // The server moves the cursor itself, without a device ack.
@@ -673,6 +675,24 @@ pub async fn sync(
         head,
         complete,
     })
+}
+
+/// D3, paired with the page query: a page holds events in strictly ascending seq order,
+/// all within `(after, head]`. A client stores the page and acks up to its last event (or
+/// `head` when complete): an event out of order or past the head read first would make it
+/// ack what it does not hold. The query's `WHERE seq > after AND seq <= head ORDER BY seq`
+/// and the `(conv_id, seq)` primary key guarantee it; a panic ends the process.
+fn assert_page_order(events: &[Event], after: i64, head: i64) {
+    let mut prev = after;
+    for e in events {
+        assert!(
+            e.seq > prev && e.seq <= head,
+            "D3 broken: sync page of {} after {after} up to head {head} holds seq {} after {prev}",
+            e.conv,
+            e.seq
+        );
+        prev = e.seq;
+    }
 }
 
 /// What the `s1-leak` bug removes from the fan-out audience: the membership period test.
@@ -770,6 +790,41 @@ pub async fn lagging(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn page(seqs: &[i64]) -> Vec<Event> {
+        seqs.iter()
+            .map(|&seq| Event {
+                conv: "c1".into(),
+                seq,
+                kind: "msg".into(),
+                mid: String::new(),
+                sender: "u".into(),
+                cmid: String::new(),
+                body: String::new(),
+                at_ms: 0,
+            })
+            .collect()
+    }
+
+    /// D3's paired check accepts what the page query returns (ascending, gaps where the
+    /// user could not see, within `(after, head]`, or nothing) and refuses anything else.
+    #[test]
+    fn page_order_is_ascending_within_after_and_head() {
+        assert_page_order(&page(&[3, 4, 7]), 2, 7);
+        assert_page_order(&page(&[]), 9, 4);
+        for (seqs, after, head) in [
+            (&[3, 3][..], 0, 5),
+            (&[4, 3][..], 0, 5),
+            (&[2][..], 2, 5),
+            (&[6][..], 2, 5),
+        ] {
+            let r = std::panic::catch_unwind(|| assert_page_order(&page(seqs), after, head));
+            assert!(
+                r.is_err(),
+                "{seqs:?} after {after} head {head} must be refused"
+            );
+        }
+    }
 
     /// Every bug's rewrite still applies to the statement it edits (each fragment exactly
     /// once), in both builds, so an edit of the SQL cannot silently disarm a bug.
