@@ -4,7 +4,7 @@
 //! pings when asked, closes). It owns no SQL (that is `store`) and never blocks anyone else:
 //! fan-out only ever `try_send`s into its queue.
 //!
-//! Memory per connection is bounded in bytes (`IM_QUEUE_BYTES_MAX`, [`Budget`]): every
+//! Memory per connection is bounded in bytes (`IM_QUEUE_BYTES_MAX`, [`hub::Budget`]): every
 //! frame queued for the writer holds its length from the budget until it is written; a sync
 //! reserves its largest page before reading it, so the budget covers the replies being
 //! built as well as the queue. A reply that does not fit waits (that slows only this
@@ -202,12 +202,12 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     };
     if code == CloseCode::Abnormal {
         // The writer ends after what is queued, without a close frame.
-        outbox.close_frame(None).await;
+        outbox.end(None).await;
     } else {
         if let Some(e) = &last_error {
             reply(&outbox, id, None, Err(e.clone()), None).await;
         }
-        outbox.close_frame(Some(code.into())).await;
+        outbox.end(Some(code.into())).await;
     }
     drop(session);
     drop(outbox);

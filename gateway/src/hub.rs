@@ -4,6 +4,13 @@
 //! overflow rule. Does no I/O itself (the writer task in `conn` does) and never waits on
 //! behalf of fan-out or the sweep: pushes only `try_send` into a queue and only try to
 //! reserve budget, so a slow client never blocks delivery to anyone else.
+//!
+//! Who owns what of one connection: its task in `conn` owns the socket, the session, the
+//! receiving end of its queue and of its close channel; everyone else holds a handle. Its
+//! [`Outbox`] (the queue's sending side, the byte budget, and whether pushes are open,
+//! paused by an overflow, or revoked: one `Pushes` state under one lock) is shared by
+//! its request tasks and, through its [`ConnHandle`] in the hub, by fan-out and the sweep.
+//! A close is asked for with a [`CloseRequest`] on the connection's channel.
 
 use crate::error::WireError;
 use crate::protocol::{self, Frame, HintWhy, Kind, Push, Reply};
@@ -208,7 +215,7 @@ impl Outbox {
 
     /// Queues the last item (outside the byte budget), behind everything queued: the
     /// writer writes a close frame with `code` (none for `None`) and stops.
-    pub async fn close_frame(&self, code: Option<u16>) {
+    pub async fn end(&self, code: Option<u16>) {
         let _ = self.tx.send(Out::Close(code)).await;
     }
 
