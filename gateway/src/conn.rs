@@ -4,7 +4,7 @@
 //! pings when asked, closes). It owns no SQL (that is `store`) and never blocks anyone else:
 //! fan-out only ever `try_send`s into its queue.
 //!
-//! Memory per connection is bounded in bytes (`IM_QUEUE_BYTES_MAX`, [`Budget`]): every
+//! Memory per connection is bounded in bytes (`IM_QUEUE_BYTES_MAX`, [`hub::Budget`]): every
 //! frame queued for the writer holds its length from the budget until it is written; a sync
 //! reserves its largest page before reading it, so the budget covers the replies being
 //! built as well as the queue. A reply that does not fit waits (that slows only this
@@ -24,19 +24,19 @@
 use crate::bugs;
 use crate::config::{SUB_CONVS_MAX, SYNC_LIMIT_DEFAULT};
 use crate::error::WireError;
-use crate::faults::{self, points, Fired};
-use crate::hub::{Budget, Closer, ConnHandle, Kind, Out, Outbound, Reserved};
-use crate::protocol::{self, Request};
-use crate::server::State;
+use crate::faults::{self, points};
+use crate::hub::{self, CloseRequest, ConnHandle, Out, Outbox, Reserved};
+use crate::protocol::{self, Frame, HintWhy, Kind, Push, Reply, Request};
+use crate::state::State;
 use crate::store::{self, Principal, SendOutcome, Sent, UncommittedHook};
 use futures_util::{SinkExt, StreamExt};
-use serde_json::json;
 use std::net::SocketAddr;
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
@@ -56,16 +56,20 @@ const SYNC_FRAME_OVERHEAD_BYTES: usize = 1024;
 /// Serves one upgraded connection until the peer leaves, a fatal error, or shutdown.
 pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, peer: SocketAddr) {
     let (sink, mut stream) = ws.split();
-    let (tx, rx) = mpsc::channel::<Out>(state.cfg.queue_frames_max);
-    let out = Arc::new(Outbound::new(state.cfg.queue_bytes_max));
-    let closer = Arc::new(Closer::default());
+    let (outbox, rx) = Outbox::new(id, state.cfg.queue_frames_max, state.cfg.queue_bytes_max);
+    // Close requests from outside the reader (a stale install, a STALE_INSTALL reply): the
+    // first one wins. The reader keeps a sender, so `recv` never ends.
+    let (close_tx, mut close_rx) = hub::close_channel();
+    // The reader asks the writer for a ping (after half of IM_READ_IDLE_MS of silence).
+    let ping = Arc::new(Notify::new());
     let write_timeout = Duration::from_millis(state.cfg.write_timeout_ms);
     // Cancelled when the writer gives up (write failed or timed out): the reader stops too.
     let writer_gone = CancellationToken::new();
     let writer = state.tracker.spawn(writer(
         sink,
         rx,
-        out.clone(),
+        outbox.clone(),
+        ping.clone(),
         id,
         write_timeout,
         writer_gone.clone(),
@@ -85,8 +89,8 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
         let msg = tokio::select! {
             _ = state.cancel.cancelled() => break (CloseCode::Away, None),
             _ = writer_gone.cancelled() => break (CloseCode::Abnormal, None),
-            _ = closer.requested() => {
-                let (code, e) = closer.take().unwrap_or((1008, None));
+            r = close_rx.recv() => {
+                let (code, e) = r.unwrap_or((1008, None));
                 break (CloseCode::from(code), e);
             }
             _ = tokio::time::sleep_until(hello_deadline), if session.is_none() => {
@@ -95,7 +99,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
             }
             _ = tokio::time::sleep_until(last_read + read_idle / 2), if !ping_asked => {
                 // Half the idle time in silence: a ping, which a live peer answers.
-                out.ping.notify_one();
+                ping.notify_one();
                 ping_asked = true;
                 continue;
             }
@@ -127,7 +131,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
                 } else {
                     WireError::Unauthenticated("say hello first")
                 };
-                reply(&tx, &out.budget, id, None, Err(e)).await;
+                reply(&outbox, id, None, Err(e), None).await;
                 continue;
             }
             Some(Ok(Message::Close(_))) => break (CloseCode::Normal, None),
@@ -154,9 +158,8 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
             // Nothing but `hello` is served before hello, and hello is served inline.
             let ctx = Hello {
                 state: &state,
-                tx: &tx,
-                out: &out,
-                closer: &closer,
+                outbox: &outbox,
+                close: &close_tx,
                 id,
                 peer,
             };
@@ -165,7 +168,6 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
                     session = Some(Arc::new(Session {
                         state: state.clone(),
                         id,
-                        tx: tx.clone(),
                         who: handle.who.clone(),
                         handle,
                         sub_lock: tokio::sync::Mutex::new(()),
@@ -198,16 +200,17 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
         }
         None => String::new(),
     };
-    if code != CloseCode::Abnormal {
+    if code == CloseCode::Abnormal {
+        // The writer ends after what is queued, without a close frame.
+        outbox.end(None).await;
+    } else {
         if let Some(e) = &last_error {
-            reply(&tx, &out.budget, id, None, Err(e.clone())).await;
+            reply(&outbox, id, None, Err(e.clone()), None).await;
         }
-        let _ = tx
-            .send(Out::new(Kind::Close(code.into()), String::new()))
-            .await;
+        outbox.end(Some(code.into())).await;
     }
     drop(session);
-    drop(tx);
+    drop(outbox);
     // Drain: read (and discard) until the peer's close frame or EOF while the writer
     // finishes; then linger at most CLOSE_LINGER. Dropping the socket with unread data
     // would make the kernel send a reset, and the peer would lose what is still in flight.
@@ -245,74 +248,23 @@ fn too_large(frame_max_bytes: usize) -> WireError {
     WireError::TooLarge(format!("frame is larger than {frame_max_bytes} bytes"))
 }
 
-/// Queues a frame holding its length of the byte budget (`reserved`, if the caller took it
-/// beforehand, is shrunk to the frame or, if too small, given back and taken anew: no
-/// reservation is held while waiting for another). Replies wait for budget and queue space:
-/// that only slows this connection. Nothing is queued once the connection is gone.
-async fn queue(
-    tx: &mpsc::Sender<Out>,
-    budget: &Budget,
-    kind: Kind,
-    text: String,
-    reserved: Option<Reserved>,
-) {
-    let held = match reserved {
-        Some(mut r) if r.bytes() >= text.len() => {
-            r.shrink_to(text.len());
-            Some(r)
-        }
-        _ => budget.reserve(text.len()).await,
-    };
-    let Some(held) = held else { return };
-    let _ = tx.send(Out::reserved(kind, text, held)).await;
-}
-
-/// Renders and queues a reply (or error) to request `rid`.
+/// Queues a reply (or error) to request `rid`, holding its length of the byte budget
+/// (`reserved`, if the caller took it beforehand: see [`Outbox::reply`]).
 async fn reply(
-    tx: &mpsc::Sender<Out>,
-    budget: &Budget,
+    outbox: &Outbox,
     id: u64,
     rid: Option<&str>,
-    r: Result<serde_json::Value, WireError>,
-) {
-    reply_reserved(tx, budget, id, rid, r, None).await
-}
-
-async fn reply_reserved(
-    tx: &mpsc::Sender<Out>,
-    budget: &Budget,
-    id: u64,
-    rid: Option<&str>,
-    r: Result<serde_json::Value, WireError>,
+    r: Result<Reply, WireError>,
     reserved: Option<Reserved>,
 ) {
     match r {
-        Ok(mut v) => {
-            let kind = match v["t"].as_str() {
-                Some("sent") => Kind::Sent,
-                Some("acked") => Kind::Acked,
-                _ => Kind::Reply,
-            };
-            if let Some(rid) = rid {
-                v["rid"] = json!(rid);
-            }
-            let text = v.to_string();
-            drop(v);
-            queue(tx, budget, kind, text, reserved).await;
-        }
+        Ok(reply) => outbox.reply(rid, &reply, reserved).await,
         Err(e) => {
             if matches!(e, WireError::Internal) {
                 tracing::error!(conn = id, "request failed with INTERNAL");
             }
             drop(reserved);
-            queue(
-                tx,
-                budget,
-                Kind::Reply,
-                protocol::error_frame(rid, &e),
-                None,
-            )
-            .await
+            outbox.reply(rid, &Reply::Error(e), None).await
         }
     }
 }
@@ -320,9 +272,8 @@ async fn reply_reserved(
 /// A connection before a good `hello`.
 struct Hello<'a> {
     state: &'a Arc<State>,
-    tx: &'a mpsc::Sender<Out>,
-    out: &'a Arc<Outbound>,
-    closer: &'a Arc<Closer>,
+    outbox: &'a Arc<Outbox>,
+    close: &'a mpsc::Sender<CloseRequest>,
     id: u64,
     peer: SocketAddr,
 }
@@ -340,7 +291,7 @@ impl Hello<'_> {
         rid: Option<&str>,
         req: Result<Request, WireError>,
     ) -> Result<Option<Arc<ConnHandle>>, CloseCode> {
-        let (state, tx, budget, id) = (self.state, self.tx, &self.out.budget, self.id);
+        let (state, outbox, id) = (self.state, &**self.outbox, self.id);
         let (device, token, epoch) = match req {
             Ok(Request::Hello {
                 device,
@@ -349,7 +300,7 @@ impl Hello<'_> {
             }) => (device, token, epoch),
             _ => {
                 let e = WireError::Unauthenticated("say hello first");
-                reply(tx, budget, id, rid, Err(e)).await;
+                reply(outbox, id, rid, Err(e), None).await;
                 return Ok(None);
             }
         };
@@ -357,7 +308,7 @@ impl Hello<'_> {
         if !state.hello_throttle.attempt(ip, &device) {
             tracing::info!(conn = id, peer = %self.peer, device, "failed hellos over the limit: refused");
             let e = WireError::Throttled("too many failed hellos: retry later");
-            reply(tx, budget, id, rid, Err(e)).await;
+            reply(outbox, id, rid, Err(e), None).await;
             return Err(CloseCode::Again);
         }
         let d = device.clone();
@@ -376,9 +327,8 @@ impl Hello<'_> {
                 let handle = Arc::new(ConnHandle::new(
                     id,
                     p.clone(),
-                    tx.clone(),
-                    self.out.clone(),
-                    self.closer.clone(),
+                    self.outbox.clone(),
+                    self.close.clone(),
                 ));
                 if state
                     .hub
@@ -387,17 +337,20 @@ impl Hello<'_> {
                 {
                     tracing::info!(conn = id, device = %p.device, "IM_CONNS_PER_DEVICE_MAX reached: refused");
                     let e = WireError::Throttled("too many connections for this device");
-                    reply(tx, budget, id, rid, Err(e)).await;
+                    reply(outbox, id, rid, Err(e), None).await;
                     return Err(CloseCode::Again);
                 }
-                let v =
-                    json!({"t": "welcome", "user": p.user, "device": p.device, "epoch": p.epoch});
+                let welcome = Reply::Welcome {
+                    user: p.user.clone(),
+                    device: p.device.clone(),
+                    epoch: p.epoch,
+                };
                 tracing::debug!(conn = id, user = %p.user, device = %p.device, "authenticated");
-                reply(tx, budget, id, rid, Ok(v)).await;
+                reply(outbox, id, rid, Ok(welcome), None).await;
                 Ok(Some(handle))
             }
             Err(e) => {
-                reply(tx, budget, id, rid, Err(e)).await;
+                reply(outbox, id, rid, Err(e), None).await;
                 if failed {
                     Err(CloseCode::Policy)
                 } else {
@@ -412,35 +365,43 @@ impl Hello<'_> {
 struct Session {
     state: Arc<State>,
     id: u64,
-    tx: mpsc::Sender<Out>,
     /// Fixed by `hello`.
     who: Principal,
-    /// This connection in the hub (budget, closer, subscription).
+    /// This connection in the hub (its outbound queue, its close channel, subscription).
     handle: Arc<ConnHandle>,
     /// Serialises `sub` requests, so a failing one cannot undo a succeeding one.
     sub_lock: tokio::sync::Mutex<()>,
 }
 
 impl Session {
-    fn budget(&self) -> &Budget {
-        &self.handle.out.budget
-    }
-
     /// Replies; STALE_INSTALL (the device was reinstalled meanwhile) also ends the connection.
-    async fn reply(&self, rid: Option<&str>, r: Result<serde_json::Value, WireError>) {
+    async fn reply(&self, rid: Option<&str>, r: Result<Reply, WireError>) {
         self.reply_reserved(rid, r, None).await
     }
 
     async fn reply_reserved(
         &self,
         rid: Option<&str>,
-        r: Result<serde_json::Value, WireError>,
+        r: Result<Reply, WireError>,
         reserved: Option<Reserved>,
     ) {
         let stale = matches!(r, Err(WireError::StaleInstall));
-        reply_reserved(&self.tx, self.budget(), self.id, rid, r, reserved).await;
+        reply(&self.handle.outbox, self.id, rid, r, reserved).await;
         if stale {
-            self.handle.closer.close(CloseCode::Policy.into(), None);
+            self.handle.close(CloseCode::Policy.into(), None);
+        }
+    }
+
+    /// Passes a request's fault point: `false` when it fired `drop` (no reply at all) or
+    /// `error` (answered UNAVAILABLE), and the request ends there.
+    async fn pass(&self, rid: Option<&str>, point: &'static str) -> bool {
+        match faults::gate(point, None, Some(WireError::Unavailable)).await {
+            ControlFlow::Continue(()) => true,
+            ControlFlow::Break(None) => false,
+            ControlFlow::Break(Some(e)) => {
+                self.reply(rid, Err(e)).await;
+                false
+            }
         }
     }
 
@@ -457,24 +418,13 @@ impl Session {
         }
         let replied = Arc::new(AtomicBool::new(false));
         let flag = replied.clone();
-        let tx = self.tx.clone();
+        let outbox = self.handle.outbox.clone();
         let state = self.state.clone();
         let rid = rid.map(str::to_string);
         let hook = move |sent: &Sent, ev: &protocol::Event, audience: &[String]| {
             if reply {
-                let mut v = sent_json(&ev.conv, sent);
-                if let Some(rid) = &rid {
-                    v["rid"] = json!(rid);
-                }
                 flag.store(true, Ordering::Release);
-                if let Err(mpsc::error::TrySendError::Full(out)) =
-                    tx.try_send(Out::new(Kind::Sent, v.to_string()))
-                {
-                    let tx = tx.clone();
-                    tokio::spawn(async move {
-                        let _ = tx.send(out).await;
-                    });
-                }
+                outbox.reply_unbudgeted(rid.as_deref(), &sent_reply(&ev.conv, sent));
             }
             if push {
                 let frame = protocol::event_frame(ev);
@@ -520,29 +470,22 @@ impl Session {
                     Err(e) => return self.reply(rid, Err(e)).await,
                 };
                 // D1: we get here only after COMMIT returned (or for a committed duplicate).
-                match faults::check(points::API_AFTER_SEND_COMMIT).await {
-                    Fired::Pass => {}
-                    Fired::Drop => return,
-                    Fired::Error => return self.reply(rid, Err(WireError::Unavailable)).await,
+                if !self.pass(rid, points::API_AFTER_SEND_COMMIT).await {
+                    return;
                 }
-                self.reply(rid, Ok(sent_json(&conv, &sent))).await
+                self.reply(rid, Ok(sent_reply(&conv, &sent))).await
             }
             Request::Ack { conv, seq } => {
-                match faults::check(points::GW_RECV_ACK).await {
-                    Fired::Pass => {}
-                    Fired::Drop => return,
-                    Fired::Error => return self.reply(rid, Err(WireError::Unavailable)).await,
+                if !self.pass(rid, points::GW_RECV_ACK).await {
+                    return;
                 }
                 let w = who.clone();
                 let c = conv.clone();
                 let r = st
                     .db(move |pool| async move { store::ack(&pool, &w, &c, seq).await })
                     .await;
-                self.reply(
-                    rid,
-                    r.map(|d| json!({"t": "acked", "conv": conv, "delivered": d})),
-                )
-                .await
+                let r = r.map(|delivered| Reply::Acked { conv, delivered });
+                self.reply(rid, r).await
             }
             Request::Sub => {
                 let _one_at_a_time = self.sub_lock.lock().await;
@@ -555,13 +498,7 @@ impl Session {
                         store::conv_states(&pool, &w, SUB_CONVS_MAX).await
                     })
                     .await;
-                let r = r.map(|convs| {
-                    let convs: Vec<_> = convs
-                        .iter()
-                        .map(|c| json!({"conv": c.conv, "head": c.head, "delivered": c.delivered}))
-                        .collect();
-                    json!({"t": "subbed", "convs": convs})
-                });
+                let r = r.map(|convs| Reply::Subbed { convs });
                 if r.is_err() && newly {
                     // A failed `sub` takes no effect: the client was told it did not work.
                     st.hub.remove(h);
@@ -582,7 +519,7 @@ impl Session {
                     .saturating_mul(event_max)
                     .min(page_max.max(event_max))
                     + SYNC_FRAME_OVERHEAD_BYTES;
-                let Some(reserved) = self.budget().reserve(largest).await else {
+                let Some(reserved) = self.handle.outbox.budget.reserve(largest).await else {
                     return; // the connection is gone
                 };
                 let r = st
@@ -590,10 +527,11 @@ impl Session {
                         store::sync(&pool, &w, &c, after, limit, page_max).await
                     })
                     .await;
-                let r = r.map(|p| {
-                    let events: Vec<_> = p.events.iter().map(|e| e.to_json()).collect();
-                    json!({"t": "synced", "conv": conv, "events": events, "head": p.head,
-                           "complete": p.complete})
+                let r = r.map(|p| Reply::Synced {
+                    conv,
+                    events: p.events,
+                    head: p.head,
+                    complete: p.complete,
                 });
                 self.reply_reserved(rid, r, Some(reserved)).await
             }
@@ -601,10 +539,23 @@ impl Session {
     }
 }
 
-/// The `sent` reply (without `rid`).
-fn sent_json(conv: &str, sent: &Sent) -> serde_json::Value {
-    json!({"t": "sent", "conv": conv, "seq": sent.seq, "mid": sent.mid,
-           "dup": sent.dup, "epoch": sent.epoch})
+/// The `sent` reply.
+fn sent_reply(conv: &str, sent: &Sent) -> Reply {
+    Reply::Sent {
+        conv: conv.to_string(),
+        seq: sent.seq,
+        mid: sent.mid.clone(),
+        dup: sent.dup,
+        epoch: sent.epoch,
+    }
+}
+
+/// What the writer does with a frame whose fault point fired.
+enum Faulted {
+    /// `drop`, or `error` on a push: the frame is not written.
+    Skip,
+    /// `error` on a reply: UNAVAILABLE to the same `rid` instead.
+    Unavailable,
 }
 
 /// Writes one frame; a peer that does not take it within `limit` is an error (the
@@ -620,27 +571,29 @@ async fn write(sink: &mut Sink, msg: Message, limit: Duration) -> Result<(), WsE
 }
 
 /// Drains the queue to the socket. The `gw.reply.send`, `gw.reply.ack` and `gw.push` fault
-/// points act here, on the frame about to be written. Once the queue is empty it sends the
-/// overflow hints (`why:"overflow"`) the fan-out recorded while it was full. A frame gives
-/// its bytes back to the budget once written (or dropped). Pushes and hints still queued
-/// when the install became stale are dropped. Pings when the reader asks (the peer was
-/// silent for half of IM_READ_IDLE_MS). If a write fails or the peer stops reading for
-/// `limit`, it cancels `gone` so the reader ends the connection too (its replies would have
-/// nowhere to go); on any exit it closes the budget so nobody waits for it.
+/// points act here, on the frame about to be written, chosen by its [`Kind`]. Once the
+/// queue is empty it sends the overflow hints (`why:"overflow"`) the fan-out recorded while
+/// it was full. A frame gives its bytes back to the budget once written (or dropped).
+/// Pushes and hints still queued when the install became stale are dropped. Pings when the
+/// reader asks (the peer was silent for half of IM_READ_IDLE_MS). Ends at the queue's
+/// [`Out::Close`]. If a write fails or the peer stops reading for `limit`, it cancels
+/// `gone` so the reader ends the connection too (its replies would have nowhere to go); on
+/// any exit it closes the budget so nobody waits for it.
 async fn writer(
     mut sink: Sink,
     mut rx: mpsc::Receiver<Out>,
-    out: Arc<Outbound>,
+    outbox: Arc<Outbox>,
+    ping: Arc<Notify>,
     id: u64,
     limit: Duration,
     gone: CancellationToken,
 ) {
     let _gone = gone.drop_guard();
-    let _closed = CloseBudget(&out);
+    let _closed = CloseBudget(&outbox);
     loop {
         let next = tokio::select! {
             biased;
-            _ = out.ping.notified() => {
+            _ = ping.notified() => {
                 if write(&mut sink, Message::Ping(Default::default()), limit).await.is_err() {
                     tracing::info!(conn = id, "ping not taken: abandoning the connection");
                     return;
@@ -649,9 +602,9 @@ async fn writer(
             }
             next = rx.recv() => next,
         };
-        let Some(next) = next else { return };
-        let point = match next.kind {
-            Kind::Close(code) => {
+        let next = match next {
+            None | Some(Out::Close(None)) => return,
+            Some(Out::Close(Some(code))) => {
                 let frame = CloseFrame {
                     code: CloseCode::from(code),
                     reason: "".into(),
@@ -663,27 +616,30 @@ async fn writer(
                 .await;
                 return;
             }
-            Kind::Push | Kind::Hint if out.is_revoked() => continue,
+            Some(Out::Frame(q)) => q,
+        };
+        let point = match next.kind {
+            Kind::Event | Kind::Hint if outbox.is_revoked() => continue,
             Kind::Sent => Some(points::GW_REPLY_SEND),
             Kind::Acked => Some(points::GW_REPLY_ACK),
-            Kind::Push => Some(points::GW_PUSH),
-            Kind::Reply | Kind::Hint => None,
+            Kind::Event => Some(points::GW_PUSH),
+            Kind::Welcome | Kind::Subbed | Kind::Synced | Kind::Error | Kind::Hint => None,
         };
-        let kind = next.kind;
         // `next` keeps its bytes of the budget until it is written or dropped.
         let mut text = Some(next.text.as_str());
         let replaced;
         if let Some(point) = point {
-            match faults::check(point).await {
-                Fired::Pass => {}
-                Fired::Drop => text = None,
-                Fired::Error if kind == Kind::Push => text = None,
-                Fired::Error => {
+            let on_error = match next.kind {
+                Kind::Event => Faulted::Skip,
+                _ => Faulted::Unavailable,
+            };
+            match faults::gate(point, Faulted::Skip, on_error).await {
+                ControlFlow::Continue(()) => {}
+                ControlFlow::Break(Faulted::Skip) => text = None,
+                ControlFlow::Break(Faulted::Unavailable) => {
                     // The operation already committed; the client sees UNAVAILABLE and retries.
-                    let rid = serde_json::from_str::<serde_json::Value>(&next.text)
-                        .ok()
-                        .and_then(|v| v["rid"].as_str().map(str::to_string));
-                    replaced = protocol::error_frame(rid.as_deref(), &WireError::Unavailable);
+                    let error = Reply::Error(WireError::Unavailable);
+                    replaced = protocol::reply_frame(next.rid.as_deref(), &error);
                     text = Some(replaced.as_str());
                 }
             }
@@ -697,9 +653,14 @@ async fn writer(
         drop(next);
         // Also after a dropped frame: an overflowed connection must get its hints.
         if rx.is_empty() {
-            if let Some(pending) = out.take_overflow() {
+            if let Some(pending) = outbox.take_overflow() {
                 for (conv, head) in pending {
-                    let hint = protocol::hint_frame(&conv, head, "overflow");
+                    let why = HintWhy::Overflow;
+                    let hint = protocol::render(&Frame::Push(Push::Hint {
+                        conv: &conv,
+                        head,
+                        why,
+                    }));
                     if write(&mut sink, Message::text(hint), limit).await.is_err() {
                         return;
                     }
@@ -710,7 +671,7 @@ async fn writer(
 }
 
 /// Closes the budget when the writer ends, however it ends.
-struct CloseBudget<'a>(&'a Outbound);
+struct CloseBudget<'a>(&'a Outbox);
 
 impl Drop for CloseBudget<'_> {
     fn drop(&mut self) {

@@ -14,10 +14,12 @@
 //! listener sometimes reports a reset as an error): any error or loss of the connection
 //! rebuilds the listener and runs a sweep at once (D5), which finds every device left behind.
 
-use crate::server::State;
+use crate::bugs;
+use crate::state::State;
 use crate::store;
 use futures_util::StreamExt;
 use sqlx::postgres::PgListener;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -37,8 +39,17 @@ fn parse_payload(p: &str) -> Option<(String, i64)> {
     Some((conv.to_string(), seq.parse().ok()?))
 }
 
+/// What the listener hands to the delivery task, in the order it got it.
+enum Notified {
+    /// An `im_events` notification: `conv:seq` committed.
+    Event(String, i64),
+    /// The LISTEN connection was rebuilt: a new session (possibly on another server, a
+    /// promoted standby), whose order starts afresh.
+    NewSession,
+}
+
 pub async fn run(state: Arc<State>, first: PgListener) {
-    let (tx, rx) = mpsc::channel::<(String, i64)>(4096);
+    let (tx, rx) = mpsc::channel::<Notified>(4096);
     state.tracker.spawn(deliver(state.clone(), rx));
     let mut listener = Some(first);
     let mut backoff = Duration::from_millis(50);
@@ -55,6 +66,9 @@ pub async fn run(state: Arc<State>, first: PgListener) {
                         tracing::info!("LISTEN connection regained: sweeping at once");
                         backoff = Duration::from_millis(50);
                         state.sweep_now.notify_one();
+                        if tx.send(Notified::NewSession).await.is_err() {
+                            return;
+                        }
                         l
                     }
                     Err(e) => {
@@ -90,8 +104,8 @@ pub async fn run(state: Arc<State>, first: PgListener) {
                     }
                 }
                 Ok(Some(n)) => match parse_payload(n.payload()) {
-                    Some(item) => {
-                        if tx.send(item).await.is_err() {
+                    Some((conv, seq)) => {
+                        if tx.send(Notified::Event(conv, seq)).await.is_err() {
                             return;
                         }
                     }
@@ -136,26 +150,91 @@ async fn revoke(state: &State, device: &str) {
     }
 }
 
+/// Most conversations [`Order`] remembers; past it, it starts over (the check gets weaker
+/// for a moment, never wrong).
+const ORDER_CONVS_MAX: usize = 65_536;
+
+/// P1, paired with the send transaction: within one LISTEN session, the notifications of
+/// one conversation come in strictly increasing seq order. The seq is taken under the
+/// conversation's row lock, held until COMMIT, and PostgreSQL delivers notifications in
+/// commit order; the `(conv_id, seq)` primary key forbids a seq twice. Every connection's
+/// queue gets a subsequence of this stream, so the pushes of one conversation in one queue
+/// are strictly increasing too, while the queue as a whole may carry a seq again: a sync
+/// page after a hint re-delivers pushed events, and a reconnect subscribes afresh.
+///
+/// Not checked across sessions (notifications lost with a LISTEN connection are gone, and
+/// a promoted standby may hand out a seq the old primary notified but never replicated),
+/// nor under the `seq-gap` bug, whose seq is taken outside the row lock so commits, and
+/// their notifications, may come out of order.
+struct Order {
+    last: HashMap<String, i64>,
+    checked: bool,
+}
+
+impl Order {
+    fn new() -> Order {
+        Order {
+            last: HashMap::new(),
+            checked: !bugs::active(bugs::SEQ_GAP),
+        }
+    }
+
+    fn new_session(&mut self) {
+        self.last.clear();
+    }
+
+    /// Records `conv:seq` as notified; a panic (which ends the process) if it is not above
+    /// the last seq notified for `conv` in this session.
+    fn notified(&mut self, conv: &str, seq: i64) {
+        if !self.checked {
+            return;
+        }
+        if let Some(last) = self.last.get_mut(conv) {
+            assert!(
+                seq > *last,
+                "P1 broken: notification {conv}:{seq} after {conv}:{last} in one LISTEN session"
+            );
+            *last = seq;
+            return;
+        }
+        if self.last.len() >= ORDER_CONVS_MAX {
+            self.last.clear();
+        }
+        self.last.insert(conv.to_string(), seq);
+    }
+}
+
 /// Reads each notified event with its audience and offers it to the audience's connections.
-async fn deliver(state: Arc<State>, rx: mpsc::Receiver<(String, i64)>) {
+async fn deliver(state: Arc<State>, rx: mpsc::Receiver<Notified>) {
     let inflight = state.cfg.fanout_inflight_max;
     let reads =
         futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) })
-            .map(|(conv, seq)| {
+            .map(|item| {
                 let pool = state.pool.clone();
                 async move {
-                    let r = store::event_with_audience(&pool, &conv, seq).await;
-                    (conv, seq, r)
+                    match item {
+                        Notified::NewSession => None,
+                        Notified::Event(conv, seq) => {
+                            let r = store::event_with_audience(&pool, &conv, seq).await;
+                            Some((conv, seq, r))
+                        }
+                    }
                 }
             })
             .buffered(inflight);
     tokio::pin!(reads);
+    let mut order = Order::new();
     loop {
         let next = tokio::select! {
             _ = state.cancel.cancelled() => return,
             n = reads.next() => n,
         };
-        let Some((conv, seq, r)) = next else { return };
+        let Some(next) = next else { return };
+        let Some((conv, seq, r)) = next else {
+            order.new_session();
+            continue;
+        };
+        order.notified(&conv, seq);
         match r {
             Ok(Some((ev, audience))) => {
                 let frame = crate::protocol::event_frame(&ev);
@@ -177,6 +256,30 @@ async fn deliver(state: Arc<State>, rx: mpsc::Receiver<(String, i64)>) {
 
 #[cfg(test)]
 mod tests {
+    use super::Order;
+
+    /// The P1 order check accepts increasing seqs per conversation (gaps included: a
+    /// notification lost with nothing else is not a reorder), conversations interleaved,
+    /// and anything after a new session.
+    #[test]
+    fn order_accepts_increasing_seqs_per_conversation() {
+        let mut o = Order::new();
+        for (conv, seq) in [("a", 1), ("b", 7), ("a", 2), ("a", 5), ("b", 8)] {
+            o.notified(conv, seq);
+        }
+        o.new_session();
+        o.notified("a", 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "P1 broken: notification a:2 after a:2")]
+    fn order_refuses_a_seq_twice() {
+        let mut o = Order::new();
+        o.notified("a", 1);
+        o.notified("a", 2);
+        o.notified("a", 2);
+    }
+
     #[test]
     fn payload_is_conv_colon_seq() {
         assert_eq!(super::parse_payload("c-ab:7"), Some(("c-ab".into(), 7)));

@@ -3,11 +3,12 @@
 //! *where* a point is: the call sites in `store`, `conn` and `server` do, by name.
 //!
 //! Points are evaluated through the `fail` crate, compiled in only with the `faults`
-//! feature. Without it [`check`] is a no-op and [`install`] refuses a non-empty spec.
+//! feature. Without it [`gate`] is a no-op and [`install`] refuses a non-empty spec.
 //! Every action is non-blocking: `delay` is an async sleep done by the caller, `halt`
 //! is `_exit(137)`; the crate's own `sleep`/`pause`/`panic` actions are never used.
 
 use std::fmt;
+use std::ops::ControlFlow;
 
 /// Every fault point, by the name `IM_FAULT` uses. Listed once; used everywhere.
 pub mod points {
@@ -175,27 +176,25 @@ pub fn install(spec: &str) -> Result<Vec<FaultSpec>, String> {
     Ok(specs)
 }
 
-/// What a caller must do after passing a point.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fired {
-    /// Nothing fired (or a delay already elapsed): go on.
-    Pass,
-    /// Discard the frame / abandon the request without a reply.
-    Drop,
-    /// Fail the operation with UNAVAILABLE.
-    Error,
-}
-
-/// Evaluates the point `point`. `halt` never returns; `delay` sleeps here (async).
-pub async fn check(point: &'static str) -> Fired {
+/// Passes the point `point`: `Continue` when nothing fired (or a `delay` elapsed, slept
+/// here, async), else `Break` with the caller's value for the action that fired, `on_drop`
+/// (discard the frame, abandon the request without a reply) or `on_error` (fail with
+/// UNAVAILABLE). `halt` never returns. The one match every fault point goes through:
+///
+/// ```ignore
+/// if let ControlFlow::Break(r) = faults::gate(points::SEND_BEFORE_COMMIT, Ok(NoReply), Err(Unavailable)).await {
+///     return r;
+/// }
+/// ```
+pub async fn gate<T>(point: &'static str, on_drop: T, on_error: T) -> ControlFlow<T> {
     match hit(point) {
-        None => Fired::Pass,
+        None => ControlFlow::Continue(()),
         Some(Action::Delay(ms)) => {
             tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
-            Fired::Pass
+            ControlFlow::Continue(())
         }
-        Some(Action::Drop) => Fired::Drop,
-        Some(Action::Error) => Fired::Error,
+        Some(Action::Drop) => ControlFlow::Break(on_drop),
+        Some(Action::Error) => ControlFlow::Break(on_error),
         Some(Action::Halt) => unreachable!("hit() halts the process itself"),
     }
 }
@@ -266,7 +265,10 @@ mod imp {
         let _ = err.write_all(line.as_bytes());
         let _ = err.flush();
         if action == Action::Halt {
-            // Like a crash: no destructors, no flushing of buffers, no WebSocket close.
+            // Like a crash: no destructors, no flushing of buffers, no WebSocket close. The
+            // one `unsafe` of the gateway: neither `nix` (0.31) nor `rustix` wraps `_exit(2)`,
+            // and std's `exit` flushes stdout and runs `atexit` handlers, `abort` is no 137.
+            // SAFETY: `_exit` takes no pointers and does not return.
             unsafe { libc::_exit(137) };
         }
         Some(action)

@@ -4,56 +4,61 @@
 //! overflow rule. Does no I/O itself (the writer task in `conn` does) and never waits on
 //! behalf of fan-out or the sweep: pushes only `try_send` into a queue and only try to
 //! reserve budget, so a slow client never blocks delivery to anyone else.
+//!
+//! Who owns what of one connection: its task in `conn` owns the socket, the session, the
+//! receiving end of its queue and of its close channel; everyone else holds a handle. Its
+//! [`Outbox`] (the queue's sending side, the byte budget, and whether pushes are open,
+//! paused by an overflow, or revoked: one `Pushes` state under one lock) is shared by
+//! its request tasks and, through its [`ConnHandle`] in the hub, by fan-out and the sweep.
+//! A close is asked for with a [`CloseRequest`] on the connection's channel.
 
 use crate::error::WireError;
-use crate::protocol;
+use crate::protocol::{self, Frame, HintWhy, Kind, Push, Reply};
 use crate::store::Principal;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use tokio::sync::{mpsc, Notify, Semaphore};
-use tokio_util::sync::CancellationToken;
+use tokio::sync::{mpsc, Semaphore};
 
-/// What a queued frame is, so the writer knows which fault point applies to it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// A `sent` reply (fault point `gw.reply.send`).
-    Sent,
-    /// An `acked` reply (fault point `gw.reply.ack`).
-    Acked,
-    /// Any other reply or error.
-    Reply,
-    /// An `event` push (fault point `gw.push`).
-    Push,
-    /// A `hint` (never subject to `gw.push`).
-    Hint,
-    /// Write a close frame with this code and stop.
-    Close(u16),
+/// One item of a connection's outbound queue.
+#[derive(Debug)]
+pub enum Out {
+    /// A rendered frame.
+    Frame(Queued),
+    /// The last item: write a close frame with this code (`None`: none, the connection
+    /// failed) and stop.
+    Close(Option<u16>),
 }
 
-/// One frame waiting for the writer, with the bytes of the connection's budget it holds
-/// (given back when the writer has written or dropped it).
+/// A frame rendered once (by [`protocol::render`]) waiting for the writer, with what the
+/// writer decides by: its [`Kind`], read off the typed variant it was rendered from, and
+/// the request's `rid` (an `error` fault on a reply answers UNAVAILABLE to that rid). It
+/// holds its bytes of the connection's budget until the writer has written or dropped it.
 #[derive(Debug)]
-pub struct Out {
+pub struct Queued {
     pub kind: Kind,
+    pub rid: Option<String>,
     pub text: String,
     _budget: Option<Reserved>,
 }
 
-impl Out {
-    /// A frame outside the byte budget (close frames, and the controls build's bugs).
-    pub fn new(kind: Kind, text: String) -> Out {
-        Out {
-            kind,
-            text,
-            _budget: None,
+impl Queued {
+    /// A reply, rendered.
+    pub fn reply(rid: Option<&str>, reply: &Reply, budget: Option<Reserved>) -> Queued {
+        let frame = Frame::Reply { rid, reply };
+        Queued {
+            kind: frame.kind(),
+            rid: rid.map(str::to_string),
+            text: protocol::render(&frame),
+            _budget: budget,
         }
     }
 
-    /// A frame holding `budget` (at least its own length, or the whole budget).
-    pub fn reserved(kind: Kind, text: String, budget: Reserved) -> Out {
-        Out {
+    /// A push already rendered (fan-out renders an event once, for every recipient).
+    fn push(kind: Kind, text: String, budget: Reserved) -> Queued {
+        Queued {
             kind,
+            rid: None,
             text,
             _budget: Some(budget),
         }
@@ -142,85 +147,169 @@ impl Budget {
     }
 }
 
-/// What a connection's writer shares with everyone who queues frames for it.
+/// Whether pushes (and hints) are queued for a connection: one state under one lock.
 #[derive(Debug)]
-pub struct Outbound {
-    /// IM_QUEUE_BYTES_MAX for this connection.
-    pub budget: Budget,
-    /// `Some` while overflowed: pushes are not queued, only the newest head per conversation
-    /// is remembered, and the writer sends one `hint{why:"overflow"}` each once it drained.
-    overflow: Mutex<Option<BTreeMap<String, i64>>>,
-    /// Set when the install became stale: the writer drops the pushes and hints still
-    /// queued, and nothing new is offered.
-    revoked: AtomicBool,
-    /// The reader asks the writer for a ping (after half of IM_READ_IDLE_MS of silence).
-    pub ping: Notify,
+enum Pushes {
+    Open,
+    /// The queue was full (frames or bytes): pushes are not queued, only the newest head
+    /// per conversation is remembered, and the writer sends one `hint{why:"overflow"}` each
+    /// once it drained.
+    Overflowed(BTreeMap<String, i64>),
+    /// The install became stale: nothing is offered any more and the writer drops the
+    /// pushes and hints still queued.
+    Revoked,
 }
 
-impl Outbound {
-    pub fn new(budget_bytes: usize) -> Outbound {
-        Outbound {
-            budget: Budget::new(budget_bytes),
-            overflow: Mutex::new(None),
-            revoked: AtomicBool::new(false),
-            ping: Notify::new(),
+/// The producer side of one connection's bounded outbound queue (IM_QUEUE_FRAMES_MAX
+/// frames, IM_QUEUE_BYTES_MAX bytes): what everyone who queues frames for the connection
+/// holds (its request tasks; fan-out and the sweep through its [`ConnHandle`]). The
+/// connection's writer task (`conn`) owns the receiving side and alone writes the socket.
+#[derive(Debug)]
+pub struct Outbox {
+    /// The connection's id (for logs).
+    id: u64,
+    tx: mpsc::Sender<Out>,
+    /// IM_QUEUE_BYTES_MAX for this connection.
+    pub budget: Budget,
+    pushes: Mutex<Pushes>,
+}
+
+impl Outbox {
+    /// A connection's queue: the shared producer side and the writer's receiver.
+    pub fn new(id: u64, frames_max: usize, bytes_max: usize) -> (Arc<Outbox>, mpsc::Receiver<Out>) {
+        let (tx, rx) = mpsc::channel(frames_max);
+        let outbox = Outbox {
+            id,
+            tx,
+            budget: Budget::new(bytes_max),
+            pushes: Mutex::new(Pushes::Open),
+        };
+        (Arc::new(outbox), rx)
+    }
+
+    fn pushes(&self) -> std::sync::MutexGuard<'_, Pushes> {
+        self.pushes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a reply or error to request `rid`, holding its length of the byte budget
+    /// (`reserved`, if the caller took it beforehand, is shrunk to the frame or, if too
+    /// small, given back and taken anew: no reservation is held while waiting for another).
+    /// Waits for budget and queue space: that only slows this connection. Nothing is queued
+    /// once the connection is gone.
+    pub async fn reply(&self, rid: Option<&str>, reply: &Reply, reserved: Option<Reserved>) {
+        let mut q = Queued::reply(rid, reply, None);
+        let held = match reserved {
+            Some(mut r) if r.bytes() >= q.text.len() => {
+                r.shrink_to(q.text.len());
+                Some(r)
+            }
+            r => {
+                drop(r);
+                self.budget.reserve(q.text.len()).await
+            }
+        };
+        let Some(held) = held else { return };
+        q._budget = Some(held);
+        let _ = self.tx.send(Out::Frame(q)).await;
+    }
+
+    /// Queues the last item (outside the byte budget), behind everything queued: the
+    /// writer writes a close frame with `code` (none for `None`) and stops.
+    pub async fn end(&self, code: Option<u16>) {
+        let _ = self.tx.send(Out::Close(code)).await;
+    }
+
+    /// Queues a reply outside the byte budget without waiting (a task waits if the queue
+    /// is full). Only the controls build's `reply-before-commit` bug uses it.
+    pub fn reply_unbudgeted(&self, rid: Option<&str>, reply: &Reply) {
+        let q = Queued::reply(rid, reply, None);
+        if let Err(mpsc::error::TrySendError::Full(out)) = self.tx.try_send(Out::Frame(q)) {
+            let tx = self.tx.clone();
+            tokio::spawn(async move {
+                let _ = tx.send(out).await;
+            });
         }
     }
 
     pub fn is_revoked(&self) -> bool {
-        self.revoked.load(Ordering::Acquire)
+        matches!(*self.pushes(), Pushes::Revoked)
     }
 
-    /// Called by the writer when its queue is empty: the overflow hints to send, if any.
+    /// Called by the writer when its queue is empty: the overflow hints to send, if any
+    /// (pushes are queued again from now on).
     pub fn take_overflow(&self) -> Option<BTreeMap<String, i64>> {
-        if self.is_revoked() {
-            return None;
+        let mut pushes = self.pushes();
+        match std::mem::replace(&mut *pushes, Pushes::Open) {
+            Pushes::Overflowed(pending) => Some(pending),
+            other => {
+                *pushes = other;
+                None
+            }
         }
-        self.overflow
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
     }
-}
 
-/// How a connection is asked to end by someone other than its reader.
-#[derive(Debug, Default)]
-pub struct Closer {
-    token: CancellationToken,
-    /// The close code, and an error frame to send before it.
-    why: Mutex<Option<(u16, Option<WireError>)>>,
-}
-
-impl Closer {
-    /// Asks the reader to close with `code` after `error` (the first request wins).
-    pub fn close(&self, code: u16, error: Option<WireError>) {
-        let mut why = self.why.lock().unwrap_or_else(|p| p.into_inner());
-        if why.is_none() {
-            *why = Some((code, error));
+    /// Offers a push or hint: queued if it fits the frame count and the byte budget, else
+    /// the connection overflows. Never waits.
+    fn offer(&self, conv: &str, head: i64, kind: Kind, text: String) {
+        let mut pushes = self.pushes();
+        match &mut *pushes {
+            Pushes::Revoked => return,
+            Pushes::Overflowed(pending) => {
+                let h = pending.entry(conv.to_string()).or_insert(head);
+                *h = (*h).max(head);
+                return;
+            }
+            Pushes::Open => {}
         }
-        self.token.cancel();
+        // A push that does not fit the frame count or the byte budget overflows: the
+        // client is told by a hint once the queue drained, and syncs (D5's repair path).
+        let full = match self.budget.try_reserve(text.len()) {
+            None => true,
+            Some(r) => match self.tx.try_send(Out::Frame(Queued::push(kind, text, r))) {
+                Ok(()) => false,
+                Err(mpsc::error::TrySendError::Full(_)) => true,
+                Err(mpsc::error::TrySendError::Closed(_)) => false,
+            },
+        };
+        if full {
+            tracing::info!(
+                conn = self.id,
+                "outbound queue full (frames or bytes): pushes paused until it drains"
+            );
+            *pushes = Pushes::Overflowed(BTreeMap::from([(conv.to_string(), head)]));
+        }
     }
 
-    pub async fn requested(&self) {
-        self.token.cancelled().await
-    }
-
-    /// The close code and error frame asked for (`None` if nobody asked).
-    pub fn take(&self) -> Option<(u16, Option<WireError>)> {
-        self.why.lock().unwrap_or_else(|p| p.into_inner()).take()
+    /// No push or hint is offered or written from now on. Returns whether it was not yet.
+    fn revoke(&self) -> bool {
+        !matches!(
+            std::mem::replace(&mut *self.pushes(), Pushes::Revoked),
+            Pushes::Revoked
+        )
     }
 }
 
-/// One authenticated connection as fan-out, the sweep and revocation see it.
+/// Asks a connection's reader to close, with a close code and an error frame to send
+/// before the close frame.
+pub type CloseRequest = (u16, Option<WireError>);
+
+/// The channel on which a connection's reader receives [`CloseRequest`]s: room for one,
+/// so the first request wins and later ones are no-ops.
+pub fn close_channel() -> (mpsc::Sender<CloseRequest>, mpsc::Receiver<CloseRequest>) {
+    mpsc::channel(1)
+}
+
+/// One authenticated connection as fan-out, the sweep and revocation see it: a handle,
+/// not the connection's state. The connection's task owns its state (socket, session,
+/// close code); the hub reaches it only through its queue ([`Outbox`]) and by asking it
+/// to close (a [`CloseRequest`] on its channel).
 pub struct ConnHandle {
     pub id: u64,
     pub who: Principal,
-    /// The bounded outbound queue (IM_QUEUE_FRAMES_MAX); the writer task drains it.
-    tx: mpsc::Sender<Out>,
-    /// The writer's shared side: byte budget, overflow, revocation, ping requests.
-    pub out: Arc<Outbound>,
+    /// The connection's outbound queue (shared with its request tasks).
+    pub outbox: Arc<Outbox>,
     /// Ends the connection from outside (a stale install).
-    pub closer: Arc<Closer>,
+    close: mpsc::Sender<CloseRequest>,
     /// Set by `sub` (before its database read, so no event falls in between; cleared again
     /// if that read fails): only subscribed connections get pushes and hints.
     subscribed: AtomicBool,
@@ -230,16 +319,14 @@ impl ConnHandle {
     pub fn new(
         id: u64,
         who: Principal,
-        tx: mpsc::Sender<Out>,
-        out: Arc<Outbound>,
-        closer: Arc<Closer>,
+        outbox: Arc<Outbox>,
+        close: mpsc::Sender<CloseRequest>,
     ) -> ConnHandle {
         ConnHandle {
             id,
             who,
-            tx,
-            out,
-            closer,
+            outbox,
+            close,
             subscribed: AtomicBool::new(false),
         }
     }
@@ -253,55 +340,31 @@ impl ConnHandle {
         format!("{}:{}", self.who.device, self.who.epoch)
     }
 
-    fn offer(&self, conv: &str, head: i64, kind: Kind, text: String) {
-        if self.out.is_revoked() {
-            return;
-        }
-        let mut overflow = self.out.overflow.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(pending) = overflow.as_mut() {
-            let h = pending.entry(conv.to_string()).or_insert(head);
-            *h = (*h).max(head);
-            return;
-        }
-        // A push that does not fit the frame count or the byte budget overflows: the
-        // client is told by a hint once the queue drained, and syncs (D5's repair path).
-        let full = match self.out.budget.try_reserve(text.len()) {
-            None => true,
-            Some(r) => match self.tx.try_send(Out::reserved(kind, text, r)) {
-                Ok(()) => false,
-                Err(mpsc::error::TrySendError::Full(_)) => true,
-                Err(mpsc::error::TrySendError::Closed(_)) => false,
-            },
-        };
-        if full {
-            tracing::info!(conn = self.id, device = %self.who.device, "outbound queue full (frames or bytes): pushes paused until it drains");
-            *overflow = Some(BTreeMap::from([(conv.to_string(), head)]));
-        }
+    /// Asks the connection to close with `code` after `error` (the first request wins).
+    pub fn close(&self, code: u16, error: Option<WireError>) {
+        let _ = self.close.try_send((code, error));
     }
 
     /// Queues an `event` push (`frame`, rendered once per event by fan-out, not once per
     /// recipient) unless the queue is full or overflowed.
     pub fn push(&self, ev: &protocol::Event, frame: &str) {
-        self.offer(&ev.conv, ev.seq, Kind::Push, frame.to_string());
+        self.outbox
+            .offer(&ev.conv, ev.seq, Kind::Event, frame.to_string());
     }
 
     /// Queues a `hint`.
-    pub fn hint(&self, conv: &str, head: i64, why: &str) {
-        self.offer(
-            conv,
-            head,
-            Kind::Hint,
-            protocol::hint_frame(conv, head, why),
-        );
+    pub fn hint(&self, conv: &str, head: i64, why: HintWhy) {
+        let text = protocol::render(&Frame::Push(Push::Hint { conv, head, why }));
+        self.outbox.offer(conv, head, Kind::Hint, text);
     }
 
     /// The install is no longer current (reinstalled or removed): no push or hint is
     /// offered or written from now on, and the connection closes with STALE_INSTALL (1008).
     pub fn revoke(&self) {
-        if !self.out.revoked.swap(true, Ordering::AcqRel) {
+        if self.outbox.revoke() {
             tracing::info!(conn = self.id, device = %self.who.device, epoch = self.who.epoch, "install is stale: closing");
         }
-        self.closer.close(1008, Some(WireError::StaleInstall));
+        self.close(1008, Some(WireError::StaleInstall));
     }
 }
 
@@ -362,7 +425,7 @@ impl Hub {
     /// Marks the connection subscribed and makes it reachable by fan-out and the sweep.
     /// Returns false if it already was.
     pub fn subscribe(&self, h: &Arc<ConnHandle>) -> bool {
-        if h.out.is_revoked() || h.subscribed.swap(true, Ordering::AcqRel) {
+        if h.outbox.is_revoked() || h.subscribed.swap(true, Ordering::AcqRel) {
             return false;
         }
         let mut m = self.by_user.write().unwrap_or_else(|p| p.into_inner());

@@ -10,6 +10,9 @@
 //! - D6: PostgreSQL with `fsync=on`, `synchronous_commit=on`, and D1's reply-after-commit.
 //! - S1: the visibility predicates in [`store`] and `im_visible_head` in `migrations/`.
 //!
+//! A broken invariant ends the process ([`invariant`]): D4 after the ack upsert, D3 on every
+//! sync page ([`store::sync`]), P1's order of fan-out per conversation ([`fanout`]).
+//!
 //! Hostile peers (issue #8): a byte budget per connection ([`hub::Budget`]), connections per
 //! device ([`hub::Hub::register`]) and per source address ([`limits`]), a separate pool and
 //! deadline for handshakes ([`server`]), a failed-hello throttle ([`limits`]), stale installs
@@ -24,9 +27,11 @@ pub mod error;
 pub mod fanout;
 pub mod faults;
 pub mod hub;
+pub mod invariant;
 pub mod limits;
 pub mod migrate;
 pub mod protocol;
 pub mod server;
+pub mod state;
 pub mod store;
 pub mod sweep;

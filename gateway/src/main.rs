@@ -16,6 +16,7 @@ usage: im-gateway COMMAND   (configured by environment; IM_DATABASE_URL for all 
   bugs               list the deliberate bugs IM_BUG selects (controls build only)";
 
 fn main() -> ExitCode {
+    im_gateway::invariant::install_hook();
     let args: Vec<String> = std::env::args().skip(1).collect();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)

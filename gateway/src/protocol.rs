@@ -1,5 +1,6 @@
-//! Wire types of SPEC 2 only: parsing inbound frames into [`Request`] and rendering outbound
-//! frames. No I/O, no SQL, no state. Every malformed input is a [`WireError::BadRequest`],
+//! Wire types of SPEC 2 only: parsing inbound frames into [`Request`], and the outbound
+//! frames as typed values ([`Reply`], [`Push`], [`Frame`]) rendered to JSON in one place
+//! ([`render`]). No I/O, no SQL, no state. Every malformed input is a [`WireError::BadRequest`],
 //! never a panic.
 
 use crate::error::WireError;
@@ -213,6 +214,8 @@ pub struct Event {
 }
 
 impl Event {
+    /// The event as a JSON object (inside `event` pushes and `synced` pages; `store::sync`
+    /// also measures pages with it).
     pub fn to_json(&self) -> Value {
         json!({
             "conv": self.conv, "seq": self.seq, "kind": self.kind, "mid": self.mid,
@@ -221,20 +224,184 @@ impl Event {
     }
 }
 
-pub fn error_frame(rid: Option<&str>, e: &WireError) -> String {
-    let mut o = json!({"t": "error", "code": e.code(), "msg": e.to_string()});
-    if let Some(rid) = rid {
-        o["rid"] = json!(rid);
+/// One conversation in a `subbed` reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvHead {
+    pub conv: String,
+    /// The user's visible head (SPEC: head = next_seq - 1, bounded by membership periods).
+    pub head: i64,
+    /// The device's cursor (`delivered_seq`, 0 without a row).
+    pub delivered: i64,
+}
+
+/// A reply to one request (SPEC 2), typed until [`render`] turns it into JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    Welcome {
+        user: String,
+        device: String,
+        epoch: i64,
+    },
+    Sent {
+        conv: String,
+        seq: i64,
+        mid: String,
+        dup: bool,
+        /// The conversation's sequence epoch.
+        epoch: i64,
+    },
+    Acked {
+        conv: String,
+        /// The merged cursor (GREATEST), not the request's value.
+        delivered: i64,
+    },
+    Subbed {
+        convs: Vec<ConvHead>,
+    },
+    Synced {
+        conv: String,
+        events: Vec<Event>,
+        head: i64,
+        complete: bool,
+    },
+    Error(WireError),
+}
+
+/// Why a `hint` is sent (its `why` field).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HintWhy {
+    /// The sweep found the device's cursor below the head (D5).
+    Sweep,
+    /// Pushes were not queued while the connection's queue was full.
+    Overflow,
+}
+
+impl HintWhy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HintWhy::Sweep => "sweep",
+            HintWhy::Overflow => "overflow",
+        }
     }
-    o.to_string()
 }
 
+/// A frame the server sends unasked (SPEC 2). Borrowed: a push is rendered at once, once
+/// per event, never stored typed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Push<'a> {
+    Event(&'a Event),
+    Hint {
+        conv: &'a str,
+        head: i64,
+        why: HintWhy,
+    },
+}
+
+/// Every outbound frame: a reply (with the request's `rid`, when it had a valid one) or a
+/// push.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Frame<'a> {
+    Reply {
+        rid: Option<&'a str>,
+        reply: &'a Reply,
+    },
+    Push(Push<'a>),
+}
+
+/// What a frame is, read off its variant: what the writer decides by (which fault point
+/// applies, what an `error` action does, what a revoked install still gets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Welcome,
+    Sent,
+    Acked,
+    Subbed,
+    Synced,
+    Error,
+    Event,
+    Hint,
+}
+
+impl Frame<'_> {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Frame::Reply { reply, .. } => match reply {
+                Reply::Welcome { .. } => Kind::Welcome,
+                Reply::Sent { .. } => Kind::Sent,
+                Reply::Acked { .. } => Kind::Acked,
+                Reply::Subbed { .. } => Kind::Subbed,
+                Reply::Synced { .. } => Kind::Synced,
+                Reply::Error(_) => Kind::Error,
+            },
+            Frame::Push(Push::Event(_)) => Kind::Event,
+            Frame::Push(Push::Hint { .. }) => Kind::Hint,
+        }
+    }
+}
+
+/// Renders an outbound frame as the JSON text that goes on the wire: the one place frames
+/// become JSON. (The object's keys come out sorted, as `serde_json` orders them.)
+pub fn render(frame: &Frame) -> String {
+    let (rid, mut v) = match *frame {
+        Frame::Reply { rid, reply } => {
+            let v = match reply {
+                Reply::Welcome {
+                    user,
+                    device,
+                    epoch,
+                } => json!({"t": "welcome", "user": user, "device": device, "epoch": epoch}),
+                Reply::Sent {
+                    conv,
+                    seq,
+                    mid,
+                    dup,
+                    epoch,
+                } => json!({"t": "sent", "conv": conv, "seq": seq, "mid": mid,
+                            "dup": dup, "epoch": epoch}),
+                Reply::Acked { conv, delivered } => {
+                    json!({"t": "acked", "conv": conv, "delivered": delivered})
+                }
+                Reply::Subbed { convs } => {
+                    let convs: Vec<_> = convs
+                        .iter()
+                        .map(|c| json!({"conv": c.conv, "head": c.head, "delivered": c.delivered}))
+                        .collect();
+                    json!({"t": "subbed", "convs": convs})
+                }
+                Reply::Synced {
+                    conv,
+                    events,
+                    head,
+                    complete,
+                } => {
+                    let events: Vec<_> = events.iter().map(Event::to_json).collect();
+                    json!({"t": "synced", "conv": conv, "events": events, "head": head,
+                           "complete": complete})
+                }
+                Reply::Error(e) => json!({"t": "error", "code": e.code(), "msg": e.to_string()}),
+            };
+            (rid, v)
+        }
+        Frame::Push(Push::Event(ev)) => (None, json!({"t": "event", "ev": ev.to_json()})),
+        Frame::Push(Push::Hint { conv, head, why }) => (
+            None,
+            json!({"t": "hint", "conv": conv, "head": head, "why": why.as_str()}),
+        ),
+    };
+    if let Some(rid) = rid {
+        v["rid"] = json!(rid);
+    }
+    v.to_string()
+}
+
+/// A reply to `rid`, rendered.
+pub fn reply_frame(rid: Option<&str>, reply: &Reply) -> String {
+    render(&Frame::Reply { rid, reply })
+}
+
+/// An `event` push, rendered (fan-out renders it once per event, not once per recipient).
 pub fn event_frame(ev: &Event) -> String {
-    json!({"t": "event", "ev": ev.to_json()}).to_string()
-}
-
-pub fn hint_frame(conv: &str, head: i64, why: &str) -> String {
-    json!({"t": "hint", "conv": conv, "head": head, "why": why}).to_string()
+    render(&Frame::Push(Push::Event(ev)))
 }
 
 #[cfg(test)]
@@ -295,6 +462,141 @@ mod tests {
         assert_eq!(c, "TOO_LARGE");
         let (_, c) = code(r#"{"t":"send","rid":"1","conv":"c","cmid":"m","body":"1234567890"}"#);
         assert_eq!(c, "OK");
+    }
+
+    fn ev(seq: i64) -> Event {
+        Event {
+            conv: "c1".into(),
+            seq,
+            kind: "msg".into(),
+            mid: "m-1".into(),
+            sender: "alice".into(),
+            cmid: "k\"1".into(),
+            body: "hé \n \u{1}".into(),
+            at_ms: 1_700_000_000_123,
+        }
+    }
+
+    /// The wire format is byte-for-byte what the gateway wrote before frames were typed
+    /// (the untyped `json!` shapes, kept here as the reference; keys sorted), rid or not.
+    #[test]
+    fn rendering_is_the_wire_format() {
+        let e = ev(3);
+        let sent = Reply::Sent {
+            conv: "c1".into(),
+            seq: 3,
+            mid: "m-1".into(),
+            dup: true,
+            epoch: 1,
+        };
+        assert_eq!(
+            reply_frame(Some("r\"1"), &sent),
+            r#"{"conv":"c1","dup":true,"epoch":1,"mid":"m-1","rid":"r\"1","seq":3,"t":"sent"}"#
+        );
+        let with_rid = |mut v: Value, rid: Option<&str>| {
+            if let Some(rid) = rid {
+                v["rid"] = json!(rid);
+            }
+            v.to_string()
+        };
+        let cases: Vec<(Reply, Value)> = vec![
+            (
+                Reply::Welcome {
+                    user: "alice".into(),
+                    device: "a1".into(),
+                    epoch: 2,
+                },
+                json!({"t": "welcome", "user": "alice", "device": "a1", "epoch": 2}),
+            ),
+            (
+                sent,
+                json!({"t": "sent", "conv": "c1", "seq": 3, "mid": "m-1", "dup": true, "epoch": 1}),
+            ),
+            (
+                Reply::Acked {
+                    conv: "c1".into(),
+                    delivered: 7,
+                },
+                json!({"t": "acked", "conv": "c1", "delivered": 7}),
+            ),
+            (
+                Reply::Subbed {
+                    convs: vec![ConvHead {
+                        conv: "c1".into(),
+                        head: 4,
+                        delivered: 2,
+                    }],
+                },
+                json!({"t": "subbed", "convs": [{"conv": "c1", "head": 4, "delivered": 2}]}),
+            ),
+            (
+                Reply::Subbed { convs: vec![] },
+                json!({"t": "subbed", "convs": []}),
+            ),
+            (
+                Reply::Synced {
+                    conv: "c1".into(),
+                    events: vec![e.clone(), ev(4)],
+                    head: 9,
+                    complete: false,
+                },
+                json!({"t": "synced", "conv": "c1", "events": [e.to_json(), ev(4).to_json()],
+                       "head": 9, "complete": false}),
+            ),
+            (
+                Reply::Error(WireError::CursorAhead { head: 5 }),
+                json!({"t": "error", "code": "CURSOR_AHEAD",
+                       "msg": "ack beyond the conversation head (5)"}),
+            ),
+        ];
+        for (reply, old) in &cases {
+            for rid in [None, Some("rid-1")] {
+                assert_eq!(reply_frame(rid, reply), with_rid(old.clone(), rid));
+            }
+        }
+        assert_eq!(
+            event_frame(&e),
+            json!({"t": "event", "ev": e.to_json()}).to_string()
+        );
+        assert_eq!(
+            event_frame(&e),
+            r#"{"ev":{"at":1700000000123,"body":"hé \n \u0001","cmid":"k\"1","conv":"c1","kind":"msg","mid":"m-1","sender":"alice","seq":3},"t":"event"}"#
+        );
+        for why in [HintWhy::Sweep, HintWhy::Overflow] {
+            let hint = Frame::Push(Push::Hint {
+                conv: "c1",
+                head: 6,
+                why,
+            });
+            assert_eq!(
+                render(&hint),
+                json!({"t": "hint", "conv": "c1", "head": 6, "why": why.as_str()}).to_string()
+            );
+        }
+        assert_eq!(
+            render(&Frame::Push(Push::Hint {
+                conv: "c1",
+                head: 6,
+                why: HintWhy::Overflow
+            })),
+            r#"{"conv":"c1","head":6,"t":"hint","why":"overflow"}"#
+        );
+    }
+
+    /// The writer decides by the variant: each reply and push has its own kind.
+    #[test]
+    fn kinds_follow_the_variant() {
+        let e = ev(1);
+        let kind = |reply: &Reply| Frame::Reply { rid: None, reply }.kind();
+        assert_eq!(kind(&Reply::Error(WireError::Unavailable)), Kind::Error);
+        assert_eq!(
+            kind(&Reply::Acked {
+                conv: "c".into(),
+                delivered: 1
+            }),
+            Kind::Acked
+        );
+        assert_eq!(Frame::Push(Push::Event(&e)).kind(), Kind::Event);
     }
 
     #[test]

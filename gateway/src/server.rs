@@ -1,5 +1,6 @@
-//! `serve`: shared state, the accept loop with its limits, the per-request database
-//! deadline, and graceful shutdown.
+//! `serve`: the root that wires the gateway together. It builds the shared [`State`], starts
+//! the fan-out and sweep loops and one `conn::run` per connection, runs the accept loop with
+//! its limits, and shuts down gracefully.
 //!
 //! Admission, in order: a place for the source address (`IM_CONNS_PER_ADDR_MAX`, counting
 //! handshakes and connections), a place in the handshake pool (`IM_HANDSHAKES_MAX`), the
@@ -10,13 +11,12 @@
 //! `TaskTracker`), not protocol logic (`conn`) nor SQL (`store`).
 
 use crate::config::Config;
-use crate::error::WireError;
 use crate::hub::Hub;
 use crate::limits::{AddrCounts, HelloThrottle};
+use crate::state::State;
 use crate::{conn, fanout, sweep};
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,20 +27,6 @@ use tokio_tungstenite::tungstenite::http::StatusCode;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-
-pub struct State {
-    pub cfg: Config,
-    pub pool: PgPool,
-    pub hub: Hub,
-    /// Every task of the gateway, waited for (bounded) at shutdown.
-    pub tracker: TaskTracker,
-    /// The root token: cancelled on SIGTERM/SIGINT.
-    pub cancel: CancellationToken,
-    /// Wakes the sweep at once (after the LISTEN connection was lost and regained).
-    pub sweep_now: Notify,
-    /// Failed hellos per source address and per device id.
-    pub hello_throttle: HelloThrottle,
-}
 
 /// Refusals (fixed 503s) being written at once; past it a refused socket is just closed.
 const REFUSALS_MAX: usize = 64;
@@ -67,34 +53,6 @@ fn refuse(state: &State, refusals: &Arc<Semaphore>, tcp: tokio::net::TcpStream, 
         let _ = tokio::time::timeout(Duration::from_secs(1), refuse).await;
         drop(permit);
     });
-}
-
-impl State {
-    /// Runs database work for a request with the `IM_DB_TIMEOUT_MS` deadline. The work runs
-    /// in its own task, so when the deadline passes the client gets UNAVAILABLE at once while
-    /// the transaction still finishes or rolls back on its own: it is never cancelled halfway.
-    pub async fn db<T, F, W>(&self, work: W) -> Result<T, WireError>
-    where
-        W: FnOnce(PgPool) -> F,
-        F: Future<Output = Result<T, WireError>> + Send + 'static,
-        T: Send + 'static,
-    {
-        let task = self.tracker.spawn(work(self.pool.clone()));
-        match tokio::time::timeout(self.cfg.db_work_deadline(), task).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(join)) => {
-                tracing::error!(error = %join, "request task failed");
-                Err(WireError::Internal)
-            }
-            Err(_) => {
-                tracing::warn!(
-                    timeout_ms = self.cfg.db_timeout_ms,
-                    "database deadline passed: UNAVAILABLE"
-                );
-                Err(WireError::Unavailable)
-            }
-        }
-    }
 }
 
 /// Serves on an already bound listener until `cancel` fires, then shuts down gracefully:

@@ -4,13 +4,14 @@
 
 use crate::bugs;
 use crate::error::{from_db, WireError};
-use crate::faults::{self, points, Fired};
-use crate::protocol::Event;
+use crate::faults::{self, points};
+use crate::protocol::{ConvHead, Event};
 use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
 use std::borrow::Cow;
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 /// The authenticated side of a connection, fixed by `hello`.
@@ -39,7 +40,7 @@ const ASYNC_COMMIT_EDITS: &[(&str, &str)] =
 
 /// Opens a pool. Every connection gets `synchronous_commit = on` (D6 must not depend on a
 /// server or role default), and, with `statement_timeout`, that timeout, so statements left
-/// running after a request's deadline (see `server::State::db`) cannot pin connections.
+/// running after a request's deadline (see `state::State::db`) cannot pin connections.
 pub async fn connect(
     url: &str,
     max: u32,
@@ -384,10 +385,14 @@ pub async fn send(
         None => None,
         Some(taken) => {
             let (seq, conv_epoch): (i64, i64) = (taken.get(0), taken.get(1));
-            match faults::check(points::SEND_BEFORE_INSERT).await {
-                Fired::Pass => {}
-                Fired::Drop => return Ok(SendOutcome::NoReply),
-                Fired::Error => return Err(WireError::Unavailable),
+            if let ControlFlow::Break(r) = faults::gate(
+                points::SEND_BEFORE_INSERT,
+                Ok(SendOutcome::NoReply),
+                Err(WireError::Unavailable),
+            )
+            .await
+            {
+                return r;
             }
             let row = sqlx::query(&insert_sql)
                 .bind(conv)
@@ -433,7 +438,8 @@ pub async fn send(
     }
     if bugs::active(bugs::COMMIT_AFTER_REPLY) {
         tokio::spawn(async move {
-            if faults::check(points::SEND_BEFORE_COMMIT).await == Fired::Pass {
+            let point = faults::gate(points::SEND_BEFORE_COMMIT, (), ()).await;
+            if point.is_continue() {
                 if let Err(e) = tx.commit().await {
                     tracing::warn!(error = %e, "commit after the reply failed");
                 }
@@ -441,10 +447,14 @@ pub async fn send(
         });
         return Ok(SendOutcome::Reply(sent));
     }
-    match faults::check(points::SEND_BEFORE_COMMIT).await {
-        Fired::Pass => {}
-        Fired::Drop => return Ok(SendOutcome::NoReply),
-        Fired::Error => return Err(WireError::Unavailable),
+    if let ControlFlow::Break(r) = faults::gate(
+        points::SEND_BEFORE_COMMIT,
+        Ok(SendOutcome::NoReply),
+        Err(WireError::Unavailable),
+    )
+    .await
+    {
+        return r;
     }
     tx.commit().await.map_err(db("send.commit"))?;
     Ok(SendOutcome::Reply(sent))
@@ -510,7 +520,8 @@ pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result
     }
     match delivered {
         Some(d) => {
-            // D4 as a hard assertion: the merged cursor is at least what was acked.
+            // D4 as a hard assertion: the merged cursor is at least what was acked (GREATEST
+            // never lowers it). A panic ends the process (`invariant`), not only this task.
             assert!(d >= seq, "D4 broken: merged cursor {d} below acked {seq}");
             Ok(d)
         }
@@ -518,20 +529,12 @@ pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConvState {
-    pub conv: String,
-    /// The user's visible head (SPEC: head = next_seq - 1, bounded by membership periods).
-    pub head: i64,
-    pub delivered: i64,
-}
-
 /// `sub`: every conversation the user has a membership period in, with head and cursor.
 pub async fn conv_states(
     pool: &PgPool,
     who: &Principal,
     max: i64,
-) -> Result<Vec<ConvState>, WireError> {
+) -> Result<Vec<ConvHead>, WireError> {
     check_install(pool, who).await?;
     let rows = sqlx::query(
         "SELECT m.conv_id, im_visible_head(m.conv_id, $1), COALESCE(dc.delivered_seq, 0)
@@ -547,7 +550,7 @@ pub async fn conv_states(
     .map_err(db("sub"))?;
     Ok(rows
         .into_iter()
-        .map(|r| ConvState {
+        .map(|r| ConvHead {
             conv: r.get(0),
             head: r.get(1),
             delivered: r.get(2),
@@ -646,6 +649,7 @@ pub async fn sync(
         events.push(ev);
     }
     drop(rows);
+    assert_page_order(&events, after, head);
     if bugs::active(bugs::CURSOR_ON_SYNC) {
         if let Some(last) = events.last() {
             // The server moves the cursor itself, without a device ack.
@@ -671,6 +675,24 @@ pub async fn sync(
         head,
         complete,
     })
+}
+
+/// D3, paired with the page query: a page holds events in strictly ascending seq order,
+/// all within `(after, head]`. A client stores the page and acks up to its last event (or
+/// `head` when complete): an event out of order or past the head read first would make it
+/// ack what it does not hold. The query's `WHERE seq > after AND seq <= head ORDER BY seq`
+/// and the `(conv_id, seq)` primary key guarantee it; a panic ends the process.
+fn assert_page_order(events: &[Event], after: i64, head: i64) {
+    let mut prev = after;
+    for e in events {
+        assert!(
+            e.seq > prev && e.seq <= head,
+            "D3 broken: sync page of {} after {after} up to head {head} holds seq {} after {prev}",
+            e.conv,
+            e.seq
+        );
+        prev = e.seq;
+    }
 }
 
 /// What the `s1-leak` bug removes from the fan-out audience: the membership period test.
@@ -768,6 +790,41 @@ pub async fn lagging(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn page(seqs: &[i64]) -> Vec<Event> {
+        seqs.iter()
+            .map(|&seq| Event {
+                conv: "c1".into(),
+                seq,
+                kind: "msg".into(),
+                mid: String::new(),
+                sender: "u".into(),
+                cmid: String::new(),
+                body: String::new(),
+                at_ms: 0,
+            })
+            .collect()
+    }
+
+    /// D3's paired check accepts what the page query returns (ascending, gaps where the
+    /// user could not see, within `(after, head]`, or nothing) and refuses anything else.
+    #[test]
+    fn page_order_is_ascending_within_after_and_head() {
+        assert_page_order(&page(&[3, 4, 7]), 2, 7);
+        assert_page_order(&page(&[]), 9, 4);
+        for (seqs, after, head) in [
+            (&[3, 3][..], 0, 5),
+            (&[4, 3][..], 0, 5),
+            (&[2][..], 2, 5),
+            (&[6][..], 2, 5),
+        ] {
+            let r = std::panic::catch_unwind(|| assert_page_order(&page(seqs), after, head));
+            assert!(
+                r.is_err(),
+                "{seqs:?} after {after} head {head} must be refused"
+            );
+        }
+    }
 
     /// Every bug's rewrite still applies to the statement it edits (each fragment exactly
     /// once), in both builds, so an edit of the SQL cannot silently disarm a bug.

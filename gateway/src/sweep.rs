@@ -4,7 +4,8 @@
 //! cursors (only acks do, D3).
 
 use crate::bugs;
-use crate::server::State;
+use crate::protocol::HintWhy;
+use crate::state::State;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -95,7 +96,7 @@ pub async fn once(state: &State) -> anyhow::Result<usize> {
             .into_iter()
             .flatten()
         {
-            c.hint(&conv, head, "sweep");
+            c.hint(&conv, head, HintWhy::Sweep);
             n += 1;
         }
     }
