@@ -314,7 +314,8 @@ mod tests {
             Some(2 << 20)
         );
         assert_eq!(default_of("IM_LISTEN"), "127.0.0.1:8080");
-        let line = env_help()
+        let help = env_help();
+        let line = help
             .lines()
             .find(|l| l.trim_start().starts_with("IM_SWEEP_MS "))
             .map(|l| l.split_whitespace().take(2).collect::<Vec<_>>());
