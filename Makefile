@@ -52,9 +52,11 @@ fuzz: build
 up: build
 	$(TARGET)/debug/up
 
-# make repro FAULT='send.before_commit:halt'
+# make repro FAULT='send.before_commit:halt' [KEEP=1]: one send under that fault, printed as
+# JSON, judged by the checker; the last line is the verdict (exit 0 held, 1 broken, 2 usage).
+# The work directory is removed unless KEEP=1 (then its path is printed).
 repro: build
-	$(TARGET)/debug/repro '$(FAULT)'
+	$(TARGET)/debug/repro $(if $(KEEP),--keep) '$(FAULT)'
 
 # make bench: a load generator (bench/, imfault-bench) against the RELEASE gateway without
 # fault points (send path, fan-out, sweep), and the debug build with fault points from
