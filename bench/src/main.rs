@@ -841,6 +841,74 @@ mod tests {
     }
 
     #[test]
+    fn the_command_line_takes_the_makefile_flags_in_any_order() {
+        use clap::{CommandFactory, Parser};
+        Cli::command().debug_assert();
+        for args in [
+            &["imfault-bench", "--mode", "quick", "--out", "x.json"][..],
+            &["imfault-bench", "--out", "x.json", "--mode", "quick"],
+            &["imfault-bench", "--quick", "--out", "x.json"],
+        ] {
+            let a = Cli::try_parse_from(args).expect("parses").run.resolve();
+            assert_eq!(a.mode, "quick", "{args:?}");
+            assert_eq!(a.out(), std::path::Path::new("x.json"));
+        }
+        let a = Cli::try_parse_from([
+            "imfault-bench",
+            "--only",
+            "send,repair",
+            "--gateway-env",
+            "IM_FANOUT_BATCH_MAX=1024",
+            "--gateway-env",
+            "IM_SWEEP_MS=100",
+        ])
+        .expect("parses")
+        .run
+        .resolve();
+        assert_eq!(a.only, ["send", "repair"]);
+        assert_eq!(a.gateway_env.len(), 2);
+        assert_eq!(a.mode, "full");
+        assert!(a.out().ends_with("evidence/bench/result.json"));
+        for bad in [
+            &["imfault-bench", "--mode", "nope"][..],
+            &["imfault-bench", "--only", "x"],
+        ] {
+            let e = Cli::try_parse_from(bad).expect_err("refused");
+            assert_eq!(e.exit_code(), 2);
+        }
+    }
+
+    /// Missed targets are reported (targets_met FAIL, with the figure) and a target that
+    /// could not be judged is never counted as met.
+    #[test]
+    fn targets_are_judged_from_the_figures() {
+        let mut r = sample();
+        let fo = r.fanout.data.as_mut().expect("fanout");
+        fo.steps[0].multiplier = 1.0;
+        fo.steps[0].push_latency.p99_ms = 3697.5;
+        fo.steps[0].frames_per_s = 8957.0;
+        fo.steps[0].cursor_writes_per_push = Some(0.03);
+        let t = findings::targets(&r);
+        let get = |id: &str| t.iter().find(|x| x.id == id).expect(id).result.clone();
+        assert_eq!(get("push.p99_at_chapter02_load"), "MISSED");
+        assert_eq!(get("push.rate_at_chapter02_load"), "MET");
+        assert_eq!(get("push.cursor_writes_at_chapter02_load"), "MET");
+        let (met, missed) = findings::targets_met(&t);
+        assert_eq!(met, "FAIL");
+        assert!(missed.contains(&"push.p99_at_chapter02_load: 3697.5 > 100 ms".to_string()));
+        // No step at the chapter-02 load (quick mode): NOT_RUN, never PASS.
+        r.fanout.data.as_mut().expect("fanout").steps[0].multiplier = 0.25;
+        let t: Vec<Target> = findings::targets(&r)
+            .into_iter()
+            .filter(|x| x.path == "push")
+            .collect();
+        assert!(t
+            .iter()
+            .all(|x| x.result == "NOT_RUN" && x.detail.is_some()));
+        assert_eq!(findings::targets_met(&t).0, "NOT_RUN");
+    }
+
+    #[test]
     fn presets_are_consistent() {
         for mode in ["full", "quick", "smoke"] {
             let p = preset(mode, 1).expect("preset");

@@ -92,7 +92,10 @@ pub const ACTION_DOCS: &[(&str, &str)] = &[
         "delay(MS)",
         "sleep MS milliseconds (async, at most 600000), then go on",
     ),
-    ("error", "fail the operation with UNAVAILABLE"),
+    (
+        "error",
+        "fail the operation with UNAVAILABLE (at gw.push: the push is dropped)",
+    ),
 ];
 
 /// The `IM_FAULT` syntax, as `im-gateway faults` and the parser's errors show it.
