@@ -61,14 +61,18 @@ fuzz: build
 up: build
 	$(TARGET)/debug/up
 
-# make repro FAULT='send.before_commit:halt'
+# make repro FAULT='send.before_commit:halt' [KEEP=1]: one send under that fault, printed as
+# JSON, judged by the checker; the last line is the verdict (exit 0 held, 1 broken, 2 usage).
+# The work directory is removed unless KEEP=1 (then its path is printed).
 repro: build
-	$(TARGET)/debug/repro '$(FAULT)'
+	$(TARGET)/debug/repro $(if $(KEEP),--keep) '$(FAULT)'
 
 # make bench: a load generator (bench/, imfault-bench) against the RELEASE gateway without
 # fault points (send path, fan-out, sweep), and the debug build with fault points from
 # `make build` for the lost-push repair part only. Writes evidence/bench/result.json
-# (format: evidence/README.md). Exit status 1 when an acknowledged message was lost.
+# (format: evidence/README.md): `data_integrity` (nothing acknowledged lost or doubled, every
+# lost push repaired) and `targets_met` (performance targets, never the exit status). Exit
+# status 1 when data_integrity is FAIL or a part did not run; `imfault-bench --help`.
 BENCH_BUILD := $(CARGO) build --release -p im-gateway -p imfault-bench
 
 bench: build

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::result::{BenchResult, Finding};
+use crate::result::{BenchResult, Finding, Target};
 use crate::util::r3;
 
 fn fig(pairs: &[(&str, Option<f64>)]) -> BTreeMap<String, f64> {
@@ -425,4 +425,218 @@ pub fn derive(r: &BenchResult) -> Vec<Finding> {
         });
     }
     out
+}
+
+/// The design note's budget for cursor writes: acks coalesced to one per 4 events.
+pub const CURSOR_WRITES_PER_PUSH_BUDGET: f64 = 0.25;
+
+/// The performance targets of a run, each judged against its limit (`targets_met`): the
+/// chapter-02 load (push p99 and delivered rate, the fan-out step's own pass rule), the cursor
+/// write budget at that load, the sweep query against the gateway's interval and database
+/// timeout, and lost-push repair within D5's bound. A target whose figure was not measured
+/// is `NOT_RUN` with the reason.
+pub fn targets(r: &BenchResult) -> Vec<Target> {
+    let mut out = Vec::new();
+    let p = &r.parameters;
+    let t = |id: &str, path: &str, what: String, op: &str, limit: f64, unit: &str| Target {
+        id: id.into(),
+        path: path.into(),
+        what,
+        op: op.into(),
+        limit: r3(limit),
+        unit: unit.into(),
+        ..Default::default()
+    };
+    // ------------------------------------------------------------ chapter-02 load
+    let base = r
+        .fanout
+        .data
+        .as_ref()
+        .and_then(|fo| fo.steps.iter().find(|s| (s.multiplier - 1.0).abs() < 1e-9));
+    let why_not = match (&r.fanout.data, base) {
+        (_, Some(_)) => None,
+        (None, _) => Some(format!(
+            "fan-out {}: {}",
+            r.fanout.status,
+            r.fanout.reason.clone().unwrap_or_default()
+        )),
+        (Some(_), None) => Some(format!(
+            "no step at the chapter-02 load in mode {} (first step at {} x)",
+            r.mode, p.fanout_start_multiplier
+        )),
+    };
+    let rate = p.fanout_base_frames_per_s;
+    let mut push = t(
+        "push.p99_at_chapter02_load",
+        "push",
+        format!(
+            "push latency p99 at the design note's chapter-02 load ({rate:.0} frames/s) within \
+             the fan-out limit (parameters.fanout_p99_limit_ms)"
+        ),
+        "le",
+        p.fanout_p99_limit_ms,
+        "ms",
+    );
+    let mut delivered = t(
+        "push.rate_at_chapter02_load",
+        "push",
+        format!("at least 90% of the chapter-02 load ({rate:.0} frames/s) delivered by push"),
+        "ge",
+        0.9 * rate,
+        "frames/s",
+    );
+    let mut cursor = t(
+        "push.cursor_writes_at_chapter02_load",
+        "push",
+        "cursor writes per push at the chapter-02 load within the note's budget (acks coalesced \
+         every 4 events)"
+            .into(),
+        "le",
+        CURSOR_WRITES_PER_PUSH_BUDGET,
+        "writes/push",
+    );
+    match base {
+        Some(s) => {
+            push.observed = Some(s.push_latency.p99_ms);
+            push.detail = Some(format!("step verdict: {}", s.verdict));
+            delivered.observed = Some(s.frames_per_s);
+            cursor.observed = s.cursor_writes_per_push;
+            if cursor.observed.is_none() {
+                cursor.detail = Some("no frame received at the step".into());
+            }
+        }
+        None => {
+            for x in [&mut push, &mut delivered, &mut cursor] {
+                x.detail = why_not.clone();
+            }
+        }
+    }
+    out.extend([push, delivered, cursor]);
+    // ------------------------------------------------------------ sweep
+    let (interval, timeout) = r.sweep.data.as_ref().map_or((1000.0, 5000.0), |sw| {
+        (
+            sw.gateway_sweep_interval_ms_default as f64,
+            sw.gateway_db_timeout_ms_default as f64,
+        )
+    });
+    for (id, limit, what) in [
+        (
+            "sweep.within_interval",
+            interval,
+            "one sweep query at the largest measured size within the gateway's default \
+             IM_SWEEP_MS (else sweeps run back to back)",
+        ),
+        (
+            "sweep.within_db_timeout",
+            timeout,
+            "one sweep query at the largest measured size within the gateway's default \
+             IM_DB_TIMEOUT_MS (else the sweep fails and repairs nothing)",
+        ),
+    ] {
+        let mut x = t(id, "sweep", what.into(), "le", limit, "ms");
+        match r.sweep.data.as_ref().and_then(|sw| {
+            let big = sw.rows.iter().map(|row| row.devices).max()?;
+            let wall = sw
+                .rows
+                .iter()
+                .filter(|row| row.devices == big)
+                .map(|row| row.wall_ms_median)
+                .fold(0.0, f64::max);
+            let within = sw
+                .rows
+                .iter()
+                .filter(|row| row.wall_ms_median <= limit)
+                .map(|row| row.devices)
+                .max();
+            Some((big, wall, within))
+        }) {
+            Some((big, wall, within)) => {
+                x.observed = Some(wall);
+                x.detail = Some(format!(
+                    "{big} devices x {} conversations; largest size within: {}",
+                    r.sweep.data.as_ref().map_or(0, |sw| sw.convs_per_device),
+                    within.map_or("none".into(), |n| format!("{n} devices"))
+                ));
+            }
+            None => {
+                x.detail = Some(format!(
+                    "sweep {}: {}",
+                    r.sweep.status,
+                    r.sweep.reason.clone().unwrap_or_default()
+                ))
+            }
+        }
+        out.push(x);
+    }
+    // ------------------------------------------------------------ repair
+    match &r.repair.data {
+        Some(rp) => {
+            for i in &rp.intervals {
+                let mut x = t(
+                    &format!("repair.p99_within_d5_bound.{}", i.sweep_ms),
+                    "repair",
+                    format!(
+                        "lost-push repair p99 at IM_SWEEP_MS={} within D5's bound (the interval \
+                         plus the sync round trip's p99)",
+                        i.sweep_ms
+                    ),
+                    "le",
+                    i.d5_bound_ms,
+                    "ms",
+                );
+                x.observed = (i.repaired > 0).then_some(i.repair.p99_ms);
+                if i.repaired == 0 {
+                    x.detail = Some("no trial was repaired".into());
+                }
+                out.push(x);
+            }
+        }
+        None => {
+            let mut x = t(
+                "repair.p99_within_d5_bound",
+                "repair",
+                "lost-push repair p99 within D5's bound (the interval plus the sync round \
+                 trip's p99)"
+                    .into(),
+                "le",
+                0.0,
+                "ms",
+            );
+            x.detail = Some(format!(
+                "repair {}: {}",
+                r.repair.status,
+                r.repair.reason.clone().unwrap_or_default()
+            ));
+            out.push(x);
+        }
+    }
+    out.into_iter().map(Target::judge).collect()
+}
+
+/// `targets_met` and `targets_missed` from judged targets.
+pub fn targets_met(targets: &[Target]) -> (String, Vec<String>) {
+    let missed: Vec<String> = targets
+        .iter()
+        .filter(|t| t.result == "MISSED")
+        .map(|t| {
+            format!(
+                "{}: {} {} {} {}",
+                t.id,
+                t.observed.map_or("?".into(), |v| format!("{v}")),
+                if t.op == "le" { ">" } else { "<" },
+                t.limit,
+                t.unit
+            )
+        })
+        .collect();
+    // PASS only when every target was judged and met: a target that could not be judged
+    // is never counted as met.
+    let verdict = if !missed.is_empty() {
+        "FAIL"
+    } else if !targets.is_empty() && targets.iter().all(|t| t.result == "MET") {
+        "PASS"
+    } else {
+        "NOT_RUN"
+    };
+    (verdict.into(), missed)
 }

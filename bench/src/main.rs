@@ -148,82 +148,119 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
     })
 }
 
+/// The load generator behind `make bench`: the real gateway against a throwaway
+/// PostgreSQL cluster (send path, fan-out, sweep, lost-push repair), each part measured
+/// against a ceiling taken in the same run. Writes one JSON result (evidence/README.md).
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "imfault-bench",
+    args_conflicts_with_subcommands = true,
+    after_help = "\
+Environment:
+  CARGO_TARGET_DIR     where the default gateway binaries are [default: target]
+  IMFAULT_PG_BIN_DIR   PostgreSQL server programs [default: newest /usr/lib/postgresql/*/bin, else PATH]
+  IMFAULT_KEEP=1       keep the clusters' work directories [default: unset; kept anyway on data loss]
+  PATH                 where pgbench is looked for after /usr/lib/postgresql/*/bin
+  (IM_GATEWAY_BIN is set by the bench itself, from --gateway-bin, for the harness.)
+
+Exit status: 0 when data_integrity is PASS and every part ran; 1 when an acknowledged
+message was lost or doubled, a lost push was never repaired, or a part did not run or
+errored; 2 usage error. Missed performance targets (targets_met) never change it.
+Internal subcommands (run by the bench itself): ws-ceiling-server, repair-child."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Sub>,
+    #[command(flatten)]
+    run: Args,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Sub {
+    /// Print the findings re-derived from an existing result file.
+    Findings {
+        /// A result written by the bench, e.g. evidence/bench/result.json.
+        result: PathBuf,
+    },
+}
+
+#[derive(clap::Args, Debug)]
 struct Args {
+    /// full (`make bench`), quick (`make bench-quick`) or smoke (the nextest smoke test).
+    #[arg(long, default_value = "full", value_parser = ["full", "quick", "smoke"])]
     mode: String,
-    out: PathBuf,
-    gateway_bin: PathBuf,
-    fault_gateway_bin: PathBuf,
+    /// Same as --mode quick.
+    #[arg(long)]
+    quick: bool,
+    /// Where to write the result [default: evidence/bench/result.json in full mode, else
+    /// $CARGO_TARGET_DIR/bench/quick.json].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The gateway of the send, fan-out and sweep parts [default:
+    /// $CARGO_TARGET_DIR/release/im-gateway].
+    #[arg(long)]
+    gateway_bin: Option<PathBuf>,
+    /// The gateway with fault points, for the repair part [default:
+    /// $CARGO_TARGET_DIR/debug/im-gateway].
+    #[arg(long)]
+    fault_gateway_bin: Option<PathBuf>,
+    /// Accept a gateway with fault points for every part (the smoke test).
+    #[arg(long)]
     allow_faults_gateway: bool,
+    /// Seed of every random pick and jitter.
+    #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Parts to run (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "send,fanout,sweep,repair",
+          value_parser = ["send", "fanout", "sweep", "repair"])]
     only: Vec<String>,
+    /// An extra IM_NAME=VALUE for the send and fan-out gateway (repeatable; experiments).
+    #[arg(long = "gateway-env", value_name = "IM_NAME=VALUE", value_parser = parse_env)]
     gateway_env: Vec<(String, String)>,
 }
 
-const USAGE: &str =
-    "usage: imfault-bench [--mode full|quick|smoke] [--out PATH] [--gateway-bin PATH]
-                     [--fault-gateway-bin PATH] [--allow-faults-gateway] [--seed N]
-                     [--only send,fanout,sweep,repair] [--gateway-env IM_NAME=VALUE]...";
+fn parse_env(kv: &str) -> Result<(String, String), String> {
+    let (k, v) = kv
+        .split_once('=')
+        .ok_or_else(|| format!("{kv:?}: expected NAME=VALUE"))?;
+    Ok((k.to_string(), v.to_string()))
+}
 
-fn parse_args(raw: &[String]) -> anyhow::Result<Args> {
-    let target = env::target_dir();
-    let mut a = Args {
-        mode: "full".into(),
-        out: PathBuf::new(),
-        gateway_bin: target.join("release").join("im-gateway"),
-        fault_gateway_bin: target.join("debug").join("im-gateway"),
-        allow_faults_gateway: false,
-        seed: 42,
-        only: vec![
-            "send".into(),
-            "fanout".into(),
-            "sweep".into(),
-            "repair".into(),
-        ],
-        gateway_env: Vec::new(),
-    };
-    let mut it = raw.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .cloned()
-                .with_context(|| format!("{flag} needs a value\n{USAGE}"))
-        };
-        match flag.as_str() {
-            "--mode" => a.mode = value()?,
-            "--quick" => a.mode = "quick".into(),
-            "--out" => a.out = PathBuf::from(value()?),
-            "--gateway-bin" => a.gateway_bin = PathBuf::from(value()?),
-            "--fault-gateway-bin" => a.fault_gateway_bin = PathBuf::from(value()?),
-            "--allow-faults-gateway" => a.allow_faults_gateway = true,
-            "--seed" => a.seed = value()?.parse().context("--seed")?,
-            "--only" => a.only = value()?.split(',').map(str::to_string).collect(),
-            "--gateway-env" => {
-                let kv = value()?;
-                let (k, v) = kv
-                    .split_once('=')
-                    .with_context(|| format!("--gateway-env {kv:?}: NAME=VALUE"))?;
-                a.gateway_env.push((k.to_string(), v.to_string()));
-            }
-            "-h" | "--help" => bail!("{USAGE}"),
-            other => bail!("unknown argument {other:?}\n{USAGE}"),
+impl Args {
+    /// Fills the defaults that depend on the mode and the target directory.
+    fn resolve(mut self) -> Args {
+        let target = env::target_dir();
+        if self.quick {
+            self.mode = "quick".into();
         }
+        self.gateway_bin
+            .get_or_insert_with(|| target.join("release").join("im-gateway"));
+        self.fault_gateway_bin
+            .get_or_insert_with(|| target.join("debug").join("im-gateway"));
+        if self.out.is_none() {
+            self.out = Some(if self.mode == "full" {
+                env::workspace_dir()
+                    .join("evidence")
+                    .join("bench")
+                    .join("result.json")
+            } else {
+                target.join("bench").join("quick.json")
+            });
+        }
+        self
     }
-    if a.out.as_os_str().is_empty() {
-        let name = if a.mode == "full" {
-            "result.json"
-        } else {
-            "quick.json"
-        };
-        a.out = if a.mode == "full" {
-            env::workspace_dir()
-                .join("evidence")
-                .join("bench")
-                .join(name)
-        } else {
-            env::target_dir().join("bench").join(name)
-        };
+
+    fn out(&self) -> &std::path::Path {
+        self.out.as_deref().expect("resolved")
     }
-    Ok(a)
+
+    fn gateway_bin(&self) -> &std::path::Path {
+        self.gateway_bin.as_deref().expect("resolved")
+    }
+
+    fn fault_gateway_bin(&self) -> &std::path::Path {
+        self.fault_gateway_bin.as_deref().expect("resolved")
+    }
 }
 
 fn main() -> ExitCode {
@@ -246,26 +283,6 @@ fn main() -> ExitCode {
                 }
             };
         }
-        Some("findings") => {
-            // Re-derives the findings of an existing result (after a change of their rules).
-            let r = raw
-                .get(1)
-                .context("usage: imfault-bench findings RESULT.json")
-                .and_then(|p| Ok(std::fs::read_to_string(p)?))
-                .and_then(|t| Ok(serde_json::from_str::<BenchResult>(&t)?));
-            return match r {
-                Ok(r) => {
-                    for f in findings::derive(&r) {
-                        println!("finding {}: {}", f.id, f.claim);
-                    }
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("findings: {e:#}");
-                    ExitCode::FAILURE
-                }
-            };
-        }
         Some("repair-child") => {
             let r = repair::ChildArgs::parse(&raw[1..])
                 .and_then(|a| rt().block_on(repair::child_main(a)));
@@ -279,20 +296,47 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
-    let args = match parse_args(&raw) {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("imfault-bench: {e:#}");
-            return ExitCode::from(2);
-        }
-    };
+    let cli: Cli = clap::Parser::parse();
+    if let Some(Sub::Findings { result }) = cli.cmd {
+        // Re-derives the findings and targets of an existing result (after a change of
+        // their rules).
+        let r = std::fs::read_to_string(&result)
+            .with_context(|| format!("read {}", result.display()))
+            .and_then(|t| Ok(serde_json::from_str::<BenchResult>(&t)?));
+        return match r {
+            Ok(r) => {
+                for f in findings::derive(&r) {
+                    println!("finding {}: {}", f.id, f.claim);
+                }
+                let targets = findings::targets(&r);
+                for t in &targets {
+                    println!(
+                        "target {} {}: {} (limit {} {})",
+                        t.result,
+                        t.id,
+                        t.observed.map_or("n/a".into(), |v| v.to_string()),
+                        t.limit,
+                        t.unit
+                    );
+                }
+                let (met, missed) = findings::targets_met(&targets);
+                println!("targets_met {met} {missed:?}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("findings: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let args = cli.run.resolve();
     // The harness picks its gateway binary once per process, from IM_GATEWAY_BIN: set it
     // before anything (and before any other thread exists).
     // `--allow-faults-gateway` (the smoke test) accepts either build; the evidence needs
     // the release build without fault points.
     let want_faults = (!args.allow_faults_gateway).then_some(false);
     let gateway_version = match env::check_gateway(
-        &args.gateway_bin,
+        args.gateway_bin(),
         want_faults,
         "cargo build --release -p im-gateway",
     ) {
@@ -302,7 +346,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    std::env::set_var("IM_GATEWAY_BIN", &args.gateway_bin);
+    std::env::set_var("IM_GATEWAY_BIN", args.gateway_bin());
     match rt().block_on(bench(args, gateway_version)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
@@ -320,16 +364,16 @@ async fn timed<T, F: std::future::Future<Output = anyhow::Result<T>>>(f: F) -> S
     Section::from(r, util::r3(t.elapsed().as_secs_f64()))
 }
 
-/// Runs the bench; `Ok(true)` for PASS.
+/// Runs the bench; `Ok(true)` when `data_integrity` is PASS and every part ran.
 async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     let started = Instant::now();
     let params = preset(&args.mode, args.seed)?;
     let mut environment = env::host();
-    environment.gateway_bin = args.gateway_bin.display().to_string();
+    environment.gateway_bin = args.gateway_bin().display().to_string();
     environment.gateway_version = gateway_version;
-    environment.fault_gateway_bin = args.fault_gateway_bin.display().to_string();
+    environment.fault_gateway_bin = args.fault_gateway_bin().display().to_string();
     let fault_check = env::check_gateway(
-        &args.fault_gateway_bin,
+        args.fault_gateway_bin(),
         Some(true),
         "cargo build --workspace --bins --features im-gateway/faults (make build)",
     );
@@ -412,7 +456,7 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
                     trials: params.repair_trials.clone(),
                     lanes: params.repair_lanes,
                 };
-                timed(repair::run_child(&args.fault_gateway_bin, v, a)).await
+                timed(repair::run_child(args.fault_gateway_bin(), v, a)).await
             }
         }
     };
@@ -422,8 +466,11 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         schema_version: result::SCHEMA_VERSION,
         tool: "imfault-bench".into(),
         mode: args.mode.clone(),
-        result: String::new(),
+        data_integrity: String::new(),
+        targets_met: String::new(),
+        targets_missed: Vec::new(),
         failures: Vec::new(),
+        targets: Vec::new(),
         environment,
         parameters: params,
         send_path,
@@ -484,23 +531,44 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
             ));
         }
     }
-    let data_lost = failures
+    // Repair bounded: a lost push the sweep never repaired (within 3 intervals + 5 s) is a
+    // delivery lost (D5), not a slow one.
+    if let Some(rp) = &r.repair.data {
+        for i in rp.intervals.iter().filter(|i| i.unrepaired > 0) {
+            failures.push(format!(
+                "repair: NOT REPAIRED: {} of {} lost pushes at IM_SWEEP_MS={} never reached their device",
+                i.unrepaired, i.trials, i.sweep_ms
+            ));
+        }
+    }
+    let data_lost = failures.iter().any(|f| {
+        f.contains("DATA LOSS") || f.contains("pgbench logged") || f.contains("NOT REPAIRED")
+    });
+    // A part that checks data and errored vouches for nothing.
+    let unverified = [&r.send_path.status, &r.fanout.status, &r.repair.status]
         .iter()
-        .any(|f| f.contains("DATA LOSS") || f.contains("pgbench logged"));
-    r.result = if failures.is_empty() { "PASS" } else { "FAIL" }.into();
+        .any(|s| s.as_str() == "error");
+    r.data_integrity = if data_lost || unverified {
+        "FAIL"
+    } else {
+        "PASS"
+    }
+    .into();
     r.failures = failures;
+    r.targets = findings::targets(&r);
+    (r.targets_met, r.targets_missed) = findings::targets_met(&r.targets);
     r.findings = findings::derive(&r);
     r.environment.finished_at = util::rfc3339(util::unix_us() / 1_000_000);
     r.environment.wall_s = util::r3(started.elapsed().as_secs_f64());
     r.environment.load_avg_end = env::load_avg();
 
-    if let Some(dir) = args.out.parent() {
+    if let Some(dir) = args.out().parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     }
     let text = serde_json::to_string_pretty(&r)?;
-    std::fs::write(&args.out, text + "\n")
-        .with_context(|| format!("write {}", args.out.display()))?;
-    print_summary(&r, &args.out);
+    std::fs::write(args.out(), text + "\n")
+        .with_context(|| format!("write {}", args.out().display()))?;
+    print_summary(&r, args.out());
     let Ctx {
         mut cluster, pool, ..
     } = ctx;
@@ -508,14 +576,16 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     if data_lost {
         cluster.keep();
     }
-    Ok(r.result == "PASS")
+    // Exit status 1 when the data is in doubt or the run is incomplete; missed targets
+    // never change it.
+    Ok(r.data_integrity == "PASS" && r.failures.is_empty())
 }
 
 fn print_summary(r: &BenchResult, out: &std::path::Path) {
     let e = &r.environment;
     println!(
-        "imfault-bench {} mode: {} in {:.0} s  (PostgreSQL {}, fsync={}, synchronous_commit={}, {} cores, load {:.2} -> {:.2})",
-        r.mode, r.result, e.wall_s, e.postgres_version, e.fsync, e.synchronous_commit, e.host_cores,
+        "imfault-bench {} mode: data_integrity {}, targets_met {} in {:.0} s  (PostgreSQL {}, fsync={}, synchronous_commit={}, {} cores, load {:.2} -> {:.2})",
+        r.mode, r.data_integrity, r.targets_met, e.wall_s, e.postgres_version, e.fsync, e.synchronous_commit, e.host_cores,
         e.load_avg_start[0], e.load_avg_end[0]
     );
     match &r.send_path.data {
@@ -647,6 +717,20 @@ fn print_summary(r: &BenchResult, out: &std::path::Path) {
     for f in &r.findings {
         println!("finding {}: {}", f.id, f.claim);
     }
+    for t in &r.targets {
+        println!(
+            "target {:<7} {}: {} (limit {} {} {}){}",
+            t.result,
+            t.id,
+            t.observed.map_or("n/a".into(), |v| format!("{v}")),
+            if t.op == "le" { "<=" } else { ">=" },
+            t.limit,
+            t.unit,
+            t.detail
+                .as_ref()
+                .map_or(String::new(), |d| format!("; {d}"))
+        );
+    }
     for f in &r.failures {
         println!("FAIL: {f}");
     }
@@ -706,8 +790,15 @@ mod tests {
             schema_version: SCHEMA_VERSION,
             tool: "imfault-bench".into(),
             mode: "full".into(),
-            result: "PASS".into(),
+            data_integrity: "PASS".into(),
+            targets_met: "FAIL".into(),
+            targets_missed: vec!["push.p99_at_chapter02_load: 3697 > 100 ms".into()],
             failures: Vec::new(),
+            targets: vec![Target {
+                observed: Some(1.0),
+                detail: Some(String::new()),
+                ..Default::default()
+            }],
             environment: env::Environment::default(),
             parameters: preset("full", 1).expect("full preset"),
             send_path: ok(send),
@@ -747,6 +838,74 @@ mod tests {
             missing.is_empty(),
             "fields missing from evidence/README.md: {missing:?}"
         );
+    }
+
+    #[test]
+    fn the_command_line_takes_the_makefile_flags_in_any_order() {
+        use clap::{CommandFactory, Parser};
+        Cli::command().debug_assert();
+        for args in [
+            &["imfault-bench", "--mode", "quick", "--out", "x.json"][..],
+            &["imfault-bench", "--out", "x.json", "--mode", "quick"],
+            &["imfault-bench", "--quick", "--out", "x.json"],
+        ] {
+            let a = Cli::try_parse_from(args).expect("parses").run.resolve();
+            assert_eq!(a.mode, "quick", "{args:?}");
+            assert_eq!(a.out(), std::path::Path::new("x.json"));
+        }
+        let a = Cli::try_parse_from([
+            "imfault-bench",
+            "--only",
+            "send,repair",
+            "--gateway-env",
+            "IM_FANOUT_BATCH_MAX=1024",
+            "--gateway-env",
+            "IM_SWEEP_MS=100",
+        ])
+        .expect("parses")
+        .run
+        .resolve();
+        assert_eq!(a.only, ["send", "repair"]);
+        assert_eq!(a.gateway_env.len(), 2);
+        assert_eq!(a.mode, "full");
+        assert!(a.out().ends_with("evidence/bench/result.json"));
+        for bad in [
+            &["imfault-bench", "--mode", "nope"][..],
+            &["imfault-bench", "--only", "x"],
+        ] {
+            let e = Cli::try_parse_from(bad).expect_err("refused");
+            assert_eq!(e.exit_code(), 2);
+        }
+    }
+
+    /// Missed targets are reported (targets_met FAIL, with the figure) and a target that
+    /// could not be judged is never counted as met.
+    #[test]
+    fn targets_are_judged_from_the_figures() {
+        let mut r = sample();
+        let fo = r.fanout.data.as_mut().expect("fanout");
+        fo.steps[0].multiplier = 1.0;
+        fo.steps[0].push_latency.p99_ms = 3697.5;
+        fo.steps[0].frames_per_s = 8957.0;
+        fo.steps[0].cursor_writes_per_push = Some(0.03);
+        let t = findings::targets(&r);
+        let get = |id: &str| t.iter().find(|x| x.id == id).expect(id).result.clone();
+        assert_eq!(get("push.p99_at_chapter02_load"), "MISSED");
+        assert_eq!(get("push.rate_at_chapter02_load"), "MET");
+        assert_eq!(get("push.cursor_writes_at_chapter02_load"), "MET");
+        let (met, missed) = findings::targets_met(&t);
+        assert_eq!(met, "FAIL");
+        assert!(missed.contains(&"push.p99_at_chapter02_load: 3697.5 > 100 ms".to_string()));
+        // No step at the chapter-02 load (quick mode): NOT_RUN, never PASS.
+        r.fanout.data.as_mut().expect("fanout").steps[0].multiplier = 0.25;
+        let t: Vec<Target> = findings::targets(&r)
+            .into_iter()
+            .filter(|x| x.path == "push")
+            .collect();
+        assert!(t
+            .iter()
+            .all(|x| x.result == "NOT_RUN" && x.detail.is_some()));
+        assert_eq!(findings::targets_met(&t).0, "NOT_RUN");
     }
 
     #[test]

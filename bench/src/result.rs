@@ -10,15 +10,31 @@ use crate::env::Environment;
 use crate::pgss::StmtStat;
 use crate::util::Latency;
 
-pub const SCHEMA_VERSION: u32 = 1;
+/// 2: the single `result` became `data_integrity` and `targets_met` (with `targets`).
+pub const SCHEMA_VERSION: u32 = 2;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BenchResult {
     pub schema_version: u32,
     pub tool: String,
     pub mode: String,
-    pub result: String,
+    /// `PASS` when nothing acknowledged was lost or doubled (every data check and the
+    /// pgbench check passed) and every lost push of the repair part was repaired; `FAIL`
+    /// otherwise, or when a part that checks data errored (nothing can be vouched for).
+    #[serde(default)]
+    pub data_integrity: String,
+    /// `FAIL` when a target of [`BenchResult::targets`] was missed, `PASS` when every one
+    /// was judged and met, `NOT_RUN` otherwise (some could not be judged, none missed).
+    #[serde(default)]
+    pub targets_met: String,
+    /// The ids of the missed targets, each with its figure (`id: observed > limit unit`).
+    #[serde(default)]
+    pub targets_missed: Vec<String>,
+    /// Why the run is incomplete or its data is in doubt (exit status 1 when not empty).
     pub failures: Vec<String>,
+    /// The performance targets, each judged against its limit (never the exit status).
+    #[serde(default)]
+    pub targets: Vec<Target>,
     pub environment: Environment,
     pub parameters: Params,
     pub send_path: Section<SendPath>,
@@ -373,6 +389,46 @@ pub struct RepairInterval {
     pub within_bound: f64,
     pub p99_vs_interval: Option<f64>,
     pub wall_s: f64,
+}
+
+// ---------------------------------------------------------------- targets
+
+/// One performance target: a limit from the design note or the gateway's configuration,
+/// and the figure of this run it is judged on.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Target {
+    pub id: String,
+    /// `push`, `sweep` or `repair`.
+    pub path: String,
+    /// The target in one sentence, with where its limit comes from.
+    pub what: String,
+    /// `le` (observed <= limit) or `ge` (observed >= limit).
+    pub op: String,
+    pub limit: f64,
+    /// The figure judged; `null` when the target could not be judged (`NOT_RUN`).
+    pub observed: Option<f64>,
+    pub unit: String,
+    /// `MET`, `MISSED` or `NOT_RUN`.
+    pub result: String,
+    /// Why `NOT_RUN`, or what else the reader should know (the step's verdict), else `null`.
+    pub detail: Option<String>,
+}
+
+impl Target {
+    /// Judges `observed` against `limit` with `op`.
+    pub fn judge(mut self) -> Target {
+        self.result = match self.observed {
+            None => "NOT_RUN",
+            Some(v)
+                if (self.op == "le" && v <= self.limit) || (self.op == "ge" && v >= self.limit) =>
+            {
+                "MET"
+            }
+            Some(_) => "MISSED",
+        }
+        .into();
+        self
+    }
 }
 
 // ---------------------------------------------------------------- findings

@@ -6,15 +6,33 @@ use crate::store::token_sha256;
 use anyhow::{bail, Context};
 use sqlx::PgPool;
 
-pub const USAGE: &str = "\
-admin commands:
-  im-gateway admin add-user USER
-  im-gateway admin add-device DEVICE --user USER      (prints the device token once)
-  im-gateway admin add-conv CONV --members U1,U2,...
-  im-gateway admin join CONV USER
-  im-gateway admin leave CONV USER
-  im-gateway admin reinstall-device DEVICE            (prints the new token once)
-ids: 1 to 64 characters of A-Z a-z 0-9 . _ -";
+/// One admin command (`im-gateway admin …`); ids are 1 to 64 characters of
+/// `A-Z a-z 0-9 . _ -`.
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum Command {
+    /// Create a user.
+    AddUser { user: String },
+    /// Create a device of USER and print its token once on stdout.
+    AddDevice {
+        device: String,
+        #[arg(long)]
+        user: String,
+    },
+    /// Create a conversation with open memberships for the members.
+    AddConv {
+        conv: String,
+        /// Comma-separated user ids: U1,U2,...
+        #[arg(long)]
+        members: String,
+    },
+    /// Open a membership period of USER in CONV, from the next seq.
+    Join { conv: String, user: String },
+    /// Close USER's open membership period in CONV at the next seq.
+    Leave { conv: String, user: String },
+    /// Raise DEVICE's install epoch and print its new token once (older installs get
+    /// STALE_INSTALL).
+    ReinstallDevice { device: String },
+}
 
 fn check_id(kind: &str, id: &str) -> anyhow::Result<()> {
     let ok = !id.is_empty()
@@ -55,10 +73,9 @@ async fn need_user(pool: &PgPool, user: &str) -> anyhow::Result<()> {
 }
 
 /// Runs one admin command; returns what to print on stdout (a token, or nothing).
-pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String>> {
-    let a: Vec<&str> = args.iter().map(String::as_str).collect();
-    match a.as_slice() {
-        ["add-user", user] => {
+pub async fn run(pool: &PgPool, cmd: &Command) -> anyhow::Result<Option<String>> {
+    match cmd {
+        Command::AddUser { user } => {
             check_id("user", user)?;
             let r = sqlx::query("INSERT INTO users (user_id) VALUES ($1) ON CONFLICT DO NOTHING")
                 .bind(user)
@@ -70,7 +87,7 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
             }
             Ok(None)
         }
-        ["add-device", device, "--user", user] => {
+        Command::AddDevice { device, user } => {
             check_id("device", device)?;
             need_user(pool, user).await?;
             let token = new_token()?;
@@ -89,7 +106,7 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
             }
             Ok(Some(token))
         }
-        ["add-conv", conv, "--members", members] => {
+        Command::AddConv { conv, members } => {
             check_id("conversation", conv)?;
             let members: Vec<&str> = members.split(',').filter(|m| !m.is_empty()).collect();
             if members.is_empty() {
@@ -124,7 +141,7 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
             tx.commit().await?;
             Ok(None)
         }
-        ["join", conv, user] | ["leave", conv, user] => {
+        Command::Join { conv, user } | Command::Leave { conv, user } => {
             check_id("conversation", conv)?;
             check_id("user", user)?;
             need_user(pool, user).await?;
@@ -146,7 +163,7 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
             .bind(user)
             .fetch_one(&mut *tx)
             .await?;
-            if a[0] == "join" {
+            if matches!(cmd, Command::Join { .. }) {
                 if open {
                     bail!("{user:?} is already a member of {conv:?}");
                 }
@@ -187,7 +204,7 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
             tx.commit().await?;
             Ok(None)
         }
-        ["reinstall-device", device] => {
+        Command::ReinstallDevice { device } => {
             check_id("device", device)?;
             let token = new_token()?;
             let r = sqlx::query(
@@ -203,9 +220,5 @@ pub async fn run(pool: &PgPool, args: &[String]) -> anyhow::Result<Option<String
             }
             Ok(Some(token))
         }
-        _ => bail!(
-            "unknown or malformed admin command: {}\n{USAGE}",
-            a.join(" ")
-        ),
     }
 }

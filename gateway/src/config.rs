@@ -70,6 +70,94 @@ pub struct Config {
     pub fault: String,
 }
 
+/// One environment variable the gateway reads: its name, its default (`""`: unset by
+/// default) and what it sets. [`ENV`] is the single list: [`Config::from_env`] takes every
+/// default from it and `im-gateway --help` prints it, so the help cannot go stale (a unit
+/// test checks that every `IM_*` name in the gateway's sources is listed).
+#[derive(Clone, Copy, Debug)]
+pub struct EnvVar {
+    pub name: &'static str,
+    pub default: &'static str,
+    pub meaning: &'static str,
+}
+
+const fn v(name: &'static str, default: &'static str, meaning: &'static str) -> EnvVar {
+    EnvVar {
+        name,
+        default,
+        meaning,
+    }
+}
+
+/// Every `IM_*` variable, in the order `--help` prints them.
+pub const ENV: &[EnvVar] = &[
+    v("IM_DATABASE_URL", "", "PostgreSQL URL, required by migrate, admin and serve (postgres://USER[:PASSWORD]@HOST:PORT/DB)"),
+    v("IM_DB_TIMEOUT_MS", "5000", "connect timeout; a request whose database work takes longer answers UNAVAILABLE"),
+    v("IM_LISTEN", "127.0.0.1:8080", "address serve binds (port 0 picks one)"),
+    v("IM_SWEEP_MS", "1000", "period of the redelivery sweep (D5)"),
+    v("IM_FAULT", "", "fault points to arm: point:action[:skip[:count]][,...] (see `im-gateway faults`)"),
+    v("IM_BUG", "", "deliberate bug to activate, controls build only (see `im-gateway bugs`)"),
+    v("IM_DB_POOL_MAX", "16", "database connections for requests, fan-out and sweep (+1 for LISTEN)"),
+    v("IM_MAX_CONNECTIONS", "10000", "WebSocket connections served at once; more get 503"),
+    v("IM_HANDSHAKES_MAX", "1024", "upgrade handshakes in progress at once"),
+    v("IM_HANDSHAKE_TIMEOUT_MS", "3000", "an upgrade request not complete by then is dropped"),
+    v("IM_CONNS_PER_ADDR_MAX", "256", "handshakes plus connections from one source IP address"),
+    v("IM_CONNS_PER_DEVICE_MAX", "8", "authenticated connections of one device"),
+    v("IM_QUEUE_FRAMES_MAX", "256", "outbound frames queued per connection before pushes overflow"),
+    v("IM_QUEUE_BYTES_MAX", "2097152", "bytes of one connection's outbound frames (>= IM_SYNC_PAGE_MAX_BYTES)"),
+    v("IM_FRAME_MAX_BYTES", "65536", "largest inbound text frame (larger: TOO_LARGE and a close)"),
+    v("IM_BODY_MAX_BYTES", "16384", "largest message body (larger: TOO_LARGE)"),
+    v("IM_SYNC_LIMIT_MAX", "500", "largest sync page; a larger limit is clamped"),
+    v("IM_SYNC_PAGE_MAX_BYTES", "1048576", "a sync page also ends (complete:false) past this much JSON"),
+    v("IM_CONN_INFLIGHT_MAX", "8", "requests of one connection served at once"),
+    v("IM_FANOUT_BATCH_MAX", "16", "notifications whose event reads may be in flight at once"),
+    v("IM_HELLO_TIMEOUT_MS", "10000", "a connection without a good hello by then is closed"),
+    v("IM_HELLO_FAILS_PER_ADDR_PER_MIN", "30", "failed hellos one source address may make per minute"),
+    v("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", "10", "failed hellos per device id per minute"),
+    v("IM_READ_IDLE_MS", "90000", "a silent peer is closed after this (pinged at half of it)"),
+    v("IM_WRITE_TIMEOUT_MS", "10000", "a frame the peer does not take by then ends the connection"),
+    v("IM_SHUTDOWN_GRACE_MS", "10000", "how long a graceful shutdown waits for connections"),
+];
+
+/// The default of `name` in [`ENV`]. Panics on a name missing from the table: a unit test
+/// reads every name once.
+pub fn default_of(name: &str) -> &'static str {
+    match ENV.iter().find(|e| e.name == name) {
+        Some(e) => e.default,
+        None => panic!("{name} is missing from config::ENV"),
+    }
+}
+
+/// The environment section of `--help`: every variable of [`ENV`] with its default.
+pub fn env_help() -> String {
+    let width = ENV.iter().map(|e| e.name.len()).max().unwrap_or(0);
+    let shown = |e: &EnvVar| match (e.name, e.default) {
+        ("IM_DATABASE_URL", _) => "required",
+        (_, "") => "unset",
+        (_, d) => d,
+    };
+    let dw = ENV.iter().map(|e| shown(e).len()).max().unwrap_or(0);
+    let mut out = format!(
+        "Environment (serve reads every one; migrate and admin read IM_DATABASE_URL and \
+         IM_DB_TIMEOUT_MS):\n  {:<width$}  {:<dw$}  MEANING\n",
+        "NAME", "DEFAULT"
+    );
+    for e in ENV {
+        out.push_str(&format!(
+            "  {:<width$}  {:<dw$}  {}\n",
+            e.name,
+            shown(e),
+            e.meaning
+        ));
+    }
+    out.push_str(&format!(
+        "  {:<width$}  {:<dw$}  log filter of the stderr log\n  {:<width$}  {:<dw$}  refused \
+         (exit 2): faults are armed with IM_FAULT, not with the fail crate's variable\n",
+        "RUST_LOG", "info,sqlx=warn", "FAILPOINTS", "must be unset"
+    ));
+    out
+}
+
 /// Most conversations listed in one `subbed` reply.
 pub const SUB_CONVS_MAX: i64 = 10_000;
 
@@ -80,12 +168,16 @@ fn var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
-fn num<T>(name: &str, default: T, min: T, max: T) -> anyhow::Result<T>
+/// `name` as a number in `min..=max`; unset or blank: its default from [`ENV`].
+fn num<T>(name: &str, min: T, max: T) -> anyhow::Result<T>
 where
     T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy,
 {
     let Some(raw) = var(name) else {
-        return Ok(default);
+        return default_of(name)
+            .parse()
+            .ok()
+            .with_context(|| format!("{name}: the default in config::ENV is not a number"));
     };
     let v: T = raw
         .trim()
@@ -105,51 +197,36 @@ pub fn database_url() -> anyhow::Result<String> {
 
 /// `IM_DB_TIMEOUT_MS` (default 5000).
 pub fn db_timeout() -> anyhow::Result<Duration> {
-    Ok(Duration::from_millis(num(
-        "IM_DB_TIMEOUT_MS",
-        5000u64,
-        1,
-        600_000,
-    )?))
+    Ok(Duration::from_millis(num("IM_DB_TIMEOUT_MS", 1, 600_000)?))
 }
 
 impl Config {
     pub fn from_env() -> anyhow::Result<Config> {
         let cfg = Config {
             database_url: database_url()?,
-            listen: var("IM_LISTEN").unwrap_or_else(|| "127.0.0.1:8080".to_string()),
-            sweep_interval_ms: num("IM_SWEEP_MS", 1000u64, 10, 3_600_000)?,
+            listen: var("IM_LISTEN").unwrap_or_else(|| default_of("IM_LISTEN").to_string()),
+            sweep_interval_ms: num("IM_SWEEP_MS", 10, 3_600_000)?,
             db_timeout_ms: db_timeout()?.as_millis() as u64,
-            db_pool_max: num("IM_DB_POOL_MAX", 16u32, 1, 1000)?,
-            connections_max: num("IM_MAX_CONNECTIONS", 10_000usize, 1, 1_000_000)?,
-            handshakes_max: num("IM_HANDSHAKES_MAX", 1024usize, 1, 1_000_000)?,
-            handshake_timeout_ms: num("IM_HANDSHAKE_TIMEOUT_MS", 3000u64, 10, 600_000)?,
-            conns_per_addr_max: num("IM_CONNS_PER_ADDR_MAX", 256usize, 1, 1_000_000)?,
-            conns_per_device_max: num("IM_CONNS_PER_DEVICE_MAX", 8usize, 1, 10_000)?,
-            queue_frames_max: num("IM_QUEUE_FRAMES_MAX", 256usize, 2, 1_000_000)?,
-            queue_bytes_max: num("IM_QUEUE_BYTES_MAX", 2usize << 20, 4096, 1 << 30)?,
-            frame_max_bytes: num("IM_FRAME_MAX_BYTES", 65_536usize, 256, 16 << 20)?,
-            body_max_bytes: num("IM_BODY_MAX_BYTES", 16_384usize, 1, 8 << 20)?,
-            sync_limit_max: num("IM_SYNC_LIMIT_MAX", 500i64, 1, 10_000)?,
-            sync_page_max_bytes: num("IM_SYNC_PAGE_MAX_BYTES", 1usize << 20, 1024, 64 << 20)?,
-            conn_inflight_max: num("IM_CONN_INFLIGHT_MAX", 8usize, 1, 1024)?,
-            fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 16usize, 1, 1024)?,
-            hello_timeout_ms: num("IM_HELLO_TIMEOUT_MS", 10_000u64, 10, 3_600_000)?,
-            hello_fails_per_addr_per_min: num(
-                "IM_HELLO_FAILS_PER_ADDR_PER_MIN",
-                30u32,
-                1,
-                1_000_000,
-            )?,
-            hello_fails_per_device_per_min: num(
-                "IM_HELLO_FAILS_PER_DEVICE_PER_MIN",
-                10u32,
-                1,
-                1_000_000,
-            )?,
-            read_idle_ms: num("IM_READ_IDLE_MS", 90_000u64, 100, 3_600_000)?,
-            write_timeout_ms: num("IM_WRITE_TIMEOUT_MS", 10_000u64, 10, 3_600_000)?,
-            shutdown_grace_ms: num("IM_SHUTDOWN_GRACE_MS", 10_000u64, 0, 600_000)?,
+            db_pool_max: num("IM_DB_POOL_MAX", 1, 1000)?,
+            connections_max: num("IM_MAX_CONNECTIONS", 1, 1_000_000)?,
+            handshakes_max: num("IM_HANDSHAKES_MAX", 1, 1_000_000)?,
+            handshake_timeout_ms: num("IM_HANDSHAKE_TIMEOUT_MS", 10, 600_000)?,
+            conns_per_addr_max: num("IM_CONNS_PER_ADDR_MAX", 1, 1_000_000)?,
+            conns_per_device_max: num("IM_CONNS_PER_DEVICE_MAX", 1, 10_000)?,
+            queue_frames_max: num("IM_QUEUE_FRAMES_MAX", 2, 1_000_000)?,
+            queue_bytes_max: num("IM_QUEUE_BYTES_MAX", 4096, 1 << 30)?,
+            frame_max_bytes: num("IM_FRAME_MAX_BYTES", 256, 16 << 20)?,
+            body_max_bytes: num("IM_BODY_MAX_BYTES", 1, 8 << 20)?,
+            sync_limit_max: num("IM_SYNC_LIMIT_MAX", 1, 10_000)?,
+            sync_page_max_bytes: num("IM_SYNC_PAGE_MAX_BYTES", 1024, 64 << 20)?,
+            conn_inflight_max: num("IM_CONN_INFLIGHT_MAX", 1, 1024)?,
+            fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 1, 1024)?,
+            hello_timeout_ms: num("IM_HELLO_TIMEOUT_MS", 10, 3_600_000)?,
+            hello_fails_per_addr_per_min: num("IM_HELLO_FAILS_PER_ADDR_PER_MIN", 1, 1_000_000)?,
+            hello_fails_per_device_per_min: num("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", 1, 1_000_000)?,
+            read_idle_ms: num("IM_READ_IDLE_MS", 100, 3_600_000)?,
+            write_timeout_ms: num("IM_WRITE_TIMEOUT_MS", 10, 3_600_000)?,
+            shutdown_grace_ms: num("IM_SHUTDOWN_GRACE_MS", 0, 600_000)?,
             fault: std::env::var("IM_FAULT").unwrap_or_default(),
         };
         if cfg.sync_page_max_bytes > cfg.queue_bytes_max {
@@ -171,5 +248,77 @@ impl Config {
     /// UNAVAILABLE reply is on the wire within `IM_DB_TIMEOUT_MS` even on a busy machine.
     pub fn db_work_deadline(&self) -> Duration {
         Duration::from_millis(self.db_timeout_ms * 9 / 10)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `IM_*` name anywhere in the gateway's sources (reads, messages, docs) is in
+    /// [`ENV`] once, so `--help` lists every variable the binary reads.
+    #[test]
+    fn every_im_variable_of_the_sources_is_in_the_table() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut seen = std::collections::BTreeSet::new();
+        for entry in std::fs::read_dir(&dir).expect("read gateway/src") {
+            let path = entry.expect("dir entry").path();
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("read a source file");
+            let b = text.as_bytes();
+            let mut i = 0;
+            while let Some(at) = text[i..].find("IM_") {
+                let start = i + at;
+                let word_start =
+                    start == 0 || !(b[start - 1].is_ascii_alphanumeric() || b[start - 1] == b'_');
+                let mut end = start + 3;
+                while end < b.len()
+                    && (b[end].is_ascii_uppercase() || b[end].is_ascii_digit() || b[end] == b'_')
+                {
+                    end += 1;
+                }
+                if word_start && end > start + 3 {
+                    seen.insert(text[start..end].to_string());
+                }
+                i = end;
+            }
+        }
+        assert!(seen.len() > 20, "found too few names: {seen:?}");
+        let missing: Vec<&String> = seen
+            .iter()
+            .filter(|n| !ENV.iter().any(|e| e.name == n.as_str()))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "IM_* names missing from config::ENV: {missing:?}"
+        );
+        for e in ENV {
+            assert_eq!(
+                ENV.iter().filter(|x| x.name == e.name).count(),
+                1,
+                "{} twice",
+                e.name
+            );
+            assert!(env_help().contains(e.name));
+        }
+    }
+
+    /// The numeric defaults parse and lie in their ranges (`from_env` with nothing set).
+    #[test]
+    fn defaults_come_from_the_table() {
+        assert_eq!(num::<u64>("IM_SWEEP_MS", 10, 3_600_000).ok(), Some(1000));
+        assert_eq!(
+            num::<usize>("IM_QUEUE_BYTES_MAX", 4096, 1 << 30).ok(),
+            Some(2 << 20)
+        );
+        assert_eq!(default_of("IM_LISTEN"), "127.0.0.1:8080");
+        let help = env_help();
+        let line = help
+            .lines()
+            .find(|l| l.trim_start().starts_with("IM_SWEEP_MS "))
+            .map(|l| l.split_whitespace().take(2).collect::<Vec<_>>());
+        assert_eq!(line, Some(vec!["IM_SWEEP_MS", "1000"]));
     }
 }

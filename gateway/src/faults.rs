@@ -39,6 +39,69 @@ pub mod points {
     ];
 }
 
+/// `im-gateway faults`: every point with what happens there and where it sits in the code,
+/// in the order of [`points::ALL`].
+pub const POINT_DOCS: &[(&str, &str, &str)] = &[
+    (
+        points::SEND_BEFORE_INSERT,
+        "store::send (send transaction)",
+        "after the seq was taken, before the INSERT",
+    ),
+    (
+        points::SEND_BEFORE_COMMIT,
+        "store::send (send transaction)",
+        "after the INSERT and pg_notify, before COMMIT",
+    ),
+    (
+        points::API_AFTER_SEND_COMMIT,
+        "conn (request handler)",
+        "after COMMIT returned, before the `sent` reply is queued",
+    ),
+    (
+        points::GW_REPLY_SEND,
+        "conn (connection writer)",
+        "the `sent` frame, as it is about to be written",
+    ),
+    (
+        points::GW_REPLY_ACK,
+        "conn (connection writer)",
+        "the `acked` frame, as it is about to be written",
+    ),
+    (
+        points::GW_PUSH,
+        "conn (connection writer)",
+        "an `event` push, as it is about to be written (hints are not pushes)",
+    ),
+    (
+        points::GW_RECV_ACK,
+        "conn (connection reader)",
+        "an inbound `ack`, as it is read, before it reaches the database",
+    ),
+];
+
+/// `im-gateway faults`: every action of `IM_FAULT` and what it does.
+pub const ACTION_DOCS: &[(&str, &str)] = &[
+    (
+        "halt",
+        "end the process at once, exit status 137 (no destructors, no flush, no close frame)",
+    ),
+    (
+        "drop",
+        "discard the frame (at a transaction point: roll back, no reply at all)",
+    ),
+    (
+        "delay(MS)",
+        "sleep MS milliseconds (async, at most 600000), then go on",
+    ),
+    (
+        "error",
+        "fail the operation with UNAVAILABLE (at gw.push: the push is dropped)",
+    ),
+];
+
+/// The `IM_FAULT` syntax, as `im-gateway faults` and the parser's errors show it.
+pub const SYNTAX: &str = "point:action[:skip[:count]][,...]";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
     /// End the process at once with exit status 137: no destructors, no flush, no close frame.

@@ -23,6 +23,7 @@ pub mod admin;
 pub mod bugs;
 pub mod config;
 pub mod conn;
+pub mod dbconnect;
 pub mod error;
 pub mod fanout;
 pub mod faults;

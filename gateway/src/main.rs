@@ -1,43 +1,119 @@
-//! The `im-gateway` command line (SPEC 2b): `migrate`, `admin …`, `serve`, `version`, and
-//! `bugs` (the deliberate bugs `IM_BUG` selects in the controls build).
+//! The `im-gateway` command line (SPEC 2b): `serve`, `migrate`, `admin …`, `version`, `bugs`
+//! (the deliberate bugs `IM_BUG` selects in the controls build) and `faults` (the fault
+//! points and actions of `IM_FAULT`). Parsed by clap: `--help` on any command prints and
+//! exits 0 without touching a socket or a database, and lists every `IM_*` variable with its
+//! default (from `config::ENV`); a usage error prints clap's message and exits 2.
 
 use anyhow::Context;
-use im_gateway::{admin, bugs, config, fanout, faults, migrate, server, store};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use im_gateway::{admin, bugs, config, dbconnect, fanout, faults, migrate, server, store};
 use std::io::Write;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
-const USAGE: &str = "\
-usage: im-gateway COMMAND   (configured by environment; IM_DATABASE_URL for all commands)
-  migrate            apply the embedded migrations (idempotent)
-  admin ...          provisioning (see `im-gateway admin help`)
-  serve              run the gateway (IM_LISTEN, IM_SWEEP_MS, IM_FAULT, IM_BUG, IM_DB_TIMEOUT_MS, limits)
-  version            print the version and whether fault points and bugs are compiled in
-  bugs               list the deliberate bugs IM_BUG selects (controls build only)";
+/// Instant-messaging gateway (WebSocket + PostgreSQL). Configured by environment variables
+/// (below); the database comes from IM_DATABASE_URL.
+#[derive(Parser, Debug)]
+#[command(
+    name = "im-gateway",
+    disable_version_flag = true,
+    arg_required_else_help = true
+)]
+struct Cli {
+    /// Print the version line (as `im-gateway version`) and exit.
+    #[arg(short = 'V', long = "version")]
+    version: bool,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the gateway: bind IM_LISTEN, print one line `listening on ADDR` on stdout when
+    /// ready, shut down gracefully on SIGTERM or SIGINT. Refuses an unmigrated schema.
+    Serve,
+    /// Apply the embedded migrations (idempotent).
+    Migrate,
+    /// Provisioning: users, devices, conversations, membership periods (one transaction
+    /// each).
+    #[command(subcommand, arg_required_else_help = true)]
+    Admin(admin::Command),
+    /// Print the version and whether fault points and deliberate bugs are compiled in.
+    Version,
+    /// List the deliberate bugs IM_BUG selects (the controls build only).
+    Bugs,
+    /// List the fault points IM_FAULT arms, what each does and where, and the actions.
+    Faults,
+}
+
+fn version_line() -> String {
+    format!(
+        "im-gateway {} faults={} bugs={}",
+        env!("CARGO_PKG_VERSION"),
+        if faults::ENABLED { "on" } else { "off" },
+        if bugs::ENABLED { "on" } else { "off" }
+    )
+}
+
+/// The clap command with the environment table after every command's help.
+fn command() -> clap::Command {
+    fn with_env(cmd: clap::Command, text: &str) -> clap::Command {
+        cmd.after_help(text.to_string())
+            .mut_subcommands(|sub| with_env(sub, text))
+    }
+    with_env(Cli::command(), &config::env_help())
+}
+
+fn parse() -> Result<Cli, ExitCode> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let parsed = command()
+        .try_get_matches_from(&args)
+        .and_then(|m| Cli::from_arg_matches(&m));
+    match parsed {
+        Ok(cli) => Ok(cli),
+        Err(e) => {
+            use clap::error::ErrorKind;
+            let usage = !matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion);
+            // An admin usage error says so in words scripts (and the suite) look for.
+            if usage && args.get(1).is_some_and(|a| a == "admin") && args.len() > 2 {
+                let words: Vec<String> = args[2..]
+                    .iter()
+                    .map(|a| a.to_string_lossy().into_owned())
+                    .collect();
+                eprintln!(
+                    "im-gateway: unknown or malformed admin command: {}",
+                    words.join(" ")
+                );
+            }
+            let _ = e.print();
+            Err(ExitCode::from(e.exit_code() as u8))
+        }
+    }
+}
 
 fn main() -> ExitCode {
     im_gateway::invariant::install_hook();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn")),
-        )
-        .init();
-    let cmd = args.first().map(String::as_str).unwrap_or("");
-    match cmd {
-        "version" | "--version" => {
-            println!(
-                "im-gateway {} faults={} bugs={}",
-                env!("CARGO_PKG_VERSION"),
-                if faults::ENABLED { "on" } else { "off" },
-                if bugs::ENABLED { "on" } else { "off" }
-            );
+    let cli = match parse() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
+    let cmd = match cli.cmd {
+        _ if cli.version => {
+            println!("{}", version_line());
             return ExitCode::SUCCESS;
         }
-        "bugs" => {
+        Some(cmd) => cmd,
+        None => {
+            let _ = command().print_help();
+            return ExitCode::from(2);
+        }
+    };
+    match &cmd {
+        Cmd::Version => {
+            println!("{}", version_line());
+            return ExitCode::SUCCESS;
+        }
+        Cmd::Bugs => {
             for (name, what) in bugs::ALL {
                 println!("{name:<20} {what}");
             }
@@ -46,21 +122,30 @@ fn main() -> ExitCode {
             }
             return ExitCode::SUCCESS;
         }
-        "help" | "--help" | "-h" => {
-            println!("{USAGE}");
+        Cmd::Faults => {
+            print_faults();
             return ExitCode::SUCCESS;
         }
-        "admin" if matches!(args.get(1).map(String::as_str), None | Some("help")) => {
-            println!("{}", admin::USAGE);
-            return ExitCode::SUCCESS;
-        }
-        "migrate" | "admin" | "serve" => {}
-        _ => {
-            eprintln!("im-gateway: unknown command {cmd:?}\n{USAGE}");
-            return ExitCode::from(2);
-        }
+        Cmd::Serve | Cmd::Migrate | Cmd::Admin(_) => {}
     }
-    if cmd == "serve" {
+    // The fail crate's own variable arms nothing here (faults are armed from IM_FAULT only):
+    // refuse it rather than let a run believe a fault is armed.
+    if std::env::var_os("FAILPOINTS").is_some() {
+        eprintln!(
+            "im-gateway: FAILPOINTS is set, but im-gateway does not read it: arm fault points \
+             with IM_FAULT=point:action[:skip[:count]] (see `im-gateway faults`); unset FAILPOINTS"
+        );
+        return ExitCode::from(2);
+    }
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn")),
+        )
+        .init();
+    if matches!(cmd, Cmd::Serve) {
         // Validate IM_FAULT before anything else: a typo never reaches a bound socket.
         let spec = std::env::var("IM_FAULT").unwrap_or_default();
         match faults::install(&spec) {
@@ -93,7 +178,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(cmd, &args[1..])) {
+    match rt.block_on(run(cmd)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("im-gateway: {e:#}");
@@ -102,31 +187,66 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(cmd: &str, rest: &[String]) -> anyhow::Result<()> {
+fn print_faults() {
+    println!(
+        "Fault points (IM_FAULT={}; this build: fault points {}):",
+        faults::SYNTAX,
+        if faults::ENABLED {
+            "compiled in"
+        } else {
+            "NOT compiled in, IM_FAULT is refused (build with --features faults, as `make build` does)"
+        }
+    );
+    let w = faults::POINT_DOCS
+        .iter()
+        .map(|(p, _, _)| p.len())
+        .max()
+        .unwrap_or(0);
+    for (point, place, what) in faults::POINT_DOCS {
+        println!("  {point:<w$}  {what}  [{place}]");
+    }
+    println!("Actions:");
+    for (action, what) in faults::ACTION_DOCS {
+        println!("  {action:<w$}  {what}");
+    }
+    println!(
+        "skip: hits that pass before the action first fires (default 0); count: how many times \
+         it fires (default: every hit after the skipped ones).\n\
+         Example: IM_FAULT='gw.reply.send:drop:0:1,gw.push:delay(25)'. Each firing prints one \
+         line `fault fired: point=… action=… hit=N` on stderr."
+    );
+}
+
+async fn run(cmd: Cmd) -> anyhow::Result<()> {
     match cmd {
-        "migrate" => {
-            let pool =
-                store::connect(&config::database_url()?, 2, config::db_timeout()?, None).await?;
+        Cmd::Migrate => {
+            let url = config::database_url()?;
+            let timeout = config::db_timeout()?;
+            dbconnect::probe(&url, timeout).await?;
+            let pool = store::connect(&url, 2, timeout, None).await?;
             let applied = migrate::run(&pool).await?;
             eprintln!("im-gateway: migrations applied: {applied:?} (none means up to date)");
             Ok(())
         }
-        "admin" => {
-            let pool =
-                store::connect(&config::database_url()?, 2, config::db_timeout()?, None).await?;
+        Cmd::Admin(command) => {
+            let url = config::database_url()?;
+            let timeout = config::db_timeout()?;
+            dbconnect::probe(&url, timeout).await?;
+            let pool = store::connect(&url, 2, timeout, None).await?;
             migrate::check(&pool).await?;
-            if let Some(out) = admin::run(&pool, rest).await? {
+            if let Some(out) = admin::run(&pool, &command).await? {
                 println!("{out}");
             }
             Ok(())
         }
-        "serve" => serve().await,
-        _ => unreachable!("commands are checked in main"),
+        Cmd::Serve => serve().await,
+        Cmd::Version | Cmd::Bugs | Cmd::Faults => unreachable!("answered in main"),
     }
 }
 
 async fn serve() -> anyhow::Result<()> {
     let cfg = config::Config::from_env()?;
+    dbconnect::probe(&cfg.database_url, cfg.db_timeout()).await?;
     // One more than IM_DB_POOL_MAX: the LISTEN connection is taken from the pool.
     let pool = store::connect(
         &cfg.database_url,
@@ -175,4 +295,39 @@ async fn serve() -> anyhow::Result<()> {
     }
     tracing::info!(%addr, sweep_ms = cfg.sweep_interval_ms, "serving");
     server::serve(listener, cfg, pool, pg_listener, cancel).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        command().debug_assert();
+    }
+
+    #[test]
+    fn faults_lists_every_point_in_order() {
+        let listed: Vec<&str> = faults::POINT_DOCS.iter().map(|(p, _, _)| *p).collect();
+        assert_eq!(listed, faults::points::ALL);
+    }
+
+    #[test]
+    fn flags_in_any_order() {
+        let parse = |args: &[&str]| {
+            let m = command().try_get_matches_from(args).expect("parses");
+            Cli::from_arg_matches(&m).expect("matches")
+        };
+        for args in [
+            &["im-gateway", "admin", "add-device", "d1", "--user", "u1"][..],
+            &["im-gateway", "admin", "add-device", "--user", "u1", "d1"][..],
+        ] {
+            match parse(args).cmd {
+                Some(Cmd::Admin(admin::Command::AddDevice { device, user })) => {
+                    assert_eq!((device.as_str(), user.as_str()), ("d1", "u1"))
+                }
+                other => panic!("{args:?}: {other:?}"),
+            }
+        }
+    }
 }

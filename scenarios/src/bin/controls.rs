@@ -63,55 +63,40 @@ fn designed_catcher(bug: &str) -> &'static [&'static str] {
     }
 }
 
+/// The negative controls: run the suite against the clean gateway and against each
+/// deliberate bug, and write evidence/controls/result.json (format: evidence/README.md).
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "controls",
+    after_help = concat!(
+        include_str!("harness_env.txt"),
+        "  CARGO                   the cargo that runs nextest [default: cargo]\n\
+         (controls sets IM_BUG and IMFAULT_KEEP_FAILED=0 for the runs it starts.)\n\
+         Needs target/debug/im-gateway-bugs: run it as `make controls`."
+    )
+)]
 struct Opts {
+    /// Runs per bug (a bug counts as caught only when every run caught it).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
     runs: u32,
+    /// Only these bugs (comma-separated names, as `im-gateway bugs` and the client list them).
+    #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
-    out: PathBuf,
-    /// Replace only the `--only` bugs' entries of an existing result file (each entry keeps
+    /// Where to write the result [default: evidence/controls/result.json].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Replace only the --only bugs' entries of an existing result file (each entry keeps
     /// the commit it ran at), after a clean baseline at the current commit.
+    #[arg(long, requires = "only")]
     merge: bool,
 }
 
-fn parse_args() -> anyhow::Result<Opts> {
-    let mut o = Opts {
-        runs: 10,
-        only: None,
-        out: workspace().join("evidence/controls/result.json"),
-        merge: false,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = |name: &str| args.next().with_context(|| format!("{name} needs a value"));
-        match a.as_str() {
-            "--runs" => o.runs = val("--runs")?.parse().context("--runs N")?,
-            "--only" => {
-                o.only = Some(
-                    val("--only")?
-                        .split(',')
-                        .map(|s| s.trim().to_string())
-                        .collect(),
-                )
-            }
-            "--out" => o.out = PathBuf::from(val("--out")?),
-            "--merge" => o.merge = true,
-            "-h" | "--help" => {
-                println!(
-                    "usage: controls [--runs N (10)] [--only BUG,BUG [--merge]] [--out FILE]\n\
-                     Runs the suite against the clean gateway and each deliberate bug and \
-                     writes evidence/controls/result.json."
-                );
-                std::process::exit(0);
-            }
-            other => bail!("unknown argument {other:?} (try --help)"),
-        }
+fn parse_args() -> Opts {
+    let mut o: Opts = clap::Parser::parse();
+    if let Some(only) = o.only.as_mut() {
+        only.iter_mut().for_each(|s| *s = s.trim().to_string());
     }
-    if o.runs == 0 {
-        bail!("--runs must be at least 1");
-    }
-    if o.merge && o.only.is_none() {
-        bail!("--merge replaces the --only bugs' entries: give --only");
-    }
-    Ok(o)
+    o
 }
 
 /// One nextest run: which tests passed and failed, and what the tests wrote.
@@ -274,7 +259,11 @@ fn gateway_bugs(bin: &Path) -> anyhow::Result<Vec<String>> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let o = parse_args()?;
+    let o = parse_args();
+    let out = o
+        .out
+        .clone()
+        .unwrap_or_else(|| workspace().join("evidence/controls/result.json"));
     let started = Instant::now();
     let bugs_bin = target_dir().join("debug/im-gateway-bugs");
     if !bugs_bin.is_file() {
@@ -427,7 +416,7 @@ fn main() -> anyhow::Result<()> {
     let mut partial = Vec::new();
     if o.merge {
         let old: Value = serde_json::from_slice(
-            &std::fs::read(&o.out).with_context(|| format!("read {} to merge", o.out.display()))?,
+            &std::fs::read(&out).with_context(|| format!("read {} to merge", out.display()))?,
         )
         .context("parse the existing result to merge")?;
         let fresh: Vec<Value> = std::mem::take(&mut controls);
@@ -482,13 +471,13 @@ fn main() -> anyhow::Result<()> {
         },
         "controls": controls,
     });
-    if let Some(dir) = o.out.parent() {
+    if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = o.out.with_extension("json.tmp");
+    let tmp = out.with_extension("json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&doc)? + "\n")?;
-    std::fs::rename(&tmp, &o.out)?;
-    println!("\n{} ({} s)", o.out.display(), started.elapsed().as_secs());
+    std::fs::rename(&tmp, &out)?;
+    println!("\n{} ({} s)", out.display(), started.elapsed().as_secs());
     println!(
         "  clean gateway: {} passed, {} failed, {} anomalies",
         clean.passed.len(),

@@ -46,7 +46,22 @@ struct Doc<'a> {
     checks: &'a [Record],
 }
 
+/// Run every im-06 check under cargo-nextest (one process and one fresh cluster per check)
+/// and write evidence/im-06/result.json (format: evidence/README.md). Exits 1 if any check
+/// failed or wrote no record.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "evidence",
+    after_help = concat!(
+        include_str!("harness_env.txt"),
+        "  CARGO                   the cargo that runs nextest [default: cargo]\n\
+         (evidence sets IMFAULT_EVIDENCE_DIR for the checks it starts.)"
+    )
+)]
+struct Args {}
+
 fn main() -> anyhow::Result<()> {
+    let _: Args = clap::Parser::parse();
     let started = Instant::now();
     let generated_at = rfc3339(SystemTime::now());
     let root = workspace();

@@ -9,25 +9,22 @@ use std::process::ExitCode;
 
 use harness::checker::{check, load_dir, Verdict};
 
-const USAGE: &str = "usage: imfault-check DIR
-
-Judges one scenario run: DIR holds history.jsonl and final.json. Prints the report as
-JSON on stdout and one summary line on stderr.
-Exit status: 0 PASS, 1 anomalies found, 2 usage or read error.";
+/// Judge one scenario run again from its files: DIR holds history.jsonl and final.json.
+/// Prints the report as JSON on stdout and one summary line on stderr.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "imfault-check",
+    after_help = "Reads no environment variables.\n\
+                  Exit status: 0 PASS, 1 anomalies found, 2 usage or read error."
+)]
+struct Args {
+    /// A kept run directory (e.g. the work directory a failed check printed).
+    dir: std::path::PathBuf,
+}
 
 fn main() -> ExitCode {
-    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-    let dir = match args.as_slice() {
-        [a] if a == "--help" || a == "-h" => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        [a] if !a.to_string_lossy().starts_with('-') => Path::new(a),
-        _ => {
-            eprintln!("{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
+    let args: Args = clap::Parser::parse();
+    let dir: &Path = &args.dir;
     let (history, fin) = match load_dir(dir) {
         Ok(x) => x,
         Err(e) => {

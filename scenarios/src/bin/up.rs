@@ -16,15 +16,15 @@ fn show(dir: &str, who: &str, v: &Value) {
     println!("  {who} {dir} {v}");
 }
 
+/// Start a throwaway PostgreSQL cluster and the gateway, provision alice (device a1) and
+/// bob (device b1) in conversation c1, play one exchange, and run until Ctrl-C.
+#[derive(clap::Parser, Debug)]
+#[command(name = "up", after_help = include_str!("harness_env.txt"))]
+struct Args {}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
-        println!(
-            "usage: up\nStarts a throwaway cluster and the gateway, provisions alice (device a1) and \
-             bob (device b1) in conversation c1, plays one exchange, and runs until Ctrl-C."
-        );
-        return Ok(());
-    }
+    let _: Args = clap::Parser::parse();
     eprintln!("up: starting a throwaway PostgreSQL cluster and the gateway ...");
     let w = World::start(GatewayOpts::default()).await?;
     let (ta, tb) = scenarios::provision_alice_and_bob(&w).await?;
