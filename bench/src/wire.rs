@@ -22,7 +22,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use harness::client::delivery::{Hinted, NextPage, Pushed};
-use harness::client::{is_retryable_code, Delivery};
+use harness::client::{is_retryable_code, Delivery, HintAck};
 
 use crate::util::now_us;
 
@@ -194,9 +194,16 @@ impl RecvLog {
     }
 }
 
-/// The ack policy of the receivers: the harness client's (SPEC 5's coalescing, every 4
-/// events or 50 ms).
 pub use harness::client::AckPolicy;
+
+/// The receivers' ack policy: SPEC 5's coalescing (every 4 events or 50 ms); a hint the
+/// cursor covers is acked only when no ack is coalescing ([`HintAck::IfIdle`]).
+pub fn ack_policy() -> AckPolicy {
+    AckPolicy {
+        on_hint: HintAck::IfIdle,
+        ..AckPolicy::default()
+    }
+}
 
 /// Spawns [`receiver`] with the default ack policy for a caller that does not watch the
 /// delivered cursor; returns its log and task.
@@ -210,7 +217,7 @@ pub fn spawn_receiver(
     let task = tokio::spawn(receiver(
         ws,
         convs,
-        AckPolicy::default(),
+        ack_policy(),
         log.clone(),
         delivered,
         stop,
@@ -436,6 +443,7 @@ pub async fn receiver(
                         l.syncs += 1;
                     }
                     Hinted::SyncRunning => l.hints_ahead += 1,
+                    Hinted::AckComing => {}
                     // The server still lags what we hold: our ack may be coalescing or lost.
                     Hinted::Ack => {
                         if let Some(seq) = core.begin_ack(conv, clock) {

@@ -674,3 +674,43 @@ pub async fn run_serve_expect_exit(
     fs::write(&log_path, &text).with_context(|| format!("write {}", log_path.display()))?;
     Ok((out.status, text))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sqlx::migrate!` checksums: `migrate` is idempotent, and a migration whose recorded
+    /// checksum differs from the embedded file (as after editing an applied migration) is
+    /// refused by `migrate` and by the check `admin` and `serve` run, naming the file.
+    #[tokio::test]
+    async fn an_edited_migration_is_refused_by_name() -> anyhow::Result<()> {
+        let pg = crate::pg::Cluster::start_migrated().await?;
+        migrate(&pg.url())
+            .await
+            .context("a second migrate is a no-op")?;
+        let pool = pg.pool().await?;
+        let versions: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM _sqlx_migrations ORDER BY version")
+                .fetch_all(&pool)
+                .await?;
+        assert_eq!(versions, vec![1, 2]);
+        sqlx::query("UPDATE _sqlx_migrations SET checksum = '\\x00'::bytea WHERE version = 2")
+            .execute(&pool)
+            .await?;
+        pool.close().await;
+        let e = format!("{:#}", migrate(&pg.url()).await.unwrap_err());
+        assert!(
+            e.contains("0002_installs.sql") && e.contains("edited"),
+            "migrate: {e}"
+        );
+        let e = format!(
+            "{:#}",
+            admin(&pg.url(), &["add-user", "alice"]).await.unwrap_err()
+        );
+        assert!(
+            e.contains("0002_installs.sql") && e.contains("edited"),
+            "admin: {e}"
+        );
+        Ok(())
+    }
+}

@@ -56,7 +56,7 @@ use tokio_tungstenite::tungstenite::Message;
 
 use crate::history::{History, Type};
 
-pub use delivery::{AckPolicy, Delivery};
+pub use delivery::{AckPolicy, Delivery, HintAck};
 pub use observe::ClientStats;
 pub use state_file::{OutboxEntry, StoredEvents};
 
@@ -147,6 +147,7 @@ impl ClientOptions {
             every: self.ack_every,
             after: self.ack_after,
             auto: self.auto_ack,
+            on_hint: HintAck::Again,
         }
     }
 }

@@ -333,7 +333,7 @@ impl Inner {
         match hinted {
             Hinted::Sync(from) => self.repair(conv, from, "hint").await,
             // The pump runs one sync at a time and awaits it, so none is under way here.
-            Hinted::SyncRunning => {}
+            Hinted::SyncRunning | Hinted::AckComing => {}
             Hinted::Ack => self.auto_ack(conv).await,
         }
     }
