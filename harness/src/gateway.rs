@@ -23,6 +23,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context};
 
+use crate::util::{poll, wait_until};
+
 use crate::pg::{describe, log_tail, send_signal, set_parent_death_signal};
 
 /// How long `serve` may take to print `listening on ADDR`.
@@ -431,34 +433,43 @@ impl Gateway {
                 .context("spawn the gateway stdout reader")?,
         );
 
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            match ready_rx.try_recv() {
-                Ok(text) => {
-                    gw.addr = text.parse().with_context(|| {
-                        format!("gateway printed `{READY_PREFIX}{text}`: not an address")
-                    })?;
-                    return Ok(gw);
-                }
-                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
-                Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
-                    // Stdout closed without the line: the process is (nearly) gone.
-                    match gw.wait_exit(Duration::from_secs(2)).await {
-                        Ok(status) => bail!(
-                            "gateway exited ({}) before it was ready; {}:\n{}",
-                            describe(status),
-                            gw.log_path.display(),
-                            gw.tail()
-                        ),
-                        Err(_) => bail!(
-                            "gateway closed stdout before `{READY_PREFIX}ADDR` and still runs; {}:\n{}",
-                            gw.log_path.display(),
-                            gw.tail()
-                        ),
+        let ready = wait_until(
+            &format!("the gateway to print `{READY_PREFIX}ADDR`"),
+            READY_TIMEOUT,
+            async || match ready_rx.try_recv() {
+                Ok(text) => Ok(Ok(text)),
+                // Stdout closed without the line: the process is (nearly) gone.
+                Err(tokio::sync::oneshot::error::TryRecvError::Closed) => Ok(Err(None)),
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
+                    match gw.try_exit_status() {
+                        Some(status) => Ok(Err(Some(status))),
+                        None => Err(()),
                     }
                 }
+            },
+        )
+        .await;
+        match ready {
+            Ok(Ok(text)) => {
+                gw.addr = text.parse().with_context(|| {
+                    format!("gateway printed `{READY_PREFIX}{text}`: not an address")
+                })?;
+                Ok(gw)
             }
-            if let Some(status) = gw.try_exit_status() {
+            Ok(Err(None)) => match gw.wait_exit(Duration::from_secs(2)).await {
+                Ok(status) => bail!(
+                    "gateway exited ({}) before it was ready; {}:\n{}",
+                    describe(status),
+                    gw.log_path.display(),
+                    gw.tail()
+                ),
+                Err(_) => bail!(
+                    "gateway closed stdout before `{READY_PREFIX}ADDR` and still runs; {}:\n{}",
+                    gw.log_path.display(),
+                    gw.tail()
+                ),
+            },
+            Ok(Err(Some(status))) => {
                 gw.drain_reader().await;
                 bail!(
                     "gateway exited ({}) before it was ready; {}:\n{}",
@@ -467,14 +478,7 @@ impl Gateway {
                     gw.tail()
                 );
             }
-            if Instant::now() >= deadline {
-                bail!(
-                    "gateway printed no `{READY_PREFIX}ADDR` within {READY_TIMEOUT:?}; {}:\n{}",
-                    gw.log_path.display(),
-                    gw.tail()
-                );
-            }
-            tokio::time::sleep(POLL_INTERVAL).await;
+            Err(e) => Err(e).with_context(|| format!("{}:\n{}", gw.log_path.display(), gw.tail())),
         }
     }
 
@@ -543,21 +547,21 @@ impl Gateway {
     /// Waits at most `within` for the process to exit and records the status; also
     /// waits (briefly) until its last stdout lines are in the log.
     pub async fn wait_exit(&mut self, within: Duration) -> anyhow::Result<ExitStatus> {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = self.try_exit_status() {
+        let pid = self.pid();
+        let waited = wait_until(
+            &format!("gateway (pid {pid}) to exit"),
+            within,
+            async || self.try_exit_status().ok_or(()),
+        )
+        .await;
+        match waited {
+            Ok(status) => {
                 self.drain_reader().await;
-                return Ok(status);
+                Ok(status)
             }
-            if Instant::now() >= deadline {
-                bail!(
-                    "gateway (pid {}) still running after {within:?}; {}:\n{}",
-                    self.pid(),
-                    self.log_path.display(),
-                    self.tail()
-                );
+            Err(e) => {
+                Err(e).with_context(|| format!("{}:\n{}", self.log_path.display(), self.tail()))
             }
-            tokio::time::sleep(POLL_INTERVAL).await;
         }
     }
 
@@ -596,15 +600,17 @@ impl Gateway {
 
     /// Gives the stdout reader a moment to copy the last lines into the log.
     async fn drain_reader(&mut self) {
-        let deadline = Instant::now() + READER_DRAIN;
-        while let Some(reader) = &self.stdout_reader {
-            if reader.is_finished() || Instant::now() >= deadline {
-                if reader.is_finished() {
-                    self.stdout_reader = None;
-                }
-                return;
-            }
-            tokio::time::sleep(POLL_INTERVAL).await;
+        // Bounded, not an error: the log may then miss the last lines.
+        let _ = wait_until("the stdout reader to finish", READER_DRAIN, async || {
+            poll(
+                self.stdout_reader.as_ref().is_none_or(|r| r.is_finished()),
+                (),
+            )
+            .await
+        })
+        .await;
+        if self.stdout_reader.as_ref().is_some_and(|r| r.is_finished()) {
+            self.stdout_reader = None;
         }
     }
 }

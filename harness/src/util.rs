@@ -3,7 +3,6 @@
 //! on the rest of the harness.
 
 use std::fmt;
-use std::future::Future;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// First pause between two polls of [`wait_until`]; it doubles up to [`POLL_MAX`].
@@ -39,16 +38,11 @@ impl IntoDeadline for tokio::time::Instant {
 /// `what`, the time waited and the last state (`()` for none). Polls come quickly at
 /// first and then at most every 100 ms, so a cheap condition is seen at once and an
 /// expensive one (a query, a request) is not hammered. The only sleep is between polls.
-pub async fn wait_until<T, S, F, Fut>(
+pub async fn wait_until<T, S: fmt::Debug>(
     what: &str,
     deadline: impl IntoDeadline,
-    mut f: F,
-) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, S>>,
-    S: fmt::Debug,
-{
+    mut f: impl AsyncFnMut() -> Result<T, S>,
+) -> anyhow::Result<T> {
     let start = Instant::now();
     let deadline = deadline.into_deadline();
     let mut pause = POLL_MIN;
@@ -71,14 +65,10 @@ where
     }
 }
 
-/// `Ok(())` when `cond` holds, else `Err(())`: the poll of a [`wait_until`] that has no
-/// state worth reporting.
-pub fn check(cond: bool) -> Result<(), ()> {
-    if cond {
-        Ok(())
-    } else {
-        Err(())
-    }
+/// One poll of a [`wait_until`] whose condition is known at once: done when `cond`
+/// holds, else not yet, having seen `seen` (`()` for nothing worth reporting).
+pub fn poll<S>(cond: bool, seen: S) -> std::future::Ready<Result<(), S>> {
+    std::future::ready(if cond { Ok(()) } else { Err(seen) })
 }
 
 /// The `q`-quantile (0..=1) of already sorted values by nearest rank: the value at rank
@@ -177,12 +167,10 @@ mod tests {
             e.contains("waiting for never") && e.contains("last seen: \"still 0\""),
             "{e}"
         );
-        let e = wait_until("nothing", Duration::from_millis(10), || {
-            std::future::ready(check(false))
-        })
-        .await
-        .unwrap_err()
-        .to_string();
+        let e = wait_until("nothing", Duration::from_millis(10), || poll(false, ()))
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(!e.contains("last seen"), "{e}");
     }
 }
