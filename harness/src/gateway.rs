@@ -22,6 +22,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context};
+use nix::sys::signal::Signal;
 
 use crate::util::{poll, wait_until};
 
@@ -364,7 +365,7 @@ fn serve_command(bin: &Path, db_url: &str, opts: &GatewayOpts) -> anyhow::Result
         cmd.env(name, value);
     }
     cmd.stdin(Stdio::null());
-    set_parent_death_signal(&mut cmd, libc::SIGKILL);
+    set_parent_death_signal(&mut cmd, Signal::SIGKILL);
     Ok(cmd)
 }
 
@@ -578,7 +579,7 @@ impl Gateway {
         if let Some(status) = self.try_exit_status() {
             return Ok(status);
         }
-        send_signal(self.pid(), libc::SIGTERM).context("SIGTERM the gateway")?;
+        send_signal(self.pid(), Signal::SIGTERM).context("SIGTERM the gateway")?;
         self.wait_exit(within).await
     }
 

@@ -20,7 +20,6 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -30,6 +29,9 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use nix::fcntl::{Flock, FlockArg};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 use sqlx::{Connection, PgConnection};
 
 use crate::lazyfs::{self, LazyFs};
@@ -227,14 +229,14 @@ impl Cluster {
     /// `pg_ctl stop -m immediate`; no checkpoint, recovery replays the WAL on restart)
     /// and waits until it has exited and been reaped.
     pub async fn crash(&mut self) -> anyhow::Result<()> {
-        self.signal_and_wait(libc::SIGQUIT, CRASH_TIMEOUT, "crash (SIGQUIT)")
+        self.signal_and_wait(Signal::SIGQUIT, CRASH_TIMEOUT, "crash (SIGQUIT)")
             .await
             .map(|_| ())
     }
 
     /// Fast shutdown: SIGINT to the postmaster, waits until it has exited.
     pub async fn stop(&mut self) -> anyhow::Result<()> {
-        self.signal_and_wait(libc::SIGINT, STOP_TIMEOUT, "stop (SIGINT)")
+        self.signal_and_wait(Signal::SIGINT, STOP_TIMEOUT, "stop (SIGINT)")
             .await
             .map(|_| ())
     }
@@ -404,7 +406,7 @@ impl Cluster {
             // The harness-side negative control: a cluster that does not flush.
             cmd.arg("-c").arg("fsync=off");
         }
-        set_parent_death_signal(&mut cmd, libc::SIGQUIT);
+        set_parent_death_signal(&mut cmd, Signal::SIGQUIT);
         // Its own process group: a power cut or a machine failure kills every backend at
         // once (`kill(-pgid, SIGKILL)`), the way the machine's end would.
         cmd.process_group(0);
@@ -462,7 +464,7 @@ impl Cluster {
 
     async fn signal_and_wait(
         &mut self,
-        signal: libc::c_int,
+        signal: Signal,
         within: Duration,
         what: &str,
     ) -> anyhow::Result<ExitStatus> {
@@ -621,7 +623,7 @@ impl Cluster {
             bail!("kill: the postmaster on port {} is not running", self.port);
         };
         let pgid = child.id();
-        kill_group(pgid, libc::SIGKILL);
+        kill_group(pgid, Signal::SIGKILL);
         let deadline = Instant::now() + CRASH_TIMEOUT;
         loop {
             let reaped = match self.child.as_mut() {
@@ -698,10 +700,9 @@ impl Cluster {
 }
 
 /// `kill(-pgid, signal)`, ignoring a group that is already gone.
-fn kill_group(pgid: u32, signal: libc::c_int) {
-    if let Ok(pgid) = libc::pid_t::try_from(pgid) {
-        // SAFETY: kill has no memory-safety preconditions; the group is the postmaster's.
-        unsafe { libc::kill(-pgid, signal) };
+fn kill_group(pgid: u32, signal: Signal) {
+    if let Ok(pgid) = i32::try_from(pgid) {
+        let _ = nix::sys::signal::killpg(Pid::from_raw(pgid), signal);
     }
 }
 
@@ -738,7 +739,7 @@ impl Drop for Cluster {
             if let Ok(None) = child.try_wait() {
                 // Drop cannot await: a bounded blocking wait (an immediate shutdown
                 // normally takes a few milliseconds), then SIGKILL.
-                let _ = send_signal(child.id(), libc::SIGQUIT);
+                let _ = send_signal(child.id(), Signal::SIGQUIT);
                 let deadline = Instant::now() + DROP_SIGQUIT_WAIT;
                 loop {
                     match child.try_wait() {
@@ -756,7 +757,7 @@ impl Drop for Cluster {
         if let Some(lazy) = self.lazy.take() {
             // Backends still exiting hold the mount: kill them, wait (bounded), unmount.
             if let Some(pgid) = pgid {
-                kill_group(pgid, libc::SIGKILL);
+                kill_group(pgid, Signal::SIGKILL);
                 let deadline = Instant::now() + DROP_SIGQUIT_WAIT;
                 while group_alive(pgid) && Instant::now() < deadline {
                     std::thread::sleep(POLL_INTERVAL);
@@ -940,8 +941,7 @@ fn newest_debian_bin_dir() -> Option<PathBuf> {
 
 /// The uid/gid to run the server programs as: the `postgres` user when we are root.
 fn server_owner() -> anyhow::Result<Option<(u32, u32)>> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !nix::unistd::geteuid().is_root() {
         return Ok(None);
     }
     lookup_user("postgres")?
@@ -949,31 +949,11 @@ fn server_owner() -> anyhow::Result<Option<(u32, u32)>> {
         .map(Some)
 }
 
-/// `(uid, gid)` of a user, via the thread-safe `getpwnam_r`.
+/// `(uid, gid)` of a user (`getpwnam_r`, through nix).
 fn lookup_user(name: &str) -> anyhow::Result<Option<(u32, u32)>> {
-    let c_name = std::ffi::CString::new(name).context("user name contains NUL")?;
-    let mut buf = vec![0 as libc::c_char; 16 * 1024];
-    // SAFETY: passwd is plain old data; all-zero is a valid (if meaningless) value.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut result: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the call and buf.len() is its real length.
-    let rc = unsafe {
-        libc::getpwnam_r(
-            c_name.as_ptr(),
-            &mut pwd,
-            buf.as_mut_ptr(),
-            buf.len(),
-            &mut result,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::from_raw_os_error(rc))
-            .with_context(|| format!("look up user {name}"));
-    }
-    if result.is_null() {
-        return Ok(None);
-    }
-    Ok(Some((pwd.pw_uid, pwd.pw_gid)))
+    let user =
+        nix::unistd::User::from_name(name).with_context(|| format!("look up user {name}"))?;
+    Ok(user.map(|u| (u.uid.as_raw(), u.gid.as_raw())))
 }
 
 fn chown_to(path: &Path, owner: Option<(u32, u32)>) -> anyhow::Result<()> {
@@ -998,20 +978,19 @@ fn server_command(program: &Path, owner: Option<(u32, u32)>) -> Command {
 }
 
 /// Has the kernel send `signal` to the child when the spawning thread dies (Linux only).
-pub(crate) fn set_parent_death_signal(cmd: &mut Command, signal: libc::c_int) {
+pub(crate) fn set_parent_death_signal(cmd: &mut Command, signal: Signal) {
     #[cfg(target_os = "linux")]
     {
         let parent = std::process::id();
-        // SAFETY: the closure only makes async-signal-safe calls (prctl, getppid) and
-        // allocates nothing.
+        // SAFETY: `pre_exec` is unsafe by contract (the closure runs between fork and
+        // exec); this one only makes async-signal-safe calls (prctl, getppid) and
+        // allocates nothing. nix has no safe wrapper for a pre-exec hook.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
+                nix::sys::prctl::set_pdeathsig(signal)?;
                 // The parent may have died before prctl took effect.
-                if libc::getppid() as u32 != parent {
-                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                if nix::unistd::getppid().as_raw() as u32 != parent {
+                    return Err(nix::errno::Errno::ESRCH.into());
                 }
                 Ok(())
             });
@@ -1021,14 +1000,10 @@ pub(crate) fn set_parent_death_signal(cmd: &mut Command, signal: libc::c_int) {
     let _ = (cmd, signal);
 }
 
-pub(crate) fn send_signal(pid: u32, signal: libc::c_int) -> anyhow::Result<()> {
-    let pid = libc::pid_t::try_from(pid).context("pid out of range")?;
-    // SAFETY: kill has no memory-safety preconditions; pid is our own unreaped child.
-    if unsafe { libc::kill(pid, signal) } != 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("kill({pid}, {signal})"));
-    }
-    Ok(())
+pub(crate) fn send_signal(pid: u32, signal: Signal) -> anyhow::Result<()> {
+    let pid = i32::try_from(pid).context("pid out of range")?;
+    nix::sys::signal::kill(Pid::from_raw(pid), signal)
+        .with_context(|| format!("kill({pid}, {signal})"))
 }
 
 /// "exit status 1" or "signal 9 (SIGKILL)".
@@ -1046,8 +1021,7 @@ pub(crate) fn describe(status: ExitStatus) -> String {
 /// template is built in a temporary directory and renamed into place, so a template
 /// that exists is complete.
 fn ensure_template(install: &PgInstall, owner: Option<(u32, u32)>) -> anyhow::Result<PathBuf> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
+    let euid = nix::unistd::geteuid();
     let base = std::env::temp_dir();
     let name = format!("imfault-pg-template-{}-{euid}", install.major);
     let template = base.join(&name);
@@ -1062,7 +1036,7 @@ fn ensure_template(install: &PgInstall, owner: Option<(u32, u32)>) -> anyhow::Re
         .write(true)
         .open(&lock_path)
         .with_context(|| format!("open {}", lock_path.display()))?;
-    flock_exclusive(&lock).with_context(|| format!("lock {}", lock_path.display()))?;
+    let lock = flock_exclusive(lock).with_context(|| format!("lock {}", lock_path.display()))?;
     // Another process may have built it while we waited for the lock.
     if template_ready(&template, install.major)? {
         return Ok(template);
@@ -1134,15 +1108,15 @@ fn template_ready(template: &Path, major: u32) -> anyhow::Result<bool> {
     }
 }
 
-fn flock_exclusive(file: &File) -> std::io::Result<()> {
+/// Takes an exclusive `flock` on `file` (retried on EINTR); released when the returned
+/// guard drops.
+fn flock_exclusive(file: File) -> std::io::Result<Flock<File>> {
+    let mut file = file;
     loop {
-        // SAFETY: the fd is valid for as long as `file` lives.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-            return Ok(());
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(err);
+        match Flock::lock(file, FlockArg::LockExclusive) {
+            Ok(lock) => return Ok(lock),
+            Err((f, nix::errno::Errno::EINTR)) => file = f,
+            Err((_, e)) => return Err(e.into()),
         }
     }
 }
