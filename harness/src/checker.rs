@@ -2380,9 +2380,11 @@ mod tests {
 
     #[test]
     fn load_dir_reads_both_files_and_refuses_another_schema() {
-        let dir = std::env::temp_dir().join(format!("imfault-checker-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("imfault-checker-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path().to_path_buf();
         let mut b = B::new();
         b.send("a1", "c1", "x1", 1, "m1");
         let lines: Vec<String> =

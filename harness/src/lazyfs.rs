@@ -1113,31 +1113,13 @@ mod tests {
 
     use super::*;
 
-    fn state() -> (tempdir::Dir, State) {
-        let d = tempdir::Dir::new();
-        let st = State::new(&d.0, Arc::new(Stats::default())).unwrap();
+    fn state() -> (tempfile::TempDir, State) {
+        let d = tempfile::Builder::new()
+            .prefix("imfault-lazyfs-unit-")
+            .tempdir()
+            .unwrap();
+        let st = State::new(d.path(), Arc::new(Stats::default())).unwrap();
         (d, st)
-    }
-
-    mod tempdir {
-        pub struct Dir(pub std::path::PathBuf);
-        impl Dir {
-            pub fn new() -> Dir {
-                let p = std::env::temp_dir().join(format!(
-                    "imfault-lazyfs-unit-{}-{:?}",
-                    std::process::id(),
-                    std::thread::current().id()
-                ));
-                let _ = std::fs::remove_dir_all(&p);
-                std::fs::create_dir_all(&p).unwrap();
-                Dir(p)
-            }
-        }
-        impl Drop for Dir {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
     }
 
     /// Proves unsynced writes are visible to reads but not on the backing file until the
@@ -1145,7 +1127,7 @@ mod tests {
     #[test]
     fn writes_reach_the_backing_file_only_on_sync() {
         let (d, mut st) = state();
-        let path = d.0.join("f");
+        let path = d.path().join("f");
         std::fs::write(&path, vec![b'a'; 5000]).unwrap();
         let file = Arc::new(
             OpenOptions::new()
@@ -1173,7 +1155,7 @@ mod tests {
     #[test]
     fn truncate_trims_the_cache() {
         let (d, mut st) = state();
-        let path = d.0.join("g");
+        let path = d.path().join("g");
         std::fs::write(&path, b"").unwrap();
         let file = Arc::new(
             OpenOptions::new()

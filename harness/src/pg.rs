@@ -1121,42 +1121,20 @@ fn flock_exclusive(file: File) -> std::io::Result<Flock<File>> {
     }
 }
 
-/// Creates `$TMPDIR/imfault-<pid>-<counter>-<random>/`, traversable by the postgres user.
+/// Creates `$TMPDIR/imfault-[<run>-]<pid>-<counter>-<random>/` (`tempfile`), traversable by
+/// the postgres user. It is kept: removing it, or keeping it on failure, is
+/// `register_run_dir`'s and `Drop`'s business.
 fn create_work_dir() -> anyhow::Result<PathBuf> {
-    let base = std::env::temp_dir();
-    let mut last_err = None;
-    for _ in 0..8 {
-        let n = CLUSTER_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let name = run_name().map(|r| format!("{r}-")).unwrap_or_default();
-        let dir = base.join(format!(
-            "imfault-{name}{}-{n}-{:08x}",
-            std::process::id(),
-            random_u32()
-        ));
-        match fs::create_dir(&dir) {
-            Ok(()) => {
-                fs::set_permissions(&dir, fs::Permissions::from_mode(0o755))
-                    .with_context(|| format!("chmod {}", dir.display()))?;
-                register_run_dir(&dir);
-                return Ok(dir);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last_err = Some(e),
-            Err(e) => return Err(e).with_context(|| format!("create {}", dir.display())),
-        }
-    }
-    Err(anyhow::anyhow!("{last_err:?}")).context("create a unique cluster work dir")
-}
-
-/// Not cryptographic: only makes work dir names of unrelated runs differ.
-fn random_u32() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    hasher.finish() as u32
+    let n = CLUSTER_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let name = run_name().map(|r| format!("{r}-")).unwrap_or_default();
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("imfault-{name}{}-{n}-", std::process::id()))
+        .permissions(fs::Permissions::from_mode(0o755))
+        .tempdir_in(std::env::temp_dir())
+        .context("create a unique cluster work dir")?
+        .keep();
+    register_run_dir(&dir);
+    Ok(dir)
 }
 
 /// A port that was free a moment ago (the postmaster may still lose a race for it).

@@ -89,6 +89,35 @@ pub fn percentile(xs: &[f64], q: f64) -> Option<f64> {
     nearest_rank(&v, q)
 }
 
+/// Writes `bytes` to `path` atomically: to a temporary file in the same directory, then
+/// renamed over `path` (`tempfile`), so a reader sees the old file or the new one, never
+/// a part. No fsync: it survives a crash of the process, not a power cut. The file is
+/// readable by everyone (0644), like one `std::fs::write` creates.
+pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use std::io::Write as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .with_context(|| format!("{} has no file name", path.display()))?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}.tmp-"))
+        .permissions(std::fs::Permissions::from_mode(0o644))
+        .tempfile_in(dir)
+        .with_context(|| format!("create a temporary file in {}", dir.display()))?;
+    tmp.write_all(bytes)
+        .with_context(|| format!("write {}", tmp.path().display()))?;
+    tmp.persist(path)
+        .map_err(|e| anyhow::Error::new(e.error))
+        .with_context(|| format!("rename a temporary file over {}", path.display()))?;
+    Ok(())
+}
+
 /// `2026-11-30T09:38:33Z` for a Unix time in seconds (UTC, whole seconds, no date
 /// library: Howard Hinnant's civil_from_days).
 pub fn rfc3339(unix_s: i64) -> String {

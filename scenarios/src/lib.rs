@@ -342,14 +342,14 @@ impl Check {
 
     fn write(&self) {
         let dir = records_dir();
-        let write = std::fs::create_dir_all(&dir).and_then(|_| {
-            let path = dir.join(format!("{}.json", self.rec.id));
-            let tmp = dir.join(format!(".{}.json.tmp", self.rec.id));
-            std::fs::write(&tmp, serde_json::to_vec_pretty(&self.rec)?)?;
-            std::fs::rename(tmp, path)
-        });
+        let write = std::fs::create_dir_all(&dir)
+            .map_err(anyhow::Error::from)
+            .and_then(|_| {
+                let path = dir.join(format!("{}.json", self.rec.id));
+                harness::util::write_atomic(&path, &serde_json::to_vec_pretty(&self.rec)?)
+            });
         if let Err(e) = write {
-            panic!("cannot write the evidence record of {}: {e}", self.rec.id);
+            panic!("cannot write the evidence record of {}: {e:#}", self.rec.id);
         }
     }
 }

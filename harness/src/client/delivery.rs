@@ -241,9 +241,16 @@ impl Delivery {
                 sync_after: None,
             };
         }
-        t.above.insert(seq);
         let gap = Some(seq) != t.cursor.checked_add(1);
-        t.settle(false);
+        if gap {
+            t.above.insert(seq);
+        } else {
+            // The common case (in order): no set to touch unless events wait behind it.
+            t.cursor = seq;
+            if !t.above.is_empty() {
+                t.settle(false);
+            }
+        }
         let sync_after = (gap && t.sync_after.is_none()).then(|| {
             t.sync_after = Some(t.cursor);
             t.cursor

@@ -2,15 +2,14 @@
 //! store, per-conversation cursors and the last `delivered` the server reported.
 //!
 //! Every change is written to a temporary file in the same directory and renamed over
-//! the old one (`tempfile`'s persist), so a reader always sees a complete file. There is
+//! the old one ([`crate::util::write_atomic`]), so a reader always sees a complete file. There is
 //! no fsync: the file survives a crash of the *process* (what the scenarios do), not a
 //! power loss.
 
 use std::collections::BTreeMap;
-use std::io::Write as _;
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Context as _};
+use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -88,24 +87,7 @@ impl StateFile {
     /// (atomic on POSIX file systems; no fsync, see the module doc).
     pub(super) fn write(&self, path: &Path) -> anyhow::Result<()> {
         let bytes = serde_json::to_vec(self).context("encode client state")?;
-        let dir = path
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .ok_or_else(|| anyhow!("state path {} has no file name", path.display()))?;
-        let mut tmp = tempfile::Builder::new()
-            .prefix(&format!(".{name}.tmp-"))
-            .tempfile_in(dir)
-            .with_context(|| format!("create a temporary file in {}", dir.display()))?;
-        tmp.write_all(&bytes)
-            .with_context(|| format!("write {}", tmp.path().display()))?;
-        tmp.persist(path)
-            .map_err(|e| anyhow!(e.error))
-            .with_context(|| format!("rename a temporary file over {}", path.display()))?;
-        Ok(())
+        crate::util::write_atomic(path, &bytes)
     }
 
     /// The events, as the judge reads them: conv -> `[(seq, mid)]`.

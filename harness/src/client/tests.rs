@@ -3,7 +3,6 @@
 
 use super::*;
 use futures_util::{SinkExt, StreamExt};
-use std::sync::atomic::Ordering;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -142,28 +141,18 @@ fn is(t: &'static str) -> impl Fn(&Value) -> bool {
 }
 
 /// A temporary directory removed on drop.
-struct TestDir(PathBuf);
+struct TestDir(tempfile::TempDir);
 
 impl TestDir {
     fn new(name: &str) -> anyhow::Result<TestDir> {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "imfault-client-{name}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p)?;
-        Ok(TestDir(p))
+        Ok(TestDir(
+            tempfile::Builder::new()
+                .prefix(&format!("imfault-client-{name}-"))
+                .tempdir()?,
+        ))
     }
     fn state(&self) -> PathBuf {
-        self.0.join("state.json")
-    }
-}
-
-impl Drop for TestDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0.path().join("state.json")
     }
 }
 
