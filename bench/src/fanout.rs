@@ -736,7 +736,8 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Fanout> {
     Ok(Fanout {
         receiver: "lean receiver of the bench crate (tokio-tungstenite: hello, sub, contiguous cursor per \
                    conversation, acks coalesced every 4 events or 50 ms, sync on gap or on a hint ahead \
-                   of its cursor); not the harness Client, which persists a state file per event"
+                   of its cursor, decided by the harness client's delivery core); not the harness Client \
+                   itself, which persists a state file per event"
             .into(),
         user_pairs: n_pairs,
         conversations: convs.len(),

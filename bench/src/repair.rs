@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use crate::provision::{self, Device};
 use crate::result::{DataCheck, Repair, RepairInterval};
 use crate::util::{now_us, progress, r3, summarize_us, Rng};
-use crate::wire::{self, AckPolicy, RecvLog};
+use crate::wire::{self, RecvLog};
 
 pub const FAULT: &str = "gw.push:drop";
 
@@ -241,7 +241,7 @@ pub async fn child_main(args: ChildArgs) -> anyhow::Result<()> {
             let recv = tokio::spawn(wire::receiver(
                 rws,
                 states,
-                AckPolicy::default(),
+                wire::ack_policy(),
                 log.clone(),
                 dtx,
                 stop_rx.clone(),

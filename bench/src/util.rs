@@ -2,6 +2,7 @@
 //! (`now_us`), a seeded PRNG (no `rand` dependency), latency summaries, the progress line
 //! on stderr, and RFC 3339 time stamps. No I/O besides the progress line.
 
+use harness::util::nearest_rank;
 use serde::{Deserialize, Serialize};
 use std::io::{IsTerminal, Write};
 use std::sync::OnceLock;
@@ -24,28 +25,8 @@ pub fn unix_us() -> i64 {
         .unwrap_or(0)
 }
 
-/// `2026-11-30T09:38:33Z` for a Unix time in seconds (UTC, no external crate).
-pub fn rfc3339(unix_s: i64) -> String {
-    let days = unix_s.div_euclid(86_400);
-    let secs = unix_s.rem_euclid(86_400);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        secs / 3600,
-        (secs / 60) % 60,
-        secs % 60
-    )
-}
+/// `2026-11-30T09:38:33Z` for a Unix time in seconds: the workspace's one helper.
+pub use harness::util::rfc3339;
 
 /// SplitMix64: a seeded, reproducible generator for picks and jitter.
 #[derive(Clone, Debug)]
@@ -108,10 +89,7 @@ pub fn summarize_us(samples: &mut [i64]) -> Latency {
     }
     samples.sort_unstable();
     let n = samples.len();
-    let pick = |p: f64| {
-        let rank = ((p * n as f64).ceil() as usize).clamp(1, n);
-        samples[rank - 1] as f64 / 1000.0
-    };
+    let pick = |p: f64| nearest_rank(samples, p).unwrap_or(0) as f64 / 1000.0;
     let sum: f64 = samples.iter().map(|&v| v as f64).sum();
     Latency {
         count: n as u64,

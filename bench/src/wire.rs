@@ -3,12 +3,11 @@
 //!
 //! The lean receiver is what a careful device does, minus the durable state file of the
 //! harness `Client` (which persists a file per event and cannot take thousands of frames a
-//! second): it keeps a contiguous cursor per conversation, acks it coalesced (every
-//! `ack_every` events or `ack_after` after the first un-acked one), and syncs when it sees a
-//! gap or a hint ahead of its cursor. It records what it saw for the bench to judge; it
-//! never decides anything itself. It assumes its user sees every seq of its conversations
-//! (one open membership from seq 1, as the bench provisions): a hidden seq would look like a
-//! gap forever.
+//! second): its decisions (a contiguous cursor per conversation, acks coalesced every
+//! `every` events or `after` after the first un-acked one, a sync on a gap or on a hint
+//! ahead of its cursor) are the harness client's delivery core
+//! ([`harness::client::Delivery`]), fed with the frames it reads. It records what it saw
+//! for the bench to judge; it never decides anything itself.
 
 use anyhow::{bail, Context};
 use futures_util::{SinkExt, StreamExt};
@@ -21,6 +20,9 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+use harness::client::delivery::{Hinted, NextPage, Pushed};
+use harness::client::{is_retryable_code, Delivery, HintAck};
 
 use crate::util::now_us;
 
@@ -160,7 +162,8 @@ pub struct Got {
 /// What one receiver saw since its log was last taken.
 #[derive(Debug, Default)]
 pub struct RecvLog {
-    /// New events in receipt order (duplicates and out-of-order pushes excluded).
+    /// New events in receipt order (duplicates excluded; a push behind a gap counts when
+    /// it arrives, and its sync later returns it as a duplicate).
     pub got: Vec<Got>,
     /// Event frames received (pushes, including duplicates and gaps).
     pub pushes: u64,
@@ -191,31 +194,15 @@ impl RecvLog {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
-pub struct AckPolicy {
-    pub every: u64,
-    pub after: Duration,
-}
+pub use harness::client::AckPolicy;
 
-impl Default for AckPolicy {
-    /// SPEC 5's coalescing: every 4 events or 50 ms.
-    fn default() -> Self {
-        AckPolicy {
-            every: 4,
-            after: Duration::from_millis(50),
-        }
+/// The receivers' ack policy: SPEC 5's coalescing (every 4 events or 50 ms); a hint the
+/// cursor covers is acked only when no ack is coalescing ([`HintAck::IfIdle`]).
+pub fn ack_policy() -> AckPolicy {
+    AckPolicy {
+        on_hint: HintAck::IfIdle,
+        ..AckPolicy::default()
     }
-}
-
-struct Track {
-    name: String,
-    /// Highest seq such that every seq up to it was received.
-    contiguous: i64,
-    /// What the last ack asked for.
-    acked: i64,
-    pending: u64,
-    due: Option<Instant>,
-    sync_inflight: bool,
 }
 
 /// Spawns [`receiver`] with the default ack policy for a caller that does not watch the
@@ -230,7 +217,7 @@ pub fn spawn_receiver(
     let task = tokio::spawn(receiver(
         ws,
         convs,
-        AckPolicy::default(),
+        ack_policy(),
         log.clone(),
         delivered,
         stop,
@@ -238,8 +225,51 @@ pub fn spawn_receiver(
     (log, task)
 }
 
+/// Frames a receiver sends: acks and syncs, with rids that say what they were for
+/// (`a<n>-<conv index>-<seq>`, `y<n>-<sent µs>-<conv index>`).
+struct Out {
+    next_rid: u64,
+    frames: Vec<String>,
+}
+
+impl Out {
+    fn ack(&mut self, i: usize, conv: &str, seq: i64) {
+        self.next_rid += 1;
+        self.frames.push(format!(
+            r#"{{"t":"ack","rid":"a{}-{i}-{seq}","conv":"{conv}","seq":{seq}}}"#,
+            self.next_rid
+        ));
+    }
+
+    fn sync(&mut self, i: usize, conv: &str, after: i64) {
+        self.next_rid += 1;
+        self.frames.push(format!(
+            r#"{{"t":"sync","rid":"y{}-{}-{i}","conv":"{conv}","after":{after},"limit":500}}"#,
+            self.next_rid,
+            now_us(),
+        ));
+    }
+}
+
+/// The conversation index and acked seq an ack's rid names (`a<n>-<i>-<seq>`).
+fn ack_rid(rid: &str) -> Option<(usize, i64)> {
+    let mut parts = rid.strip_prefix('a')?.split('-').skip(1);
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+/// The send time (µs) and conversation index a sync's rid names (`y<n>-<µs>-<i>`).
+fn sync_rid(rid: &str) -> Option<(i64, usize)> {
+    let mut parts = rid.strip_prefix('y')?.split('-').skip(1);
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
 /// Runs one subscribed connection until `stop` turns true or the connection ends.
 /// `delivered` carries the highest `acked.delivered` seen (for the repair part).
+///
+/// The decisions (cursor, coalesced acks, gaps, hints) are the harness client's delivery
+/// core ([`harness::client::Delivery`]); this loop only moves frames and keeps the log.
+/// Unlike the harness client it does not wait for its syncs and acks: it sends them and
+/// goes on reading, and the core knows a sync or an ack is under way.
 pub async fn receiver(
     ws: Ws,
     convs: Vec<ConvState>,
@@ -249,37 +279,27 @@ pub async fn receiver(
     mut stop: watch::Receiver<bool>,
 ) {
     let (mut sink, mut stream) = ws.split();
+    let mut core = Delivery::new(policy, false);
     let mut index: HashMap<String, usize> = HashMap::new();
-    let mut tracks: Vec<Track> = Vec::new();
-    let mut kick: Vec<usize> = Vec::new();
+    let mut names: Vec<String> = Vec::new();
+    let mut out = Out {
+        next_rid: 0,
+        frames: Vec::new(),
+    };
+    let start = std::time::Instant::now();
     for c in convs {
-        index.insert(c.conv.clone(), tracks.len());
-        if c.delivered < c.head {
-            kick.push(tracks.len());
+        let i = names.len();
+        index.insert(c.conv.clone(), i);
+        // Everything up to the head at sub time counts as held (an earlier run's events);
+        // a delivered cursor below it (that run's last ack was coalescing) is acked now.
+        core.restore(&c.conv, c.head, [], Some(c.delivered));
+        if let Some(seq) = core.begin_ack(&c.conv, start) {
+            out.ack(i, &c.conv, seq);
         }
-        tracks.push(Track {
-            name: c.conv,
-            contiguous: c.head,
-            acked: c.delivered,
-            pending: 0,
-            due: None,
-            sync_inflight: false,
-        });
-    }
-    let mut next_rid: u64 = 0;
-    let mut out: Vec<String> = Vec::new();
-    // A cursor below the head at sub time (an earlier run's last ack): ack it now.
-    for i in kick {
-        let t = &mut tracks[i];
-        next_rid += 1;
-        out.push(format!(
-            r#"{{"t":"ack","rid":"a{next_rid}","conv":"{}","seq":{}}}"#,
-            t.name, t.contiguous
-        ));
-        t.acked = t.contiguous;
+        names.push(c.conv);
     }
     loop {
-        for text in out.drain(..) {
+        for text in out.frames.drain(..) {
             let is_ack = text.starts_with(r#"{"t":"ack""#);
             if sink.send(Message::text(text)).await.is_err() {
                 return;
@@ -288,17 +308,17 @@ pub async fn receiver(
                 log.lock().unwrap_or_else(|p| p.into_inner()).acks_sent += 1;
             }
         }
-        let due = tracks.iter().filter_map(|t| t.due).min();
+        let due = core.next_due().map(Instant::from_std);
         let msg = tokio::select! {
             _ = stop.changed() => {
                 if *stop.borrow() { return; }
                 continue;
             }
             _ = async { tokio::time::sleep_until(due.unwrap_or_else(Instant::now)).await }, if due.is_some() => {
-                let now = Instant::now();
-                for t in tracks.iter_mut() {
-                    if t.due.is_some_and(|d| d <= now) {
-                        ack(t, &mut next_rid, &mut out);
+                let now = std::time::Instant::now();
+                for conv in core.due(now) {
+                    if let Some(seq) = core.begin_ack(&conv, now) {
+                        out.ack(index[&conv], &conv, seq);
                     }
                 }
                 continue;
@@ -311,6 +331,7 @@ pub async fn receiver(
             Some(Ok(_)) => continue,
         };
         let now = now_us();
+        let clock = std::time::Instant::now();
         let Some(f) = parse(text.as_str()) else {
             log.lock().unwrap_or_else(|p| p.into_inner()).other_errors += 1;
             continue;
@@ -323,31 +344,29 @@ pub async fn receiver(
                 let Some(&i) = index.get(&ev.conv) else {
                     continue;
                 };
-                l.pushed.push(Got {
+                let got = Got {
                     conv: i as u32,
                     seq: ev.seq,
                     recv_us: now,
                     at_ms: ev.at,
                     pushed: true,
-                });
-                let t = &mut tracks[i];
-                if ev.seq == t.contiguous + 1 {
-                    t.contiguous = ev.seq;
-                    l.got.push(Got {
-                        conv: i as u32,
-                        seq: ev.seq,
-                        recv_us: now,
-                        at_ms: ev.at,
-                        pushed: true,
-                    });
-                    stored(t, 1, policy, &mut next_rid, &mut out);
-                } else if ev.seq <= t.contiguous {
-                    l.duplicates += 1;
-                } else {
-                    l.gaps += 1;
-                    if !t.sync_inflight {
-                        sync(t, &mut next_rid, &mut out);
-                        l.syncs += 1;
+                };
+                l.pushed.push(got);
+                match core.push(&ev.conv, ev.seq) {
+                    Pushed::Duplicate => l.duplicates += 1,
+                    Pushed::New { gap, sync_after } => {
+                        l.got.push(got);
+                        if gap {
+                            l.gaps += 1;
+                        }
+                        if let Some(after) = sync_after {
+                            out.sync(i, &ev.conv, after);
+                            l.syncs += 1;
+                        } else if core.stored(&ev.conv, clock) {
+                            if let Some(seq) = core.begin_ack(&ev.conv, clock) {
+                                out.ack(i, &ev.conv, seq);
+                            }
+                        }
                     }
                 }
             }
@@ -356,42 +375,47 @@ pub async fn receiver(
                     continue;
                 };
                 let Some(&i) = index.get(conv) else { continue };
-                let t = &mut tracks[i];
-                t.sync_inflight = false;
-                if let Some(sent) = f
-                    .rid
-                    .as_deref()
-                    .and_then(|r| r.strip_prefix('y'))
-                    .and_then(|r| r.split('-').nth(1))
-                    .and_then(|s| s.parse::<i64>().ok())
-                {
+                if let Some((sent, _)) = f.rid.as_deref().and_then(sync_rid) {
                     l.sync_rtt_us.push(now - sent);
                 }
-                let mut n = 0;
-                for ev in f.events.unwrap_or_default() {
-                    if ev.seq == t.contiguous + 1 {
-                        t.contiguous = ev.seq;
-                        n += 1;
-                        l.got.push(Got {
-                            conv: i as u32,
-                            seq: ev.seq,
-                            recv_us: now,
-                            at_ms: ev.at,
-                            pushed: false,
-                        });
+                let events = f.events.unwrap_or_default();
+                let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+                let page = core.synced(
+                    conv,
+                    &seqs,
+                    f.head.unwrap_or(0),
+                    f.complete.unwrap_or(false),
+                    |_| true,
+                );
+                for j in page.new {
+                    l.got.push(Got {
+                        conv: i as u32,
+                        seq: events[j].seq,
+                        recv_us: now,
+                        at_ms: events[j].at,
+                        pushed: false,
+                    });
+                }
+                match page.next {
+                    NextPage::After(after) => {
+                        out.sync(i, conv, after);
+                        l.syncs += 1;
                     }
-                }
-                if n > 0 {
-                    stored(t, n, policy, &mut next_rid, &mut out);
-                }
-                if f.complete == Some(false) || f.head.is_some_and(|h| h > t.contiguous) {
-                    sync(t, &mut next_rid, &mut out);
-                    l.syncs += 1;
+                    NextPage::Done | NextPage::Stuck { .. } => {
+                        if core.sync_ended(conv, clock) {
+                            if let Some(seq) = core.begin_ack(conv, clock) {
+                                out.ack(i, conv, seq);
+                            }
+                        }
+                    }
                 }
             }
             "acked" => {
                 l.acked += 1;
                 if let Some(d) = f.delivered {
+                    if let Some((i, seq)) = f.rid.as_deref().and_then(ack_rid) {
+                        core.ack_ok(&names[i], seq, d, clock);
+                    }
                     delivered.send_if_modified(|cur| {
                         let up = d > *cur;
                         if up {
@@ -412,30 +436,36 @@ pub async fn receiver(
                 };
                 l.hint_times.push((head, now));
                 let Some(&i) = index.get(conv) else { continue };
-                let t = &mut tracks[i];
-                if head > t.contiguous {
-                    l.hints_ahead += 1;
-                    if !t.sync_inflight {
-                        sync(t, &mut next_rid, &mut out);
+                match core.hint(conv, head) {
+                    Hinted::Sync(after) => {
+                        l.hints_ahead += 1;
+                        out.sync(i, conv, after);
                         l.syncs += 1;
                     }
-                } else if t.acked < t.contiguous && t.due.is_none() {
+                    Hinted::SyncRunning => l.hints_ahead += 1,
+                    Hinted::AckComing => {}
                     // The server still lags what we hold: our ack may be coalescing or lost.
-                    ack(t, &mut next_rid, &mut out);
+                    Hinted::Ack => {
+                        if let Some(seq) = core.begin_ack(conv, clock) {
+                            out.ack(i, conv, seq);
+                        }
+                    }
                 }
             }
             "error" => {
-                if f.rid.as_deref().is_some_and(|r| r.starts_with('a')) {
+                let rid = f.rid.as_deref().unwrap_or("");
+                if let Some((i, _)) = ack_rid(rid) {
                     l.ack_errors += 1;
+                    let retryable = f.code.as_deref().is_some_and(is_retryable_code);
+                    core.ack_failed(&names[i], retryable, clock);
                 } else {
                     l.other_errors += 1;
                 }
-                if f.rid.as_deref().is_some_and(|r| r.starts_with('y')) {
-                    if let Some(&i) = f.conv.as_deref().and_then(|c| index.get(c)) {
-                        tracks[i].sync_inflight = false;
-                    } else {
-                        for t in tracks.iter_mut() {
-                            t.sync_inflight = false;
+                if let Some((_, i)) = sync_rid(rid) {
+                    let conv = &names[i];
+                    if core.sync_ended(conv, clock) {
+                        if let Some(seq) = core.begin_ack(conv, clock) {
+                            out.ack(i, conv, seq);
                         }
                     }
                 }
@@ -443,39 +473,4 @@ pub async fn receiver(
             _ => {}
         }
     }
-}
-
-fn stored(t: &mut Track, n: u64, policy: AckPolicy, next_rid: &mut u64, out: &mut Vec<String>) {
-    t.pending += n;
-    if t.pending >= policy.every {
-        ack(t, next_rid, out);
-    } else if t.due.is_none() {
-        t.due = Some(Instant::now() + policy.after);
-    }
-}
-
-fn ack(t: &mut Track, next_rid: &mut u64, out: &mut Vec<String>) {
-    t.pending = 0;
-    t.due = None;
-    if t.contiguous <= t.acked {
-        return;
-    }
-    *next_rid += 1;
-    out.push(format!(
-        r#"{{"t":"ack","rid":"a{}","conv":"{}","seq":{}}}"#,
-        next_rid, t.name, t.contiguous
-    ));
-    t.acked = t.contiguous;
-}
-
-fn sync(t: &mut Track, next_rid: &mut u64, out: &mut Vec<String>) {
-    *next_rid += 1;
-    t.sync_inflight = true;
-    out.push(format!(
-        r#"{{"t":"sync","rid":"y{}-{}","conv":"{}","after":{},"limit":500}}"#,
-        next_rid,
-        now_us(),
-        t.name,
-        t.contiguous
-    ));
 }

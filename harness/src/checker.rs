@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::history::{Entry, Type};
+use crate::util::nearest_rank;
 
 /// Version of the `final.json` format; [`load_dir`] refuses any other.
 pub const FINAL_SCHEMA_VERSION: u32 = 1;
@@ -364,16 +365,6 @@ pub struct GapQuantiles {
     pub n: u64,
     pub p50: Option<f64>,
     pub max: Option<f64>,
-}
-
-/// Nearest rank: the value at rank `ceil(q * n)`, clamped to `1..=n`, of the sorted values.
-fn nearest_rank(sorted: &[f64], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let n = sorted.len();
-    let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
-    Some(sorted[rank - 1])
 }
 
 fn sorted(mut xs: Vec<f64>) -> Vec<f64> {
@@ -2389,9 +2380,11 @@ mod tests {
 
     #[test]
     fn load_dir_reads_both_files_and_refuses_another_schema() {
-        let dir = std::env::temp_dir().join(format!("imfault-checker-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("imfault-checker-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path().to_path_buf();
         let mut b = B::new();
         b.send("a1", "c1", "x1", 1, "m1");
         let lines: Vec<String> =

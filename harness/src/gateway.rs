@@ -22,6 +22,9 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context};
+use nix::sys::signal::Signal;
+
+use crate::util::{poll, wait_until};
 
 use crate::pg::{describe, log_tail, send_signal, set_parent_death_signal};
 
@@ -362,7 +365,7 @@ fn serve_command(bin: &Path, db_url: &str, opts: &GatewayOpts) -> anyhow::Result
         cmd.env(name, value);
     }
     cmd.stdin(Stdio::null());
-    set_parent_death_signal(&mut cmd, libc::SIGKILL);
+    set_parent_death_signal(&mut cmd, Signal::SIGKILL);
     Ok(cmd)
 }
 
@@ -431,34 +434,43 @@ impl Gateway {
                 .context("spawn the gateway stdout reader")?,
         );
 
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            match ready_rx.try_recv() {
-                Ok(text) => {
-                    gw.addr = text.parse().with_context(|| {
-                        format!("gateway printed `{READY_PREFIX}{text}`: not an address")
-                    })?;
-                    return Ok(gw);
-                }
-                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
-                Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
-                    // Stdout closed without the line: the process is (nearly) gone.
-                    match gw.wait_exit(Duration::from_secs(2)).await {
-                        Ok(status) => bail!(
-                            "gateway exited ({}) before it was ready; {}:\n{}",
-                            describe(status),
-                            gw.log_path.display(),
-                            gw.tail()
-                        ),
-                        Err(_) => bail!(
-                            "gateway closed stdout before `{READY_PREFIX}ADDR` and still runs; {}:\n{}",
-                            gw.log_path.display(),
-                            gw.tail()
-                        ),
+        let ready = wait_until(
+            &format!("the gateway to print `{READY_PREFIX}ADDR`"),
+            READY_TIMEOUT,
+            async || match ready_rx.try_recv() {
+                Ok(text) => Ok(Ok(text)),
+                // Stdout closed without the line: the process is (nearly) gone.
+                Err(tokio::sync::oneshot::error::TryRecvError::Closed) => Ok(Err(None)),
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
+                    match gw.try_exit_status() {
+                        Some(status) => Ok(Err(Some(status))),
+                        None => Err(()),
                     }
                 }
+            },
+        )
+        .await;
+        match ready {
+            Ok(Ok(text)) => {
+                gw.addr = text.parse().with_context(|| {
+                    format!("gateway printed `{READY_PREFIX}{text}`: not an address")
+                })?;
+                Ok(gw)
             }
-            if let Some(status) = gw.try_exit_status() {
+            Ok(Err(None)) => match gw.wait_exit(Duration::from_secs(2)).await {
+                Ok(status) => bail!(
+                    "gateway exited ({}) before it was ready; {}:\n{}",
+                    describe(status),
+                    gw.log_path.display(),
+                    gw.tail()
+                ),
+                Err(_) => bail!(
+                    "gateway closed stdout before `{READY_PREFIX}ADDR` and still runs; {}:\n{}",
+                    gw.log_path.display(),
+                    gw.tail()
+                ),
+            },
+            Ok(Err(Some(status))) => {
                 gw.drain_reader().await;
                 bail!(
                     "gateway exited ({}) before it was ready; {}:\n{}",
@@ -467,14 +479,7 @@ impl Gateway {
                     gw.tail()
                 );
             }
-            if Instant::now() >= deadline {
-                bail!(
-                    "gateway printed no `{READY_PREFIX}ADDR` within {READY_TIMEOUT:?}; {}:\n{}",
-                    gw.log_path.display(),
-                    gw.tail()
-                );
-            }
-            tokio::time::sleep(POLL_INTERVAL).await;
+            Err(e) => Err(e).with_context(|| format!("{}:\n{}", gw.log_path.display(), gw.tail())),
         }
     }
 
@@ -543,21 +548,21 @@ impl Gateway {
     /// Waits at most `within` for the process to exit and records the status; also
     /// waits (briefly) until its last stdout lines are in the log.
     pub async fn wait_exit(&mut self, within: Duration) -> anyhow::Result<ExitStatus> {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = self.try_exit_status() {
+        let pid = self.pid();
+        let waited = wait_until(
+            &format!("gateway (pid {pid}) to exit"),
+            within,
+            async || self.try_exit_status().ok_or(()),
+        )
+        .await;
+        match waited {
+            Ok(status) => {
                 self.drain_reader().await;
-                return Ok(status);
+                Ok(status)
             }
-            if Instant::now() >= deadline {
-                bail!(
-                    "gateway (pid {}) still running after {within:?}; {}:\n{}",
-                    self.pid(),
-                    self.log_path.display(),
-                    self.tail()
-                );
+            Err(e) => {
+                Err(e).with_context(|| format!("{}:\n{}", self.log_path.display(), self.tail()))
             }
-            tokio::time::sleep(POLL_INTERVAL).await;
         }
     }
 
@@ -574,7 +579,7 @@ impl Gateway {
         if let Some(status) = self.try_exit_status() {
             return Ok(status);
         }
-        send_signal(self.pid(), libc::SIGTERM).context("SIGTERM the gateway")?;
+        send_signal(self.pid(), Signal::SIGTERM).context("SIGTERM the gateway")?;
         self.wait_exit(within).await
     }
 
@@ -596,15 +601,17 @@ impl Gateway {
 
     /// Gives the stdout reader a moment to copy the last lines into the log.
     async fn drain_reader(&mut self) {
-        let deadline = Instant::now() + READER_DRAIN;
-        while let Some(reader) = &self.stdout_reader {
-            if reader.is_finished() || Instant::now() >= deadline {
-                if reader.is_finished() {
-                    self.stdout_reader = None;
-                }
-                return;
-            }
-            tokio::time::sleep(POLL_INTERVAL).await;
+        // Bounded, not an error: the log may then miss the last lines.
+        let _ = wait_until("the stdout reader to finish", READER_DRAIN, async || {
+            poll(
+                self.stdout_reader.as_ref().is_none_or(|r| r.is_finished()),
+                (),
+            )
+            .await
+        })
+        .await;
+        if self.stdout_reader.as_ref().is_some_and(|r| r.is_finished()) {
+            self.stdout_reader = None;
         }
     }
 }
@@ -673,4 +680,44 @@ pub async fn run_serve_expect_exit(
     text.push_str(&String::from_utf8_lossy(&out.stderr));
     fs::write(&log_path, &text).with_context(|| format!("write {}", log_path.display()))?;
     Ok((out.status, text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sqlx::migrate!` checksums: `migrate` is idempotent, and a migration whose recorded
+    /// checksum differs from the embedded file (as after editing an applied migration) is
+    /// refused by `migrate` and by the check `admin` and `serve` run, naming the file.
+    #[tokio::test]
+    async fn an_edited_migration_is_refused_by_name() -> anyhow::Result<()> {
+        let pg = crate::pg::Cluster::start_migrated().await?;
+        migrate(&pg.url())
+            .await
+            .context("a second migrate is a no-op")?;
+        let pool = pg.pool().await?;
+        let versions: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM _sqlx_migrations ORDER BY version")
+                .fetch_all(&pool)
+                .await?;
+        assert_eq!(versions, vec![1, 2]);
+        sqlx::query("UPDATE _sqlx_migrations SET checksum = '\\x00'::bytea WHERE version = 2")
+            .execute(&pool)
+            .await?;
+        pool.close().await;
+        let e = format!("{:#}", migrate(&pg.url()).await.unwrap_err());
+        assert!(
+            e.contains("0002_installs.sql") && e.contains("edited"),
+            "migrate: {e}"
+        );
+        let e = format!(
+            "{:#}",
+            admin(&pg.url(), &["add-user", "alice"]).await.unwrap_err()
+        );
+        assert!(
+            e.contains("0002_installs.sql") && e.contains("edited"),
+            "admin: {e}"
+        );
+        Ok(())
+    }
 }

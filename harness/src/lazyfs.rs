@@ -42,6 +42,8 @@ use fuser::{
     ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, SessionACL, TimeOrNow,
     WriteFlags,
 };
+use nix::mount::MntFlags;
+use nix::sys::time::TimeSpec;
 
 /// Page size of the layer's cache.
 const PAGE: u64 = 4096;
@@ -217,27 +219,21 @@ impl LazyFs {
             return Ok(());
         };
         // Our own umount: a busy mount (a process still closing) is retried, then detached.
-        let path = std::ffi::CString::new(self.mountpoint.as_os_str().as_encoded_bytes())
-            .context("mountpoint contains NUL")?;
+        let path = self.mountpoint.as_path();
         let mut last = None;
         for _ in 0..UMOUNT_ATTEMPTS {
-            // SAFETY: path is a valid NUL-terminated string.
-            if unsafe { libc::umount2(path.as_ptr(), 0) } == 0 {
-                last = None;
-                break;
+            match nix::mount::umount2(path, MntFlags::empty()) {
+                // Done, or not mounted (any more).
+                Ok(()) | Err(nix::errno::Errno::EINVAL) => {
+                    last = None;
+                    break;
+                }
+                Err(e) => last = Some(std::io::Error::from(e)),
             }
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINVAL) {
-                // Not mounted (any more).
-                last = None;
-                break;
-            }
-            last = Some(e);
             std::thread::sleep(Duration::from_millis(20));
         }
         if let Some(e) = last {
-            // SAFETY: as above.
-            unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
+            let _ = nix::mount::umount2(path, MntFlags::MNT_DETACH);
             drop(session);
             bail!("unmount {}: {e} (detached)", self.mountpoint.display());
         }
@@ -630,38 +626,20 @@ fn set_times(path: &Path, atime: Option<TimeOrNow>, mtime: Option<TimeOrNow>) ->
         return Ok(());
     }
     let ts = |t: Option<TimeOrNow>| match t {
-        None => libc::timespec {
-            tv_sec: 0,
-            tv_nsec: libc::UTIME_OMIT,
-        },
-        Some(TimeOrNow::Now) => libc::timespec {
-            tv_sec: 0,
-            tv_nsec: libc::UTIME_NOW,
-        },
+        None => TimeSpec::UTIME_OMIT,
+        Some(TimeOrNow::Now) => TimeSpec::UTIME_NOW,
         Some(TimeOrNow::SpecificTime(t)) => {
-            let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-            libc::timespec {
-                tv_sec: d.as_secs() as libc::time_t,
-                tv_nsec: d.subsec_nanos() as libc::c_long,
-            }
+            TimeSpec::from_duration(t.duration_since(UNIX_EPOCH).unwrap_or_default())
         }
     };
-    let times = [ts(atime), ts(mtime)];
-    let c =
-        std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
-    // SAFETY: c is a valid C string and times an array of two timespecs.
-    let rc = unsafe {
-        libc::utimensat(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            times.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
-    if rc != 0 {
-        return Err(errno(&std::io::Error::last_os_error()));
-    }
-    Ok(())
+    nix::sys::stat::utimensat(
+        nix::fcntl::AT_FDCWD,
+        path,
+        &ts(atime),
+        &ts(mtime),
+        nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+    )
+    .map_err(|e| errno(&std::io::Error::from(e)))
 }
 
 impl Fs {
@@ -1065,26 +1043,22 @@ impl Filesystem for Fs {
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         let st = self.st();
-        let Ok(c) = std::ffi::CString::new(st.backing.as_os_str().as_encoded_bytes()) else {
-            reply.error(Errno::EINVAL);
-            return;
+        let s = match nix::sys::statvfs::statvfs(st.backing.as_path()) {
+            Ok(s) => s,
+            Err(e) => {
+                reply.error(errno(&std::io::Error::from(e)));
+                return;
+            }
         };
-        // SAFETY: statvfs is plain old data; c is a valid C string.
-        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: as above; s is a valid out pointer.
-        if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
-            reply.error(errno(&std::io::Error::last_os_error()));
-            return;
-        }
         reply.statfs(
-            s.f_blocks,
-            s.f_bfree,
-            s.f_bavail,
-            s.f_files,
-            s.f_ffree,
-            s.f_bsize as u32,
-            s.f_namemax as u32,
-            s.f_frsize as u32,
+            s.blocks(),
+            s.blocks_free(),
+            s.blocks_available(),
+            s.files(),
+            s.files_free(),
+            s.block_size() as u32,
+            s.name_max() as u32,
+            s.fragment_size() as u32,
         );
     }
 
@@ -1139,31 +1113,13 @@ mod tests {
 
     use super::*;
 
-    fn state() -> (tempdir::Dir, State) {
-        let d = tempdir::Dir::new();
-        let st = State::new(&d.0, Arc::new(Stats::default())).unwrap();
+    fn state() -> (tempfile::TempDir, State) {
+        let d = tempfile::Builder::new()
+            .prefix("imfault-lazyfs-unit-")
+            .tempdir()
+            .unwrap();
+        let st = State::new(d.path(), Arc::new(Stats::default())).unwrap();
         (d, st)
-    }
-
-    mod tempdir {
-        pub struct Dir(pub std::path::PathBuf);
-        impl Dir {
-            pub fn new() -> Dir {
-                let p = std::env::temp_dir().join(format!(
-                    "imfault-lazyfs-unit-{}-{:?}",
-                    std::process::id(),
-                    std::thread::current().id()
-                ));
-                let _ = std::fs::remove_dir_all(&p);
-                std::fs::create_dir_all(&p).unwrap();
-                Dir(p)
-            }
-        }
-        impl Drop for Dir {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
     }
 
     /// Proves unsynced writes are visible to reads but not on the backing file until the
@@ -1171,7 +1127,7 @@ mod tests {
     #[test]
     fn writes_reach_the_backing_file_only_on_sync() {
         let (d, mut st) = state();
-        let path = d.0.join("f");
+        let path = d.path().join("f");
         std::fs::write(&path, vec![b'a'; 5000]).unwrap();
         let file = Arc::new(
             OpenOptions::new()
@@ -1199,7 +1155,7 @@ mod tests {
     #[test]
     fn truncate_trims_the_cache() {
         let (d, mut st) = state();
-        let path = d.0.join("g");
+        let path = d.path().join("g");
         std::fs::write(&path, b"").unwrap();
         let file = Arc::new(
             OpenOptions::new()

@@ -6,4 +6,5 @@ pub mod history;
 pub mod lazyfs;
 pub mod pg;
 pub mod proxy;
+pub mod util;
 pub mod world;

@@ -20,7 +20,6 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -30,6 +29,9 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use nix::fcntl::{Flock, FlockArg};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 use sqlx::{Connection, PgConnection};
 
 use crate::container::{Backend, PgContainer};
@@ -306,7 +308,7 @@ impl Cluster {
         if let Some(c) = &self.container {
             return c.kill().await;
         }
-        self.signal_and_wait(libc::SIGQUIT, CRASH_TIMEOUT, "crash (SIGQUIT)")
+        self.signal_and_wait(Signal::SIGQUIT, CRASH_TIMEOUT, "crash (SIGQUIT)")
             .await
             .map(|_| ())
     }
@@ -316,7 +318,7 @@ impl Cluster {
         if let Some(c) = &self.container {
             return c.stop().await;
         }
-        self.signal_and_wait(libc::SIGINT, STOP_TIMEOUT, "stop (SIGINT)")
+        self.signal_and_wait(Signal::SIGINT, STOP_TIMEOUT, "stop (SIGINT)")
             .await
             .map(|_| ())
     }
@@ -499,7 +501,7 @@ impl Cluster {
             // The harness-side negative control: a cluster that does not flush.
             cmd.arg("-c").arg("fsync=off");
         }
-        set_parent_death_signal(&mut cmd, libc::SIGQUIT);
+        set_parent_death_signal(&mut cmd, Signal::SIGQUIT);
         // Its own process group: a power cut or a machine failure kills every backend at
         // once (`kill(-pgid, SIGKILL)`), the way the machine's end would.
         cmd.process_group(0);
@@ -557,7 +559,7 @@ impl Cluster {
 
     async fn signal_and_wait(
         &mut self,
-        signal: libc::c_int,
+        signal: Signal,
         within: Duration,
         what: &str,
     ) -> anyhow::Result<ExitStatus> {
@@ -725,7 +727,7 @@ impl Cluster {
             bail!("kill: the postmaster on port {} is not running", self.port);
         };
         let pgid = child.id();
-        kill_group(pgid, libc::SIGKILL);
+        kill_group(pgid, Signal::SIGKILL);
         let deadline = Instant::now() + CRASH_TIMEOUT;
         loop {
             let reaped = match self.child.as_mut() {
@@ -802,10 +804,9 @@ impl Cluster {
 }
 
 /// `kill(-pgid, signal)`, ignoring a group that is already gone.
-fn kill_group(pgid: u32, signal: libc::c_int) {
-    if let Ok(pgid) = libc::pid_t::try_from(pgid) {
-        // SAFETY: kill has no memory-safety preconditions; the group is the postmaster's.
-        unsafe { libc::kill(-pgid, signal) };
+fn kill_group(pgid: u32, signal: Signal) {
+    if let Ok(pgid) = i32::try_from(pgid) {
+        let _ = nix::sys::signal::killpg(Pid::from_raw(pgid), signal);
     }
 }
 
@@ -850,7 +851,7 @@ impl Drop for Cluster {
             if let Ok(None) = child.try_wait() {
                 // Drop cannot await: a bounded blocking wait (an immediate shutdown
                 // normally takes a few milliseconds), then SIGKILL.
-                let _ = send_signal(child.id(), libc::SIGQUIT);
+                let _ = send_signal(child.id(), Signal::SIGQUIT);
                 let deadline = Instant::now() + DROP_SIGQUIT_WAIT;
                 loop {
                     match child.try_wait() {
@@ -868,7 +869,7 @@ impl Drop for Cluster {
         if let Some(lazy) = self.lazy.take() {
             // Backends still exiting hold the mount: kill them, wait (bounded), unmount.
             if let Some(pgid) = pgid {
-                kill_group(pgid, libc::SIGKILL);
+                kill_group(pgid, Signal::SIGKILL);
                 let deadline = Instant::now() + DROP_SIGQUIT_WAIT;
                 while group_alive(pgid) && Instant::now() < deadline {
                     std::thread::sleep(POLL_INTERVAL);
@@ -1052,8 +1053,7 @@ fn newest_debian_bin_dir() -> Option<PathBuf> {
 
 /// The uid/gid to run the server programs as: the `postgres` user when we are root.
 fn server_owner() -> anyhow::Result<Option<(u32, u32)>> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
+    if !nix::unistd::geteuid().is_root() {
         return Ok(None);
     }
     lookup_user("postgres")?
@@ -1061,31 +1061,11 @@ fn server_owner() -> anyhow::Result<Option<(u32, u32)>> {
         .map(Some)
 }
 
-/// `(uid, gid)` of a user, via the thread-safe `getpwnam_r`.
+/// `(uid, gid)` of a user (`getpwnam_r`, through nix).
 fn lookup_user(name: &str) -> anyhow::Result<Option<(u32, u32)>> {
-    let c_name = std::ffi::CString::new(name).context("user name contains NUL")?;
-    let mut buf = vec![0 as libc::c_char; 16 * 1024];
-    // SAFETY: passwd is plain old data; all-zero is a valid (if meaningless) value.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut result: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the call and buf.len() is its real length.
-    let rc = unsafe {
-        libc::getpwnam_r(
-            c_name.as_ptr(),
-            &mut pwd,
-            buf.as_mut_ptr(),
-            buf.len(),
-            &mut result,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::from_raw_os_error(rc))
-            .with_context(|| format!("look up user {name}"));
-    }
-    if result.is_null() {
-        return Ok(None);
-    }
-    Ok(Some((pwd.pw_uid, pwd.pw_gid)))
+    let user =
+        nix::unistd::User::from_name(name).with_context(|| format!("look up user {name}"))?;
+    Ok(user.map(|u| (u.uid.as_raw(), u.gid.as_raw())))
 }
 
 fn chown_to(path: &Path, owner: Option<(u32, u32)>) -> anyhow::Result<()> {
@@ -1110,20 +1090,19 @@ fn server_command(program: &Path, owner: Option<(u32, u32)>) -> Command {
 }
 
 /// Has the kernel send `signal` to the child when the spawning thread dies (Linux only).
-pub(crate) fn set_parent_death_signal(cmd: &mut Command, signal: libc::c_int) {
+pub(crate) fn set_parent_death_signal(cmd: &mut Command, signal: Signal) {
     #[cfg(target_os = "linux")]
     {
         let parent = std::process::id();
-        // SAFETY: the closure only makes async-signal-safe calls (prctl, getppid) and
-        // allocates nothing.
+        // SAFETY: `pre_exec` is unsafe by contract (the closure runs between fork and
+        // exec); this one only makes async-signal-safe calls (prctl, getppid) and
+        // allocates nothing. nix has no safe wrapper for a pre-exec hook.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
+                nix::sys::prctl::set_pdeathsig(signal)?;
                 // The parent may have died before prctl took effect.
-                if libc::getppid() as u32 != parent {
-                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                if nix::unistd::getppid().as_raw() as u32 != parent {
+                    return Err(nix::errno::Errno::ESRCH.into());
                 }
                 Ok(())
             });
@@ -1133,14 +1112,10 @@ pub(crate) fn set_parent_death_signal(cmd: &mut Command, signal: libc::c_int) {
     let _ = (cmd, signal);
 }
 
-pub(crate) fn send_signal(pid: u32, signal: libc::c_int) -> anyhow::Result<()> {
-    let pid = libc::pid_t::try_from(pid).context("pid out of range")?;
-    // SAFETY: kill has no memory-safety preconditions; pid is our own unreaped child.
-    if unsafe { libc::kill(pid, signal) } != 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("kill({pid}, {signal})"));
-    }
-    Ok(())
+pub(crate) fn send_signal(pid: u32, signal: Signal) -> anyhow::Result<()> {
+    let pid = i32::try_from(pid).context("pid out of range")?;
+    nix::sys::signal::kill(Pid::from_raw(pid), signal)
+        .with_context(|| format!("kill({pid}, {signal})"))
 }
 
 /// "exit status 1" or "signal 9 (SIGKILL)".
@@ -1158,8 +1133,7 @@ pub(crate) fn describe(status: ExitStatus) -> String {
 /// template is built in a temporary directory and renamed into place, so a template
 /// that exists is complete.
 fn ensure_template(install: &PgInstall, owner: Option<(u32, u32)>) -> anyhow::Result<PathBuf> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
+    let euid = nix::unistd::geteuid();
     let base = std::env::temp_dir();
     let name = format!("imfault-pg-template-{}-{euid}", install.major);
     let template = base.join(&name);
@@ -1174,7 +1148,7 @@ fn ensure_template(install: &PgInstall, owner: Option<(u32, u32)>) -> anyhow::Re
         .write(true)
         .open(&lock_path)
         .with_context(|| format!("open {}", lock_path.display()))?;
-    flock_exclusive(&lock).with_context(|| format!("lock {}", lock_path.display()))?;
+    let lock = flock_exclusive(lock).with_context(|| format!("lock {}", lock_path.display()))?;
     // Another process may have built it while we waited for the lock.
     if template_ready(&template, install.major)? {
         return Ok(template);
@@ -1246,55 +1220,33 @@ fn template_ready(template: &Path, major: u32) -> anyhow::Result<bool> {
     }
 }
 
-fn flock_exclusive(file: &File) -> std::io::Result<()> {
+/// Takes an exclusive `flock` on `file` (retried on EINTR); released when the returned
+/// guard drops.
+fn flock_exclusive(file: File) -> std::io::Result<Flock<File>> {
+    let mut file = file;
     loop {
-        // SAFETY: the fd is valid for as long as `file` lives.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-            return Ok(());
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(err);
+        match Flock::lock(file, FlockArg::LockExclusive) {
+            Ok(lock) => return Ok(lock),
+            Err((f, nix::errno::Errno::EINTR)) => file = f,
+            Err((_, e)) => return Err(e.into()),
         }
     }
 }
 
-/// Creates `$TMPDIR/imfault-<pid>-<counter>-<random>/`, traversable by the postgres user.
+/// Creates `$TMPDIR/imfault-[<run>-]<pid>-<counter>-<random>/` (`tempfile`), traversable by
+/// the postgres user. It is kept: removing it, or keeping it on failure, is
+/// `register_run_dir`'s and `Drop`'s business.
 fn create_work_dir() -> anyhow::Result<PathBuf> {
-    let base = std::env::temp_dir();
-    let mut last_err = None;
-    for _ in 0..8 {
-        let n = CLUSTER_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let name = run_name().map(|r| format!("{r}-")).unwrap_or_default();
-        let dir = base.join(format!(
-            "imfault-{name}{}-{n}-{:08x}",
-            std::process::id(),
-            random_u32()
-        ));
-        match fs::create_dir(&dir) {
-            Ok(()) => {
-                fs::set_permissions(&dir, fs::Permissions::from_mode(0o755))
-                    .with_context(|| format!("chmod {}", dir.display()))?;
-                register_run_dir(&dir);
-                return Ok(dir);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last_err = Some(e),
-            Err(e) => return Err(e).with_context(|| format!("create {}", dir.display())),
-        }
-    }
-    Err(anyhow::anyhow!("{last_err:?}")).context("create a unique cluster work dir")
-}
-
-/// Not cryptographic: only makes work dir names of unrelated runs differ.
-fn random_u32() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    hasher.finish() as u32
+    let n = CLUSTER_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let name = run_name().map(|r| format!("{r}-")).unwrap_or_default();
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("imfault-{name}{}-{n}-", std::process::id()))
+        .permissions(fs::Permissions::from_mode(0o755))
+        .tempdir_in(std::env::temp_dir())
+        .context("create a unique cluster work dir")?
+        .keep();
+    register_run_dir(&dir);
+    Ok(dir)
 }
 
 /// A port that was free a moment ago (the postmaster may still lose a race for it).

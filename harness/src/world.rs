@@ -465,23 +465,29 @@ async fn start_standby(pg: &Cluster, r: Replication) -> anyhow::Result<Failover>
             .context("reload the configuration")?;
     }
     let want = if r.synchronous { "sync" } else { "async" };
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let states: Vec<(String, String)> = sqlx::query_as(
-            "SELECT state, sync_state FROM pg_stat_replication WHERE application_name = 'standby'",
-        )
-        .fetch_all(&pool)
-        .await
-        .context("read pg_stat_replication")?;
-        if states.iter().any(|(s, ss)| s == "streaming" && ss == want) {
-            break;
-        }
-        anyhow::ensure!(
-            std::time::Instant::now() < deadline,
-            "the standby is not streaming ({want}) within 20 s: {states:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let pool = &pool;
+    crate::util::wait_until(
+        &format!("the standby to stream ({want})"),
+        Duration::from_secs(20),
+        async || {
+            let states: Vec<(String, String)> = match sqlx::query_as(
+                "SELECT state, sync_state FROM pg_stat_replication WHERE application_name = 'standby'",
+            )
+            .fetch_all(pool)
+            .await
+            {
+                Ok(states) => states,
+                // Not a reason to wait: end the wait with the error.
+                Err(e) => return Ok(Err(e).context("read pg_stat_replication")),
+            };
+            if states.iter().any(|(s, ss)| s == "streaming" && ss == want) {
+                Ok(Ok(()))
+            } else {
+                Err(states)
+            }
+        },
+    )
+    .await??;
     pool.close().await;
     let proxy = Proxy::start(primary, Duration::ZERO)?;
     Ok(Failover {

@@ -342,14 +342,14 @@ impl Check {
 
     fn write(&self) {
         let dir = records_dir();
-        let write = std::fs::create_dir_all(&dir).and_then(|_| {
-            let path = dir.join(format!("{}.json", self.rec.id));
-            let tmp = dir.join(format!(".{}.json.tmp", self.rec.id));
-            std::fs::write(&tmp, serde_json::to_vec_pretty(&self.rec)?)?;
-            std::fs::rename(tmp, path)
-        });
+        let write = std::fs::create_dir_all(&dir)
+            .map_err(anyhow::Error::from)
+            .and_then(|_| {
+                let path = dir.join(format!("{}.json", self.rec.id));
+                harness::util::write_atomic(&path, &serde_json::to_vec_pretty(&self.rec)?)
+            });
         if let Err(e) = write {
-            panic!("cannot write the evidence record of {}: {e}", self.rec.id);
+            panic!("cannot write the evidence record of {}: {e:#}", self.rec.id);
         }
     }
 }
@@ -562,45 +562,17 @@ pub async fn alice_and_bob(
     Ok((a, b))
 }
 
-/// RFC 3339 UTC time without a date library (days-from-civil, inverted).
+/// RFC 3339 UTC time of `t` (whole seconds): [`harness::util::rfc3339_at`].
 pub fn rfc3339(t: std::time::SystemTime) -> String {
-    let secs = t
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    harness::util::rfc3339_at(t)
 }
 
 /// Now, as [`rfc3339`].
-pub fn rfc3339_now() -> String {
-    rfc3339(std::time::SystemTime::now())
-}
+pub use harness::util::rfc3339_now;
 
-/// The `q`-quantile (0..=1) of `xs` by nearest rank; `None` for an empty slice.
-pub fn quantile(xs: &[f64], q: f64) -> Option<f64> {
-    if xs.is_empty() {
-        return None;
-    }
-    let mut v = xs.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    Some(v[rank - 1])
-}
+/// The `q`-quantile (0..=1) of `xs` by nearest rank; `None` for an empty slice
+/// ([`harness::util::percentile`]).
+pub use harness::util::percentile as quantile;
 
 /// Milliseconds with one decimal, for evidence.
 pub fn ms(d: std::time::Duration) -> f64 {

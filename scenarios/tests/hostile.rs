@@ -7,6 +7,7 @@
 use futures_util::future::join_all;
 use harness::client::{Client, ClientError, ClientOptions};
 use harness::gateway::GatewayOpts;
+use harness::util::{poll, wait_until};
 use harness::world::World;
 use scenarios::{alice_and_bob, connect, provision_alice_and_bob, quantile};
 use serde_json::{json, Value};
@@ -31,24 +32,6 @@ fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
-}
-
-/// Polls `f` until it yields `Some`, at most until `within` passed.
-async fn wait_until<T>(
-    what: &str,
-    within: Duration,
-    mut f: impl FnMut() -> Option<T>,
-) -> anyhow::Result<T> {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = f() {
-            return Ok(v);
-        }
-        if Instant::now() >= deadline {
-            anyhow::bail!("timed out after {within:?} waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The gateway's resident set (VmRSS of /proc/PID/status), in KiB.
@@ -380,17 +363,13 @@ async fn connections_per_device_are_capped() {
     extra.wait_closed(T).await.unwrap();
     open.pop().unwrap().close().await;
     let mut again = Client::create(&w.state_path("a1-y"), "a1", &ta, 1).unwrap();
-    let deadline = Instant::now() + T;
-    loop {
-        match again.connect(&w.ws_url()).await {
-            Ok(v) => {
-                assert_eq!(v["t"], "welcome");
-                break;
-            }
-            Err(e) => assert!(Instant::now() < deadline, "a freed place is reused: {e}"),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let url = w.ws_url();
+    let v = wait_until("a freed place to be reused", T, async || {
+        again.connect(&url).await.map_err(|e| e.to_string())
+    })
+    .await
+    .unwrap();
+    assert_eq!(v["t"], "welcome");
 }
 
 /// Item 2 of issue #8, a stale install sees nothing. Proves that after `admin
@@ -548,7 +527,8 @@ async fn slowloris_does_not_starve_real_clients_nor_delay_sigterm() {
         })
     };
     wait_until("the attacker to hold 300 sockets", T, || {
-        (opened.load(Ordering::Relaxed) >= 300).then_some(())
+        let n = opened.load(Ordering::Relaxed);
+        poll(n >= 300, n)
     })
     .await
     .unwrap();
@@ -652,7 +632,8 @@ async fn sigterm_under_load_delivers_every_committed_reply_and_1001() {
         let load = join_all(load);
         let term = async {
             wait_until("40 sends answered", Duration::from_secs(30), || {
-                (n.load(Ordering::Relaxed) >= 40).then_some(())
+                let k = n.load(Ordering::Relaxed);
+                poll(k >= 40, k)
             })
             .await
             .unwrap();

@@ -6,6 +6,7 @@ use futures_util::future::join_all;
 use harness::client::{Client, ClientError, ClientOptions, CrashAt};
 use harness::gateway::GatewayOpts;
 use harness::pg::ClusterOpts;
+use harness::util::{poll, wait_until};
 use harness::world::{Replication, World, WorldOpts};
 use scenarios::{
     alice_and_bob, connect, durability_settings, judge, judge_measure, ms, postgres_facts,
@@ -393,10 +394,16 @@ async fn im06_db_immediate_stop_keeps_acked() {
             }
         });
         let watcher = async {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while acked.lock().unwrap().len() < 200 && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            // Bounded, not an error: the crash comes after 30 s at the latest.
+            let _ = wait_until(
+                "200 sends acknowledged",
+                Duration::from_secs(30),
+                async || {
+                    let n = acked.lock().unwrap().len();
+                    poll(n >= 200, n).await
+                },
+            )
+            .await;
             let rate = acked.lock().unwrap().len() as f64 / load_started.elapsed().as_secs_f64();
             let rows_before: i64 = w.count_events("c1").await.unwrap_or(-1);
             w.crash_pg().await.map(|_| (rows_before, rate))
@@ -440,17 +447,11 @@ async fn im06_db_immediate_stop_keeps_acked() {
         let mut pending = 0;
         for s in &senders {
             pending += s.outbox().len();
-            loop {
+            wait_until("the outbox replay to succeed", deadline, async || {
                 let rs = s.replay_outbox(T).await;
-                if rs.iter().all(|r| r.is_ok()) {
-                    break;
-                }
-                anyhow::ensure!(
-                    Instant::now() < deadline,
-                    "outbox replay never succeeded: {rs:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+                poll(rs.iter().all(|r| r.is_ok()), rs).await
+            })
+            .await?;
         }
         c.observe("in_flight_replayed", pending);
         let all_sent = acked.len() as i64 + pending as i64;
@@ -999,10 +1000,16 @@ impl Load {
 
     /// Waits (30 s at most) until `n` sends were acknowledged; returns the sends/s so far.
     async fn wait_acked(&self, n: usize) -> f64 {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.acked.lock().unwrap().len() < n && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        // Bounded, not an error: the caller judges what was acknowledged by then.
+        let _ = wait_until(
+            &format!("{n} sends acknowledged"),
+            Duration::from_secs(30),
+            async || {
+                let k = self.acked.lock().unwrap().len();
+                poll(k >= n, k).await
+            },
+        )
+        .await;
         let k = self.acked.lock().unwrap().len();
         k as f64 / self.started.elapsed().as_secs_f64()
     }
@@ -1069,21 +1076,19 @@ async fn replay_all(senders: &[Client]) -> anyhow::Result<Vec<(String, i64)>> {
     let mut replayed = Vec::new();
     for s in senders {
         let entries = s.outbox();
-        loop {
+        let rs = wait_until("the outbox replay to succeed", deadline, async || {
             let rs = s.replay_outbox(T).await;
             if rs.iter().all(|r| r.is_ok()) {
-                for (e, r) in entries.iter().zip(&rs) {
-                    if let Ok(v) = r {
-                        replayed.push((e.cmid.clone(), v["seq"].as_i64().unwrap_or(-1)));
-                    }
-                }
-                break;
+                Ok(rs)
+            } else {
+                Err(rs)
             }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "outbox replay never succeeded: {rs:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        })
+        .await?;
+        for (e, r) in entries.iter().zip(&rs) {
+            if let Ok(v) = r {
+                replayed.push((e.cmid.clone(), v["seq"].as_i64().unwrap_or(-1)));
+            }
         }
     }
     Ok(replayed)
@@ -1388,10 +1393,11 @@ async fn failover_check(id: &str, synchronous: bool) {
             .await
             .map_err(|e| anyhow::anyhow!("send after failover: {e}"))?;
         let seq = r["seq"].as_i64().unwrap_or(-1);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !b.stored_seqs("c1").contains(&seq) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        // Bounded, not an error: the expectation below judges it.
+        let _ = wait_until("the receiver to store it", Duration::from_secs(5), async || {
+            poll(b.stored_seqs("c1").contains(&seq), ()).await
+        })
+        .await;
         c.expect(
             "receiver_holds_message_sent_after_failover",
             true,
@@ -1401,10 +1407,11 @@ async fn failover_check(id: &str, synchronous: bool) {
         a.send("c1", "after-failover-2", "pushed by the new primary", T)
             .await
             .map_err(|e| anyhow::anyhow!("second send after failover: {e}"))?;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while b.stats().pushes_received == pushes_before && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        // Bounded, not an error: the expectation below judges it.
+        let _ = wait_until("a push", Duration::from_secs(5), async || {
+            poll(b.stats().pushes_received > pushes_before, ()).await
+        })
+        .await;
         c.expect(
             "push_after_failover (LISTEN recovered)",
             true,

@@ -5,6 +5,7 @@
 use futures_util::future::join_all;
 use harness::client::{Client, ClientError};
 use harness::gateway::GatewayOpts;
+use harness::util::{poll, wait_until};
 use harness::world::World;
 use scenarios::{alice_and_bob, connect, db_invariant_violations, judge_test};
 use serde_json::{json, Value};
@@ -658,14 +659,12 @@ async fn connection_cap_refuses_extra_connections() {
     );
     a.close().await;
     let mut fourth = Client::create(&w.state_path("fourth"), "a1", "x", 1).unwrap();
-    let deadline = Instant::now() + T;
-    loop {
-        if fourth.connect_raw(&w.ws_url()).await.is_ok() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "a freed slot is reused");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let url = w.ws_url();
+    wait_until("a freed slot to be reused", T, async || {
+        fourth.connect_raw(&url).await.map_err(|e| format!("{e:#}"))
+    })
+    .await
+    .unwrap();
 }
 
 /// The database killed (immediate shutdown) under a running gateway: requests answer
@@ -702,15 +701,12 @@ async fn database_down_is_unavailable_then_service_resumes() {
         "the gateway keeps running"
     );
     w.pg.restart().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
+    wait_until("service to resume", Duration::from_secs(20), async || {
         let r = a.replay_outbox(T).await;
-        if r.iter().all(|r| r.is_ok()) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "service resumes: {r:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        poll(r.iter().all(|r| r.is_ok()), r).await
+    })
+    .await
+    .unwrap();
     assert!(a.outbox().is_empty());
     b.wait_server_delivered("c1", 4, Duration::from_secs(20))
         .await

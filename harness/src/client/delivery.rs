@@ -1,0 +1,587 @@
+//! The delivery core of a careful device (SPEC section 5), without I/O: per
+//! conversation a contiguous cursor, coalesced acks, and gap and hint handling.
+//!
+//! It is a state machine fed with what the server said (a pushed seq, a sync page, a
+//! hint, an ack's outcome, the clock) that answers with what to do next (store or not,
+//! sync after which seq, ack which seq now, when the next ack is due). It never writes
+//! a frame or a file, never sleeps and never reads the clock itself, so one copy serves
+//! the durable test client ([`crate::client::Client`], which awaits each request) and the
+//! bench's lean receiver (which pipelines them).
+//!
+//! Invariants it keeps (the client halves of SPEC's D3 and D5):
+//! - D3: an ack never names a seq above the cursor, and the cursor only covers stored
+//!   events: every event visible to the device with `seq <= cursor` was stored (the
+//!   caller stores an event before it acks, the core only decides *what* to ack);
+//! - D5: a push above `cursor + 1` (a gap) and a hint whose head is above the cursor
+//!   ask for a sync from the cursor; a hint says the server's delivered cursor is below
+//!   its head, so (with [`HintAck::Again`]) whatever the core believed was acked is
+//!   lowered and acked again.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+/// Smallest delay before an automatic ack that failed with a retryable error is tried
+/// again (avoids a tight loop while the database is down).
+pub const ACK_RETRY_MIN: Duration = Duration::from_millis(200);
+
+/// When automatic acks are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AckPolicy {
+    /// Ack as soon as this many new events were stored since the last ack.
+    pub every: usize,
+    /// Ack at the latest this long after the first event that is not yet acked.
+    pub after: Duration,
+    /// When false nothing is ever acked automatically.
+    pub auto: bool,
+    /// What a hint whose head the cursor covers makes the core do.
+    pub on_hint: HintAck,
+}
+
+/// What a `hint` whose head the cursor already covers makes the core do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HintAck {
+    /// The server lost what it was told (an ack lost with a crashed database, say): lower
+    /// what is believed acked below the head and ack the cursor right away; after a sync
+    /// a hint asked for, ack right away too. The harness client: it repairs lost acks.
+    Again,
+    /// Ack only if no automatic ack is coalescing, and only what was never acked; after
+    /// a sync, coalesce as usual. The bench's receiver: under load a sweep hint most often
+    /// names an ack that is merely coalescing, and acking again would add the cursor
+    /// writes the bench measures.
+    IfIdle,
+}
+
+impl Default for AckPolicy {
+    /// SPEC section 5's coalescing: every 4 events or 50 ms.
+    fn default() -> Self {
+        AckPolicy {
+            every: 4,
+            after: Duration::from_millis(50),
+            auto: true,
+            on_hint: HintAck::Again,
+        }
+    }
+}
+
+/// What to do after a push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pushed {
+    /// Already stored (or covered by the cursor): ignore it.
+    Duplicate,
+    /// New: store it. `sync_after` is set when it opened a gap and no sync of the
+    /// conversation is under way: sync from that seq (the cursor).
+    New { gap: bool, sync_after: Option<i64> },
+}
+
+/// What to do after a sync page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    /// Indices (into the page's seqs) of the events to store.
+    pub new: Vec<usize>,
+    /// Duplicates in the page.
+    pub duplicates: usize,
+    pub next: NextPage,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NextPage {
+    /// The server said `complete`: the sync is over.
+    Done,
+    /// Ask for the next page after this seq.
+    After(i64),
+    /// Not complete, and the page did not move past the request's `after`: a broken
+    /// server; the sync is over (as failed).
+    Stuck { after: i64 },
+}
+
+/// What to do after a hint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hinted {
+    /// The server is ahead of the cursor: sync from this seq, then ack right away.
+    Sync(i64),
+    /// Ahead, but a sync is under way already: it will ack when it ends.
+    SyncRunning,
+    /// The cursor covers the head: ack right away ([`Delivery::begin_ack`]).
+    Ack,
+    /// The cursor covers the head and an automatic ack is coalescing ([`HintAck::IfIdle`]):
+    /// nothing to do.
+    AckComing,
+}
+
+/// One conversation's delivery state.
+#[derive(Debug, Default, Clone)]
+struct Track {
+    /// Every event visible to this device with `seq <= cursor` is stored.
+    cursor: i64,
+    /// Stored seqs above the cursor (out of order, behind a gap).
+    above: BTreeSet<i64>,
+    /// Highest cursor the server is known to have (our acked seq, or its delivered).
+    acked: i64,
+    /// An automatic ack on its way: (seq, new events it covers).
+    ack_inflight: Option<(i64, usize)>,
+    /// New events stored since the last automatic ack.
+    new_since_ack: usize,
+    /// When an automatic ack is due (first un-acked event + `after`, or a retry).
+    due_at: Option<Instant>,
+    /// A sync of this conversation is under way; the `after` of its current page.
+    sync_after: Option<i64>,
+    /// A hint asked for an ack as soon as the running sync ends.
+    ack_after_sync: bool,
+}
+
+impl Track {
+    /// What the server has or is about to have: acks at or below it are pointless.
+    fn ack_floor(&self) -> i64 {
+        self.ack_inflight
+            .map_or(self.acked, |(s, _)| s.max(self.acked))
+    }
+
+    /// Drops stored seqs the cursor now covers and moves the cursor over those that
+    /// continue it contiguously (unless `jump_only`, the `cursor-max` bug).
+    fn settle(&mut self, jump_only: bool) {
+        if self
+            .above
+            .first()
+            .is_some_and(|&first| first <= self.cursor)
+        {
+            self.above = self.above.split_off(&(self.cursor.saturating_add(1)));
+        }
+        if jump_only {
+            return;
+        }
+        while let Some(next) = self.cursor.checked_add(1) {
+            if !self.above.remove(&next) {
+                break;
+            }
+            self.cursor = next;
+        }
+    }
+}
+
+/// The delivery state of one device, by conversation.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    policy: AckPolicy,
+    /// The `cursor-max` client bug (`crate::client::bugs::CURSOR_MAX`): the cursor is the
+    /// highest seq seen, gaps are never synced.
+    cursor_max: bool,
+    convs: HashMap<String, Track>,
+}
+
+impl Delivery {
+    pub fn new(policy: AckPolicy, cursor_max: bool) -> Delivery {
+        Delivery {
+            policy,
+            cursor_max,
+            convs: HashMap::new(),
+        }
+    }
+
+    pub fn policy(&self) -> AckPolicy {
+        self.policy
+    }
+
+    pub fn set_policy(&mut self, policy: AckPolicy) {
+        self.policy = policy;
+    }
+
+    fn track(&mut self, conv: &str) -> &mut Track {
+        if !self.convs.contains_key(conv) {
+            self.convs.insert(conv.to_string(), Track::default());
+        }
+        self.convs.get_mut(conv).expect("inserted above")
+    }
+
+    /// Restores a conversation from durable state: its cursor, the stored seqs (any;
+    /// those above the cursor matter) and the last `delivered` the server reported.
+    pub fn restore(
+        &mut self,
+        conv: &str,
+        cursor: i64,
+        stored: impl IntoIterator<Item = i64>,
+        delivered: Option<i64>,
+    ) {
+        let t = self.track(conv);
+        t.cursor = cursor;
+        t.above = stored.into_iter().filter(|&s| s > cursor).collect();
+        t.acked = delivered.unwrap_or(0);
+    }
+
+    /// Highest seq through which every visible event is stored (0 if none).
+    pub fn cursor(&self, conv: &str) -> i64 {
+        self.convs.get(conv).map_or(0, |t| t.cursor)
+    }
+
+    /// What the core believes the server's delivered cursor is (acked or reported).
+    pub fn acked(&self, conv: &str) -> i64 {
+        self.convs.get(conv).map_or(0, |t| t.acked)
+    }
+
+    /// The server reported `delivered` in a `subbed` reply: that is what it has.
+    pub fn subscribed(&mut self, conv: &str, delivered: i64) {
+        let t = self.track(conv);
+        t.acked = delivered;
+        t.ack_inflight = None;
+    }
+
+    /// An `event` push of `seq` (SPEC section 5: contiguous cursor, duplicates, gaps).
+    pub fn push(&mut self, conv: &str, seq: i64) -> Pushed {
+        let cursor_max = self.cursor_max;
+        let t = self.track(conv);
+        if seq <= t.cursor || t.above.contains(&seq) {
+            return Pushed::Duplicate;
+        }
+        t.new_since_ack += 1;
+        if cursor_max {
+            // The `cursor-max` bug: jump to the highest seq seen, never sync a gap.
+            t.cursor = t.cursor.max(seq);
+            t.settle(true);
+            return Pushed::New {
+                gap: false,
+                sync_after: None,
+            };
+        }
+        let gap = Some(seq) != t.cursor.checked_add(1);
+        if gap {
+            t.above.insert(seq);
+        } else {
+            // The common case (in order): no set to touch unless events wait behind it.
+            t.cursor = seq;
+            if !t.above.is_empty() {
+                t.settle(false);
+            }
+        }
+        let sync_after = (gap && t.sync_after.is_none()).then(|| {
+            t.sync_after = Some(t.cursor);
+            t.cursor
+        });
+        Pushed::New { gap, sync_after }
+    }
+
+    /// Starts a sync of `conv` from `from` clamped to the cursor; returns the `after` of
+    /// the first page.
+    pub fn sync_begin(&mut self, conv: &str, from: i64) -> i64 {
+        let t = self.track(conv);
+        let after = from.min(t.cursor);
+        t.sync_after = Some(after);
+        after
+    }
+
+    /// A `synced` page: `seqs` as listed, the server's `head` and `complete`. `have`
+    /// tells whether a seq at or below the cursor is stored (the caller's store decides
+    /// there; above the cursor the core knows). Every visible event in (after, last]
+    /// was returned, so the store holds everything visible through the page's last
+    /// seq; `complete` extends that to `head` (events this user may not see are not
+    /// holes).
+    pub fn synced(
+        &mut self,
+        conv: &str,
+        seqs: &[i64],
+        head: i64,
+        complete: bool,
+        have: impl Fn(i64) -> bool,
+    ) -> Page {
+        let cursor_max = self.cursor_max;
+        let t = self.track(conv);
+        let after = t.sync_after.unwrap_or(t.cursor);
+        let mut new = Vec::new();
+        let mut duplicates = 0;
+        let mut last: Option<i64> = None;
+        for (i, &seq) in seqs.iter().enumerate() {
+            last = Some(last.map_or(seq, |l| l.max(seq)));
+            let stored = if seq <= t.cursor {
+                have(seq) || new.iter().any(|&j: &usize| seqs[j] == seq)
+            } else {
+                t.above.contains(&seq)
+            };
+            if stored {
+                duplicates += 1;
+            } else {
+                new.push(i);
+                if seq > t.cursor {
+                    t.above.insert(seq);
+                }
+            }
+        }
+        if let Some(last) = last {
+            t.cursor = t.cursor.max(last);
+        }
+        if complete {
+            t.cursor = t.cursor.max(head);
+        }
+        t.settle(cursor_max);
+        t.new_since_ack += new.len();
+        let next = if complete {
+            NextPage::Done
+        } else {
+            match last {
+                Some(l) if l > after => NextPage::After(l),
+                _ => NextPage::Stuck { after },
+            }
+        };
+        t.sync_after = match next {
+            NextPage::After(l) => Some(l),
+            NextPage::Done | NextPage::Stuck { .. } => None,
+        };
+        Page {
+            new,
+            duplicates,
+            next,
+        }
+    }
+
+    /// A sync request of `conv` failed (no page): the sync is over.
+    pub fn sync_failed(&mut self, conv: &str) {
+        self.track(conv).sync_after = None;
+    }
+
+    /// A sync of `conv` ended (done, stuck or failed): true when an ack is due right
+    /// now, because a hint asked for one (then [`Delivery::begin_ack`]), else as after
+    /// new events ([`Delivery::stored`]).
+    pub fn sync_ended(&mut self, conv: &str, now: Instant) -> bool {
+        let t = self.track(conv);
+        t.sync_after = None;
+        if std::mem::take(&mut t.ack_after_sync) {
+            self.policy.auto
+        } else {
+            self.stored(conv, now)
+        }
+    }
+
+    /// After new events of `conv` were stored: arms the ack timer, and returns true when
+    /// `every` events piled up, so an ack is due now (then [`Delivery::begin_ack`]).
+    pub fn stored(&mut self, conv: &str, now: Instant) -> bool {
+        let policy = self.policy;
+        if !policy.auto {
+            return false;
+        }
+        let t = self.track(conv);
+        if t.cursor <= t.ack_floor() {
+            return false;
+        }
+        if t.due_at.is_none() {
+            t.due_at = Some(now + policy.after);
+        }
+        t.new_since_ack >= policy.every.max(1)
+    }
+
+    /// A `hint{conv, head}`: the server's delivered cursor is below `head`. Ahead of the
+    /// cursor it asks for a sync; covered by it, for an ack as [`HintAck`] says.
+    pub fn hint(&mut self, conv: &str, head: i64) -> Hinted {
+        let again = self.policy.on_hint == HintAck::Again;
+        let t = self.track(conv);
+        if again {
+            t.acked = t.acked.min(head.saturating_sub(1));
+        }
+        if head <= t.cursor {
+            return if again || t.due_at.is_none() {
+                Hinted::Ack
+            } else {
+                Hinted::AckComing
+            };
+        }
+        t.ack_after_sync = again;
+        if t.sync_after.is_some() {
+            return Hinted::SyncRunning;
+        }
+        t.sync_after = Some(t.cursor);
+        Hinted::Sync(t.cursor)
+    }
+
+    /// Starts an automatic ack of `conv`: returns the seq to ack (the cursor) if it is
+    /// above what the server has, and clears the timer either way. D3: never above the
+    /// cursor. The caller reports the outcome with [`Delivery::ack_ok`] or
+    /// [`Delivery::ack_failed`].
+    pub fn begin_ack(&mut self, conv: &str, _now: Instant) -> Option<i64> {
+        if !self.policy.auto {
+            return None;
+        }
+        let t = self.track(conv);
+        t.due_at = None;
+        if t.cursor <= t.ack_floor() {
+            return None;
+        }
+        let counted = std::mem::take(&mut t.new_since_ack);
+        let counted = counted + t.ack_inflight.map_or(0, |(_, c)| c);
+        t.ack_inflight = Some((t.cursor, counted));
+        Some(t.cursor)
+    }
+
+    /// An ack of `seq` (automatic or not) was answered with `delivered`.
+    pub fn ack_ok(&mut self, conv: &str, seq: i64, delivered: i64, now: Instant) {
+        let after = self.policy.after;
+        let t = self.track(conv);
+        t.acked = t.acked.max(delivered).max(seq);
+        if t.ack_inflight.is_some_and(|(s, _)| s <= t.acked) {
+            t.ack_inflight = None;
+        }
+        if t.cursor > t.ack_floor() {
+            t.due_at.get_or_insert(now + after);
+        }
+    }
+
+    /// The automatic ack under way failed; `retryable` when the same ack may succeed
+    /// later on the same connection (a timeout, `UNAVAILABLE`, `INTERNAL`): it is tried
+    /// again after `max(after, ACK_RETRY_MIN)`.
+    pub fn ack_failed(&mut self, conv: &str, retryable: bool, now: Instant) {
+        let after = self.policy.after;
+        let t = self.track(conv);
+        if let Some((_, counted)) = t.ack_inflight.take() {
+            t.new_since_ack += counted;
+        }
+        t.due_at = retryable.then(|| now + after.max(ACK_RETRY_MIN));
+    }
+
+    /// When the next automatic ack is due, over all conversations.
+    pub fn next_due(&self) -> Option<Instant> {
+        if !self.policy.auto {
+            return None;
+        }
+        self.convs.values().filter_map(|t| t.due_at).min()
+    }
+
+    /// Conversations whose automatic ack is due at `now`.
+    pub fn due(&self, now: Instant) -> Vec<String> {
+        if !self.policy.auto {
+            return Vec::new();
+        }
+        self.convs
+            .iter()
+            .filter(|(_, t)| t.due_at.is_some_and(|d| d <= now))
+            .map(|(c, _)| c.clone())
+            .collect()
+    }
+
+    /// Conversations the core has state for.
+    pub fn convs(&self) -> impl Iterator<Item = &str> {
+        self.convs.keys().map(String::as_str)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn core() -> Delivery {
+        Delivery::new(AckPolicy::default(), false)
+    }
+
+    #[test]
+    fn contiguous_pushes_move_the_cursor_and_ack_every_four() {
+        let mut d = core();
+        let now = Instant::now();
+        for seq in 1..=3 {
+            assert_eq!(
+                d.push("c", seq),
+                Pushed::New {
+                    gap: false,
+                    sync_after: None
+                }
+            );
+            assert!(!d.stored("c", now));
+        }
+        assert_eq!(d.next_due(), Some(now + Duration::from_millis(50)));
+        assert_eq!(d.push("c", 2), Pushed::Duplicate);
+        d.push("c", 4);
+        assert!(d.stored("c", now));
+        assert_eq!(d.begin_ack("c", now), Some(4));
+        assert_eq!(d.cursor("c"), 4);
+        assert_eq!(d.next_due(), None);
+        d.ack_ok("c", 4, 4, now);
+        assert_eq!(d.acked("c"), 4);
+        assert_eq!(d.begin_ack("c", now), None);
+    }
+
+    #[test]
+    fn a_gap_asks_for_one_sync_and_the_page_closes_it() {
+        let mut d = core();
+        d.push("c", 1);
+        assert_eq!(
+            d.push("c", 4),
+            Pushed::New {
+                gap: true,
+                sync_after: Some(1)
+            }
+        );
+        // A second gap while the sync runs asks for nothing more.
+        assert_eq!(
+            d.push("c", 6),
+            Pushed::New {
+                gap: true,
+                sync_after: None
+            }
+        );
+        assert_eq!(d.cursor("c"), 1);
+        let page = d.synced("c", &[2, 3, 4], 6, false, |_| true);
+        assert_eq!(page.new, vec![0, 1]);
+        assert_eq!(page.duplicates, 1);
+        assert_eq!(page.next, NextPage::After(4));
+        assert_eq!(d.cursor("c"), 4);
+        let page = d.synced("c", &[5, 6], 6, true, |_| true);
+        assert_eq!(page.new, vec![0]);
+        assert_eq!(page.next, NextPage::Done);
+        assert_eq!(d.cursor("c"), 6);
+    }
+
+    #[test]
+    fn a_hint_lowers_acked_and_syncs_then_acks() {
+        let mut d = core();
+        let now = Instant::now();
+        d.restore("c", 3, [1, 2, 3], Some(3));
+        assert_eq!(d.hint("c", 3), Hinted::Ack);
+        assert_eq!(d.begin_ack("c", now), Some(3));
+        d.ack_ok("c", 3, 3, now);
+        assert_eq!(d.hint("c", 5), Hinted::Sync(3));
+        assert_eq!(d.hint("c", 5), Hinted::SyncRunning);
+        let page = d.synced("c", &[4, 5], 5, true, |_| true);
+        assert_eq!(page.next, NextPage::Done);
+        assert!(d.sync_ended("c", now));
+        assert_eq!(d.begin_ack("c", now), Some(5));
+    }
+
+    #[test]
+    fn a_failed_ack_is_retried_not_before_the_minimum() {
+        let mut d = core();
+        let now = Instant::now();
+        d.push("c", 1);
+        assert!(!d.stored("c", now));
+        assert_eq!(d.begin_ack("c", now), Some(1));
+        d.ack_failed("c", true, now);
+        assert_eq!(d.next_due(), Some(now + ACK_RETRY_MIN));
+        assert_eq!(d.begin_ack("c", now), Some(1));
+        d.ack_failed("c", false, now);
+        assert_eq!(d.next_due(), None);
+    }
+
+    #[test]
+    fn cursor_max_bug_jumps_and_never_syncs() {
+        let mut d = Delivery::new(AckPolicy::default(), true);
+        d.push("c", 1);
+        assert_eq!(
+            d.push("c", 5),
+            Pushed::New {
+                gap: false,
+                sync_after: None
+            }
+        );
+        assert_eq!(d.cursor("c"), 5);
+    }
+
+    #[test]
+    fn if_idle_hints_leave_a_coalescing_ack_alone() {
+        let policy = AckPolicy {
+            on_hint: HintAck::IfIdle,
+            ..AckPolicy::default()
+        };
+        let mut d = Delivery::new(policy, false);
+        let now = Instant::now();
+        d.push("c", 1);
+        assert!(!d.stored("c", now));
+        assert_eq!(d.hint("c", 1), Hinted::AckComing);
+        assert_eq!(d.begin_ack("c", now), Some(1));
+        d.ack_ok("c", 1, 1, now);
+        // A stale hint after the ack landed: nothing was lost, nothing to ack.
+        assert_eq!(d.hint("c", 1), Hinted::Ack);
+        assert_eq!(d.begin_ack("c", now), None);
+    }
+}

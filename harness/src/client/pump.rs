@@ -1,0 +1,362 @@
+//! The delivery core ([`super::delivery`]) driven with I/O: the pump applies pushes and
+//! hints one at a time, runs the syncs they ask for page by page, persists what it stores
+//! before any ack that covers it (D3), and sends the coalesced acks when they are due.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::anyhow;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::delivery::{Hinted, NextPage, Pushed};
+use super::{bugs, field_i64, field_str, ClientError, CrashAt, Inner, SYNC_PAGES_MAX};
+
+impl Inner {
+    /// Sends an ack of the cursor before persisting `events` (the `ack-before-persist`
+    /// client bug), then persists them, unless the crash point struck in between.
+    pub(super) async fn ack_then_persist(&self, conv: &str, via: &str, events: Vec<(i64, Value)>) {
+        let (cursor, timeout) = {
+            let st = self.lock();
+            (st.cursor(conv), st.opts.request_timeout)
+        };
+        if self.lock().opts.auto_ack {
+            let _ = self.send_ack(conv, cursor, timeout, false).await;
+            let mut st = self.lock();
+            st.auto_acks_done += 1;
+            let n = st.auto_acks_done;
+            if self.crash_point(&mut st, CrashAt::AfterAck(n)) {
+                return;
+            }
+        }
+        let mut st = self.lock();
+        if self.persist(&mut st).is_ok() {
+            self.rec_store(conv, via, &events, cursor);
+        }
+    }
+
+    /// Sends an ack and records the reported `delivered`.
+    /// `explicit`: a test acks on purpose (`Client::ack`), not the client's own logic; the
+    /// checker holds only the client's own acks to D3.
+    pub(super) async fn send_ack(
+        &self,
+        conv: &str,
+        seq: i64,
+        timeout: Duration,
+        explicit: bool,
+    ) -> Result<Value, ClientError> {
+        self.lock().stats.acks_sent += 1;
+        let r = self
+            .request_rec(
+                json!({"t": "ack", "conv": conv, "seq": seq}),
+                timeout,
+                json!({"conv": conv, "seq": seq, "explicit": explicit}),
+            )
+            .await;
+        {
+            let mut st = self.lock();
+            match &r {
+                Ok(reply) => match field_i64(reply, "delivered") {
+                    Some(delivered) => {
+                        st.record_delivered(conv, delivered);
+                        st.delivery.ack_ok(conv, seq, delivered, Instant::now());
+                        // Best effort: `server_delivered` is informational, a failed
+                        // write is counted and logged by `persist`.
+                        let _ = self.persist(&mut st);
+                    }
+                    None => st.stats.malformed_frames += 1,
+                },
+                Err(_) => st.stats.ack_errors += 1,
+            }
+        }
+        self.notify();
+        r
+    }
+
+    /// Syncs `conv` from `from` (clamped to the cursor) until the server says
+    /// `complete`, storing every event and moving the cursor (SPEC section 5).
+    pub(super) async fn sync_until_complete(
+        &self,
+        conv: &str,
+        from: i64,
+    ) -> Result<(), ClientError> {
+        let r = self.sync_pages(conv, from).await;
+        if r.is_err() {
+            self.lock().delivery.sync_failed(conv);
+        }
+        r
+    }
+
+    async fn sync_pages(&self, conv: &str, from: i64) -> Result<(), ClientError> {
+        let (limit, timeout, mut after) = {
+            let mut st = self.lock();
+            (
+                st.opts.sync_limit,
+                st.opts.request_timeout,
+                st.delivery.sync_begin(conv, from),
+            )
+        };
+        for _ in 0..SYNC_PAGES_MAX {
+            let reply = match self
+                .request(
+                    json!({"t": "sync", "conv": conv, "after": after, "limit": limit}),
+                    timeout,
+                )
+                .await
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    let mut st = self.lock();
+                    st.stats.syncs_run += 1;
+                    st.stats.sync_errors += 1;
+                    return Err(e);
+                }
+            };
+            let events = reply.get("events").and_then(Value::as_array);
+            let head = field_i64(&reply, "head");
+            let complete = reply.get("complete").and_then(Value::as_bool);
+            let (Some(events), Some(head), Some(complete)) = (events, head, complete) else {
+                let mut st = self.lock();
+                st.stats.syncs_run += 1;
+                st.stats.sync_errors += 1;
+                st.stats.malformed_frames += 1;
+                return Err(ClientError::Other(anyhow!(
+                    "malformed synced reply: {reply}"
+                )));
+            };
+            let mut stored: Vec<(i64, Value)> = Vec::new();
+            let mut defer_persist = false;
+            let next;
+            let persisted = {
+                let mut st = self.lock();
+                let st = &mut *st;
+                st.stats.syncs_run += 1;
+                st.note_head(conv, head);
+                let mut page: Vec<(i64, &Value)> = Vec::with_capacity(events.len());
+                for ev in events {
+                    let Some(seq) = field_i64(ev, "seq") else {
+                        st.stats.malformed_frames += 1;
+                        continue;
+                    };
+                    if field_str(ev, "conv").is_some_and(|c| c != conv) {
+                        st.stats.malformed_frames += 1;
+                        continue;
+                    }
+                    page.push((seq, ev));
+                }
+                let seqs: Vec<i64> = page.iter().map(|(s, _)| *s).collect();
+                let c = st.file.convs.entry(conv.to_string()).or_default();
+                let outcome = st
+                    .delivery
+                    .synced(conv, &seqs, head, complete, |s| c.events.contains_key(&s));
+                st.stats.duplicates_ignored += outcome.duplicates as u64;
+                for i in outcome.new {
+                    let (seq, ev) = page[i];
+                    c.events.insert(seq, ev.clone());
+                    st.stats.events_synced += 1;
+                    stored.push((seq, ev.get("mid").cloned().unwrap_or(Value::Null)));
+                }
+                next = outcome.next;
+                let cursor = st.cursor(conv);
+                if st.bug(bugs::ACK_BEFORE_PERSIST) && !stored.is_empty() {
+                    defer_persist = true;
+                    Ok(())
+                } else {
+                    let r = self.persist(st);
+                    if r.is_ok() {
+                        self.rec_store(conv, "sync", &stored, cursor);
+                        st.sync_pages_done += 1;
+                        let n = st.sync_pages_done;
+                        if self.crash_point(st, CrashAt::AfterSyncPage(n)) {
+                            return Err(ClientError::Disconnected);
+                        }
+                    }
+                    r
+                }
+            };
+            self.notify();
+            if let Err(e) = persisted {
+                return Err(ClientError::Other(e));
+            }
+            if defer_persist {
+                self.ack_then_persist(conv, "sync", stored).await;
+                if self.lock().dead {
+                    return Err(ClientError::Disconnected);
+                }
+            }
+            match next {
+                NextPage::Done => return Ok(()),
+                NextPage::After(l) => after = l,
+                NextPage::Stuck { after } => {
+                    self.lock().stats.sync_errors += 1;
+                    return Err(ClientError::Other(anyhow!(
+                        "sync of {conv} after {after} made no progress and is not complete"
+                    )));
+                }
+            }
+        }
+        Err(ClientError::Other(anyhow!(
+            "sync of {conv} did not complete within {SYNC_PAGES_MAX} pages"
+        )))
+    }
+
+    /// Acks the cursor of `conv` now if it is above what the server has (the delivery
+    /// core decides, [`super::Delivery::begin_ack`]). Never acks beyond the cursor,
+    /// never while the state file is behind memory (D3).
+    pub(super) async fn auto_ack(&self, conv: &str) {
+        let (target, timeout) = {
+            let mut st = self.lock();
+            if !st.opts.auto_ack {
+                return;
+            }
+            if st.dirty && self.persist(&mut st).is_err() {
+                return;
+            }
+            let Some(target) = st.delivery.begin_ack(conv, Instant::now()) else {
+                return;
+            };
+            (target, st.opts.request_timeout)
+        };
+        let r = self.send_ack(conv, target, timeout, false).await;
+        {
+            let mut st = self.lock();
+            st.auto_acks_done += 1;
+            let n = st.auto_acks_done;
+            if self.crash_point(&mut st, CrashAt::AfterAck(n)) {
+                return;
+            }
+            if let Err(e) = &r {
+                tracing::debug!(conv, seq = target, error = %e, "automatic ack failed");
+                st.delivery
+                    .ack_failed(conv, e.is_retryable(), Instant::now());
+            }
+        }
+        self.notify();
+    }
+
+    /// After new events for `conv`: arm the ack timer, or ack now if enough piled up.
+    async fn maybe_ack(&self, conv: &str) {
+        let now = self.lock().delivery.stored(conv, Instant::now());
+        if now {
+            self.auto_ack(conv).await;
+        }
+    }
+
+    fn next_ack_deadline(&self) -> Option<Instant> {
+        self.lock().delivery.next_due()
+    }
+
+    async fn flush_due_acks(&self) {
+        let due = self.lock().delivery.due(Instant::now());
+        for conv in due {
+            self.auto_ack(&conv).await;
+        }
+    }
+
+    /// Runs the sync a push or a hint asked for, then acks as the core says.
+    async fn repair(&self, conv: &str, from: i64, why: &str) {
+        if let Err(e) = self.sync_until_complete(conv, from).await {
+            tracing::debug!(conv, error = %e, "{why} sync failed; waiting for the next hint");
+        }
+        let ack_now = self.lock().delivery.sync_ended(conv, Instant::now());
+        if ack_now {
+            self.auto_ack(conv).await;
+        }
+    }
+
+    /// Applies one `event` push (SPEC section 5: contiguous cursor, duplicates, gaps).
+    async fn on_event_push(&self, frame: &Value) {
+        let ev = frame.get("ev");
+        let parsed =
+            ev.and_then(|ev| Some((field_str(ev, "conv")?.to_string(), field_i64(ev, "seq")?)));
+        let (Some(ev), Some((conv, seq))) = (ev, parsed) else {
+            let mut st = self.lock();
+            st.stats.pushes_received += 1;
+            st.stats.malformed_frames += 1;
+            return;
+        };
+        let mut deferred = None;
+        let sync_after = {
+            let mut st = self.lock();
+            let st = &mut *st;
+            st.stats.pushes_received += 1;
+            match st.delivery.push(&conv, seq) {
+                Pushed::Duplicate => {
+                    st.stats.duplicates_ignored += 1;
+                    None
+                }
+                Pushed::New { gap, sync_after } => {
+                    let c = st.file.convs.entry(conv.clone()).or_default();
+                    c.events.insert(seq, ev.clone());
+                    st.stats.pushes_applied += 1;
+                    if gap {
+                        st.stats.gaps_detected += 1;
+                    }
+                    let cursor = st.cursor(&conv);
+                    let stored = vec![(seq, ev.get("mid").cloned().unwrap_or(Value::Null))];
+                    if st.bug(bugs::ACK_BEFORE_PERSIST) {
+                        deferred = Some(stored);
+                    } else if self.persist(st).is_ok() {
+                        self.rec_store(&conv, "push", &stored, cursor);
+                    }
+                    // A failed write is counted and blocks acks until a later write succeeds.
+                    sync_after
+                }
+            }
+        };
+        self.notify();
+        if let Some(stored) = deferred {
+            self.ack_then_persist(&conv, "push", stored).await;
+        }
+        match sync_after {
+            Some(from) => self.repair(&conv, from, "gap repair").await,
+            None => self.maybe_ack(&conv).await,
+        }
+    }
+
+    /// Applies one `hint` push: sync when the server is ahead, then ack right away
+    /// (the sweep hints only devices whose delivered cursor is below head). This is
+    /// the client's half of D5: a lost push or a lost ack is repaired by the next hint.
+    async fn on_hint(&self, frame: &Value) {
+        let (Some(conv), Some(head)) = (field_str(frame, "conv"), field_i64(frame, "head")) else {
+            self.lock().stats.malformed_frames += 1;
+            return;
+        };
+        let why = field_str(frame, "why").unwrap_or("").to_string();
+        let hinted = {
+            let mut st = self.lock();
+            *st.stats.hints_received.entry(why).or_insert(0) += 1;
+            st.note_head(conv, head);
+            st.delivery.hint(conv, head)
+        };
+        self.notify();
+        match hinted {
+            Hinted::Sync(from) => self.repair(conv, from, "hint").await,
+            // The pump runs one sync at a time and awaits it, so none is under way here.
+            Hinted::SyncRunning | Hinted::AckComing => {}
+            Hinted::Ack => self.auto_ack(conv).await,
+        }
+    }
+}
+
+/// Applies pushes one at a time and sends coalesced acks when their timer is due.
+pub(super) async fn pump(inner: Arc<Inner>, mut pushes: mpsc::Receiver<Value>) {
+    loop {
+        let next = match inner.next_ack_deadline() {
+            Some(at) => tokio::select! {
+                p = pushes.recv() => p,
+                () = tokio::time::sleep_until(at.into()) => {
+                    inner.flush_due_acks().await;
+                    continue;
+                }
+            },
+            None => pushes.recv().await,
+        };
+        let Some(frame) = next else { break };
+        match field_str(&frame, "t") {
+            Some("event") => inner.on_event_push(&frame).await,
+            Some("hint") => inner.on_hint(&frame).await,
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! Small helpers every crate of the workspace shares: deadline-bound waits
+//! ([`wait_until`]), nearest-rank percentiles, and RFC 3339 time stamps. No dependency
+//! on the rest of the harness.
+
+use std::fmt;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// First pause between two polls of [`wait_until`]; it doubles up to [`POLL_MAX`].
+const POLL_MIN: Duration = Duration::from_millis(5);
+/// Longest pause between two polls of [`wait_until`].
+const POLL_MAX: Duration = Duration::from_millis(100);
+
+/// When a wait gives up: a time span from now, or an instant.
+pub trait IntoDeadline {
+    fn into_deadline(self) -> Instant;
+}
+
+impl IntoDeadline for Duration {
+    fn into_deadline(self) -> Instant {
+        Instant::now() + self
+    }
+}
+
+impl IntoDeadline for Instant {
+    fn into_deadline(self) -> Instant {
+        self
+    }
+}
+
+impl IntoDeadline for tokio::time::Instant {
+    fn into_deadline(self) -> Instant {
+        self.into_std()
+    }
+}
+
+/// Polls `f` until it returns `Ok(value)`, at most until `deadline`; returns the value.
+/// `Err(state)` means "not yet", with what was observed: on timeout the error names
+/// `what`, the time waited and the last state (`()` for none). Polls come quickly at
+/// first and then at most every 100 ms, so a cheap condition is seen at once and an
+/// expensive one (a query, a request) is not hammered. The only sleep is between polls.
+pub async fn wait_until<T, S: fmt::Debug>(
+    what: &str,
+    deadline: impl IntoDeadline,
+    mut f: impl AsyncFnMut() -> Result<T, S>,
+) -> anyhow::Result<T> {
+    let start = Instant::now();
+    let deadline = deadline.into_deadline();
+    let mut pause = POLL_MIN;
+    loop {
+        let state = match f().await {
+            Ok(v) => return Ok(v),
+            Err(state) => state,
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            let waited = now.duration_since(start);
+            let state = format!("{state:?}");
+            if state == "()" {
+                anyhow::bail!("timed out after {waited:?} waiting for {what}");
+            }
+            anyhow::bail!("timed out after {waited:?} waiting for {what}; last seen: {state}");
+        }
+        tokio::time::sleep(pause.min(deadline - now)).await;
+        pause = (pause * 2).min(POLL_MAX);
+    }
+}
+
+/// One poll of a [`wait_until`] whose condition is known at once: done when `cond`
+/// holds, else not yet, having seen `seen` (`()` for nothing worth reporting).
+pub fn poll<S>(cond: bool, seen: S) -> std::future::Ready<Result<(), S>> {
+    std::future::ready(if cond { Ok(()) } else { Err(seen) })
+}
+
+/// The `q`-quantile (0..=1) of already sorted values by nearest rank: the value at rank
+/// `ceil(q * n)`, clamped to `1..=n`; `None` when empty.
+pub fn nearest_rank<T: Copy>(sorted: &[T], q: f64) -> Option<T> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let n = sorted.len();
+    let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
+    Some(sorted[rank - 1])
+}
+
+/// The `q`-quantile (0..=1) of `xs` by nearest rank (sorts a copy); `None` when empty.
+pub fn percentile(xs: &[f64], q: f64) -> Option<f64> {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    nearest_rank(&v, q)
+}
+
+/// Writes `bytes` to `path` atomically: to a temporary file in the same directory, then
+/// renamed over `path` (`tempfile`), so a reader sees the old file or the new one, never
+/// a part. No fsync: it survives a crash of the process, not a power cut. The file is
+/// readable by everyone (0644), like one `std::fs::write` creates.
+pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use std::io::Write as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .with_context(|| format!("{} has no file name", path.display()))?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}.tmp-"))
+        .permissions(std::fs::Permissions::from_mode(0o644))
+        .tempfile_in(dir)
+        .with_context(|| format!("create a temporary file in {}", dir.display()))?;
+    tmp.write_all(bytes)
+        .with_context(|| format!("write {}", tmp.path().display()))?;
+    tmp.persist(path)
+        .map_err(|e| anyhow::Error::new(e.error))
+        .with_context(|| format!("rename a temporary file over {}", path.display()))?;
+    Ok(())
+}
+
+/// `2026-11-30T09:38:33Z` for a Unix time in seconds (UTC, whole seconds, no date
+/// library: Howard Hinnant's civil_from_days).
+pub fn rfc3339(unix_s: i64) -> String {
+    let (days, secs) = (unix_s.div_euclid(86_400), unix_s.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        (secs / 60) % 60,
+        secs % 60
+    )
+}
+
+/// [`rfc3339`] of a system time (before the epoch counts as the epoch).
+pub fn rfc3339_at(t: SystemTime) -> String {
+    let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    rfc3339(i64::try_from(secs).unwrap_or(i64::MAX))
+}
+
+/// Now, as [`rfc3339`].
+pub fn rfc3339_now() -> String {
+    rfc3339_at(SystemTime::now())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_known_dates() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_764_495_513), "2025-11-30T09:38:33Z");
+        assert_eq!(
+            rfc3339_at(UNIX_EPOCH + Duration::from_secs(1_796_031_218)),
+            rfc3339(1_796_031_218)
+        );
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&xs, 0.5), Some(50.0));
+        assert_eq!(percentile(&xs, 0.99), Some(99.0));
+        assert_eq!(percentile(&xs, 1.0), Some(100.0));
+        assert_eq!(percentile(&xs, 0.0), Some(1.0));
+        assert_eq!(percentile(&[], 0.5), None);
+        assert_eq!(nearest_rank(&[3_i64, 7], 0.5), Some(3));
+    }
+
+    #[tokio::test]
+    async fn wait_until_returns_the_value_or_names_what_and_the_last_state() {
+        let mut n = 0;
+        let v = wait_until("n to reach 3", Duration::from_secs(5), || {
+            n += 1;
+            std::future::ready(if n >= 3 { Ok(n) } else { Err(n) })
+        })
+        .await
+        .unwrap();
+        assert_eq!(v, 3);
+        let e = wait_until("never", Duration::from_millis(30), || {
+            std::future::ready(Err::<(), _>("still 0"))
+        })
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("waiting for never") && e.contains("last seen: \"still 0\""),
+            "{e}"
+        );
+        let e = wait_until("nothing", Duration::from_millis(10), || poll(false, ()))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("last seen"), "{e}");
+    }
+}
