@@ -1403,6 +1403,21 @@ async fn failover_check(id: &str, synchronous: bool) {
             true,
             b.stored_seqs("c1").contains(&seq),
         );
+        // After an asynchronous failover that lost the tail, that send can reuse a seq the
+        // receiver already holds from the old primary, so the wait above may end at once:
+        // wait (bounded, judged below) for the gateway's LISTEN session on the new primary
+        // before the send whose push proves it.
+        let pool = w.pool().await?;
+        let _ = wait_until("the gateway's LISTEN on the new primary", T, async || {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0);
+            poll(n >= 1, n).await
+        })
+        .await;
         let pushes_before = b.stats().pushes_received;
         a.send("c1", "after-failover-2", "pushed by the new primary", T)
             .await
@@ -1420,7 +1435,7 @@ async fn failover_check(id: &str, synchronous: bool) {
         let listen: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'",
         )
-        .fetch_one(&w.pool().await?)
+        .fetch_one(&pool)
         .await?;
         c.expect_ge("listen_backends_on_new_primary", 1, listen);
         c.observe("seq_after_failover", seq);
