@@ -401,7 +401,7 @@ pub async fn receiver(
                         out.sync(i, conv, after);
                         l.syncs += 1;
                     }
-                    NextPage::Done | NextPage::Stuck { .. } => {
+                    NextPage::Done | NextPage::Stuck { .. } | NextPage::Disordered { .. } => {
                         if core.sync_ended(conv, clock) {
                             if let Some(seq) = core.begin_ack(conv, clock) {
                                 out.ack(i, conv, seq);

@@ -92,6 +92,10 @@ pub enum NextPage {
     /// Not complete, and the page did not move past the request's `after`: a broken
     /// server; the sync is over (as failed).
     Stuck { after: i64 },
+    /// D3, the client's mirror of the gateway's page assertion (`store::sync`): the page
+    /// was not strictly ascending within (after, head]. Nothing of it was stored and the
+    /// cursor did not move; the sync is over (as failed).
+    Disordered { after: i64, head: i64 },
 }
 
 /// What to do after a hint.
@@ -284,6 +288,20 @@ impl Delivery {
         let cursor_max = self.cursor_max;
         let t = self.track(conv);
         let after = t.sync_after.unwrap_or(t.cursor);
+        // The lower bound only when this core knows the request's `after` (`sync_begin`,
+        // or the previous page); a caller that pipelines syncs without telling it (the
+        // bench) gets the order and the upper bound checked.
+        let floor = t.sync_after.unwrap_or(i64::MIN);
+        let ordered = seqs.windows(2).all(|w| w[0] < w[1])
+            && seqs.iter().all(|&seq| seq > floor && seq <= head);
+        if !ordered {
+            t.sync_after = None;
+            return Page {
+                new: Vec::new(),
+                duplicates: 0,
+                next: NextPage::Disordered { after, head },
+            };
+        }
         let mut new = Vec::new();
         let mut duplicates = 0;
         let mut last: Option<i64> = None;
@@ -321,7 +339,7 @@ impl Delivery {
         };
         t.sync_after = match next {
             NextPage::After(l) => Some(l),
-            NextPage::Done | NextPage::Stuck { .. } => None,
+            NextPage::Done | NextPage::Stuck { .. } | NextPage::Disordered { .. } => None,
         };
         Page {
             new,
@@ -521,6 +539,28 @@ mod tests {
         assert_eq!(page.new, vec![0]);
         assert_eq!(page.next, NextPage::Done);
         assert_eq!(d.cursor("c"), 6);
+    }
+
+    /// D3's mirror: a page out of order, or outside (after, head], stores nothing and
+    /// does not move the cursor.
+    #[test]
+    fn a_disordered_page_is_refused_and_the_cursor_stays() {
+        let mut d = core();
+        d.subscribed("c", 0);
+        let after = d.sync_begin("c", 0);
+        assert_eq!(after, 0);
+        let page = d.synced("c", &[2, 1], 5, false, |_| true);
+        assert_eq!(page.next, NextPage::Disordered { after: 0, head: 5 });
+        assert!(page.new.is_empty());
+        assert_eq!(d.cursor("c"), 0);
+        d.sync_begin("c", 0);
+        let page = d.synced("c", &[1, 6], 5, true, |_| true);
+        assert_eq!(page.next, NextPage::Disordered { after: 0, head: 5 });
+        assert_eq!(d.cursor("c"), 0);
+        d.sync_begin("c", 0);
+        let page = d.synced("c", &[1, 2], 5, true, |_| true);
+        assert_eq!(page.next, NextPage::Done);
+        assert_eq!(d.cursor("c"), 5);
     }
 
     #[test]

@@ -193,6 +193,13 @@ impl Inner {
                         "sync of {conv} after {after} made no progress and is not complete"
                     )));
                 }
+                NextPage::Disordered { after, head } => {
+                    self.lock().stats.sync_errors += 1;
+                    return Err(ClientError::Other(anyhow!(
+                        "D3: a sync page of {conv} was not strictly ascending within \
+                         ({after}, {head}]: refused, nothing of it stored"
+                    )));
+                }
             }
         }
         Err(ClientError::Other(anyhow!(
