@@ -253,7 +253,7 @@ impl Formation {
         }
         // The monitor.
         let port = pg::free_port()?;
-        self.spawn("monitor", port, &[]).await?;
+        self.create("monitor", port, &[], true).await?;
         let deadline = Instant::now() + NODE_READY_TIMEOUT;
         loop {
             self.check_alive(0)?;
@@ -274,33 +274,34 @@ impl Formation {
             tokio::time::sleep(POLL).await;
         }
         self.tune_monitor().await?;
-        // node1 first, alone: it registers as `single`; node2 then joins as its secondary.
         let monitor = format!(
             "postgres://autoctl_node@127.0.0.1:{}/pg_auto_failover?sslmode=disable",
             self.nodes[0].port
         );
+        // node1 first, alone: it registers as `single`; node2 then joins as its secondary.
+        // Each is created (initialised and registered, then `create` exits), its keeper
+        // configured, and only then run: `pg_autoctl config set` on a node whose service
+        // is still starting races with the service's own rewrite of the same file (seen
+        // here: the keeper read an empty configuration and its supervisor gave up).
         for (i, name) in [(1, "node1"), (2, "node2")] {
             let port = pg::free_port()?;
-            self.spawn(
+            let args = [
+                "--name",
                 name,
-                port,
-                &[
-                    "--name",
-                    name,
-                    "--monitor",
-                    &monitor,
-                    "--listen",
-                    "127.0.0.1",
-                ],
-            )
-            .await?;
+                "--monitor",
+                &monitor,
+                "--listen",
+                "127.0.0.1",
+            ];
+            self.create(name, port, &args, false).await?;
+            self.configure_keeper(i).await?;
+            self.run(i)?;
             let want: &[(&str, &str)] = if i == 1 {
                 &[("node1", "single")]
             } else {
                 &[("node1", "primary"), ("node2", "secondary")]
             };
             self.wait_states(i, want).await?;
-            self.configure_keeper(i).await?;
         }
         let (name, port) = self.monitor_primary().await?;
         anyhow::ensure!(name == "node1", "the monitor names {name} as primary");
@@ -313,48 +314,118 @@ impl Formation {
         Ok(())
     }
 
-    /// `pg_autoctl create monitor|postgres --run` for `name`: our child, as the server
-    /// user, its own process group, `SIGQUIT` (pg_autoctl's immediate stop of its
-    /// services) when this thread dies, output appended to `logs/<name>.log`.
-    async fn spawn(&mut self, name: &str, port: u16, extra: &[&str]) -> anyhow::Result<()> {
+    /// `pg_autoctl create monitor|postgres` for `name` with `extra` options: with `run`,
+    /// `--run` (it stays, as the node's service); without, it is waited for (it exits once
+    /// the node is initialised and registered: initdb, or pg_basebackup from the primary).
+    /// Either way our child, as the server user, its own process group, `SIGQUIT`
+    /// (pg_autoctl's immediate stop of its services) when this thread dies, output appended
+    /// to `logs/<name>.log`.
+    async fn create(
+        &mut self,
+        name: &str,
+        port: u16,
+        extra: &[&str],
+        run: bool,
+    ) -> anyhow::Result<()> {
         let pgdata = self.work_dir.join("nodes").join(name);
-        let log = self.work_dir.join("logs").join(format!("{name}.log"));
-        let out = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .with_context(|| format!("open {}", log.display()))?;
-        let err = out.try_clone().context("dup the log")?;
-        let mut cmd = self.autoctl_command();
-        cmd.arg("create")
-            .arg(if name == "monitor" {
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "create".into(),
+            if name == "monitor" {
                 "monitor"
             } else {
                 "postgres"
-            })
-            .arg("--pgdata")
-            .arg(&pgdata)
-            .args(["--pgport", &port.to_string()])
-            .args(["--hostname", "127.0.0.1", "--auth", "trust", "--no-ssl"])
-            .arg("--pgctl")
-            .arg(self.bin_dir.join("pg_ctl"))
-            .args(extra)
-            .arg("--run")
-            .stdout(Stdio::from(out))
-            .stderr(Stdio::from(err));
-        pg::set_parent_death_signal(&mut cmd, libc::SIGQUIT);
-        cmd.process_group(0);
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("spawn {}", self.autoctl.display()))?;
+            }
+            .into(),
+            "--pgdata".into(),
+            pgdata.clone().into(),
+            "--pgport".into(),
+            port.to_string().into(),
+        ];
+        for a in [
+            "--hostname",
+            "127.0.0.1",
+            "--auth",
+            "trust",
+            "--no-ssl",
+            "--pgctl",
+        ] {
+            args.push(a.into());
+        }
+        args.push(self.bin_dir.join("pg_ctl").into());
+        args.extend(extra.iter().map(Into::into));
+        if run {
+            args.push("--run".into());
+        }
+        let log = self.work_dir.join("logs").join(format!("{name}.log"));
+        let mut child = self.spawn_autoctl(&args, &log)?;
+        if !run {
+            let deadline = Instant::now() + NODE_READY_TIMEOUT;
+            loop {
+                if let Some(status) = child.try_wait().context("wait for pg_autoctl create")? {
+                    if status.success() {
+                        break;
+                    }
+                    bail!(
+                        "pg_autoctl create postgres of {name} failed ({}); {}:\n{}",
+                        describe(status),
+                        log.display(),
+                        log_tail(&log, 0, LOG_TAIL_LINES)
+                    );
+                }
+                if Instant::now() >= deadline {
+                    for pid in stop_tree(child.id()) {
+                        signal(pid, libc::SIGKILL);
+                    }
+                    let _ = child.wait();
+                    bail!(
+                        "pg_autoctl create postgres of {name} did not finish within \
+                         {NODE_READY_TIMEOUT:?} (killed); {}:\n{}",
+                        log.display(),
+                        log_tail(&log, 0, LOG_TAIL_LINES)
+                    );
+                }
+                tokio::time::sleep(POLL).await;
+            }
+        }
         self.nodes.push(Node {
             name: name.to_string(),
             pgdata,
             port,
-            child: Some(child),
+            child: run.then_some(child),
             log,
         });
         Ok(())
+    }
+
+    /// `pg_autoctl run` for data node `i`, initialised by [`Formation::create`]: the node's
+    /// service (keeper and PostgreSQL), our child like `create`'s.
+    fn run(&mut self, i: usize) -> anyhow::Result<()> {
+        let args: Vec<std::ffi::OsString> = vec![
+            "run".into(),
+            "--pgdata".into(),
+            self.nodes[i].pgdata.clone().into(),
+        ];
+        let child = self.spawn_autoctl(&args, &self.nodes[i].log.clone())?;
+        self.nodes[i].child = Some(child);
+        Ok(())
+    }
+
+    /// Spawns `pg_autoctl args` (see [`Formation::create`]).
+    fn spawn_autoctl(&self, args: &[std::ffi::OsString], log: &Path) -> anyhow::Result<Child> {
+        let out = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("open {}", log.display()))?;
+        let err = out.try_clone().context("dup the log")?;
+        let mut cmd = self.autoctl_command();
+        cmd.args(args)
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err));
+        pg::set_parent_death_signal(&mut cmd, libc::SIGQUIT);
+        cmd.process_group(0);
+        cmd.spawn()
+            .with_context(|| format!("spawn {}", self.autoctl.display()))
     }
 
     /// `pg_autoctl` as the server user with a cleared environment whose HOME and XDG
