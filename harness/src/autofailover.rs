@@ -2,8 +2,8 @@
 //! users run one, beside the harness-driven promotion of [`crate::world::World::failover`]
 //! (which gives exact timing but is the harness's own decision).
 //!
-//! Owns: a formation of one monitor and two data nodes (`pg_autoctl create monitor|postgres
-//! --run`), each `pg_autoctl` process our direct child (as the `postgres` user when we are
+//! Owns: a formation of one monitor and two data nodes (`pg_autoctl create monitor --run`;
+//! `pg_autoctl create postgres`, then `pg_autoctl run`), each `pg_autoctl` process our direct child (as the `postgres` user when we are
 //! root, in its own process group, with `PR_SET_PDEATHSIG`), all in one work directory of
 //! this run's scheme (`crate::pg`: kept when the check fails); the monitor's tuning (health
 //! checks every 500 ms instead of every 5 s, an unreachable primary given up after 3 s
