@@ -20,6 +20,28 @@ if [ -z "$pg_bin" ] && ! command -v initdb >/dev/null 2>&1; then
   apt-get install -y -qq postgresql >/dev/null
   rm -f /usr/sbin/policy-rc.d
 fi
+# pg_auto_failover (check 06-failover-pg-auto-failover): pg_autoctl and the monitor's
+# extension, for the major the harness runs (the newest /usr/lib/postgresql/*/bin).
+# Without them that check records NOT_RUN with the reason; it never passes silently.
+pg_bin=""
+for d in /usr/lib/postgresql/*/bin; do
+  [ -x "$d/initdb" ] && [ -x "$d/postgres" ] && pg_bin="$d"
+done
+if [ -n "$pg_bin" ]; then
+  pg_major="$(basename "$(dirname "$pg_bin")")"
+  paf_control="$("$pg_bin/pg_config" --sharedir)/extension/pgautofailover.control"
+  if { ! command -v pg_autoctl >/dev/null 2>&1 && [ ! -x "$pg_bin/pg_autoctl" ]; } \
+     || [ ! -f "$paf_control" ]; then
+    if [ "$(id -u)" = 0 ]; then
+      echo "setup: installing pg_auto_failover (apt-get install -y postgresql-$pg_major-auto-failover)"
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq "postgresql-$pg_major-auto-failover" >/dev/null
+    else
+      echo "setup: pg_auto_failover is missing (Debian: apt-get install -y postgresql-$pg_major-auto-failover); 06-failover-pg-auto-failover will be NOT_RUN" >&2
+    fi
+  fi
+fi
 if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
   echo "setup: creating the postgres system user (PostgreSQL refuses to run as root)"
   useradd --system --home-dir /var/lib/postgresql --shell /usr/sbin/nologin postgres

@@ -1101,7 +1101,9 @@ struct PendingHint {
 /// Rule 11, `d5-sweep-late` (D5: the sweep detects a lost push within its interval): while
 /// a device stays connected to one gateway and does not catch up, the sweep re-hints it
 /// every `sweep_ms`. Consecutive sweep hints of one (device, conv, instance) with no
-/// disconnect / crash / restart of the device, no gateway start and no ack reply reaching
+/// disconnect / crash / restart of the device, no gateway start, no fault that took the
+/// database away (`pg-crash`, `pg-power-cut`, `pg-primary-kill`: the sweep is a query, and
+/// its interval runs while the database answers) and no ack reply reaching
 /// the first hint's head in between must be at most `sweep_ms + 1 s` apart, and, given at
 /// least three gaps of one device and conv under one `sweep_ms`, their median at most
 /// `1.5 × sweep_ms`. Returns every gap for the statistics.
@@ -1117,6 +1119,9 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
         match (e.kind, e.op.as_str()) {
             (Type::Nemesis, "gateway-start") => {
                 sweep_ms = e.value.get("sweep_ms").and_then(Value::as_u64).or(sweep_ms);
+                pending.clear();
+            }
+            (Type::Nemesis, "pg-crash" | "pg-power-cut" | "pg-primary-kill") => {
                 pending.clear();
             }
             (Type::Client, "disconnect" | "crash" | "restart") => {
@@ -2265,6 +2270,35 @@ mod tests {
         let r = check(&b.h, &two_rows());
         assert_eq!(r.counts[&Kind::D5SweepLate], 0, "{:?}", r.anomalies);
         assert_eq!(r.stats.sweep_hint_gaps_ms.n, 2);
+    }
+
+    /// A sweep hint before the database went away and the next one after it came back
+    /// are not one late interval (a failover under pg_auto_failover takes seconds); a gap
+    /// after the fault is judged again.
+    #[test]
+    fn sweep_hints_are_not_late_across_a_database_outage() {
+        let mut b = B::new();
+        b.gateway_start(1000);
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(100.0);
+        b.line(
+            "harness",
+            0,
+            Type::Nemesis,
+            "pg-primary-kill",
+            None,
+            json!({"phase": "start"}),
+        );
+        b.wait(6900.0);
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(1500.0);
+        b.hint("b1", "c1", 2, "sweep");
+        assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+        b.wait(2500.0);
+        let h = b.hint("b1", "c1", 2, "sweep");
+        let late = only(&b, &two_rows(), Kind::D5SweepLate);
+        assert_eq!(late.len(), 1, "{late:?}");
+        assert_eq!(late[0].entries[1], h);
     }
 
     #[test]

@@ -1,3 +1,4 @@
+pub mod autofailover;
 pub mod checker;
 pub mod client;
 pub mod container;

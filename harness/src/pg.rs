@@ -70,11 +70,11 @@ static CLUSTER_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// A PostgreSQL installation: where its server programs are and which major version.
 #[derive(Debug)]
-struct PgInstall {
+pub(crate) struct PgInstall {
     /// Directory holding `initdb` and `postgres`.
-    bin_dir: PathBuf,
+    pub(crate) bin_dir: PathBuf,
     /// Major version (15 for 15.x): names the template, which only fits one major.
-    major: u32,
+    pub(crate) major: u32,
 }
 
 /// One throwaway PostgreSQL cluster whose postmaster is a child of this process.
@@ -980,7 +980,7 @@ fn register_run_dir(dir: &Path) {
 }
 
 /// True when a run owns `dir`'s removal.
-fn defer_removal(dir: &Path) -> bool {
+pub(crate) fn defer_removal(dir: &Path) -> bool {
     RUN.lock()
         .unwrap_or_else(|p| p.into_inner())
         .as_ref()
@@ -994,7 +994,7 @@ pub(crate) fn keep_requested() -> bool {
 
 /// Finds the PostgreSQL server programs once per process: `$IMFAULT_PG_BIN_DIR`, else the
 /// newest `/usr/lib/postgresql/<major>/bin` (Debian's layout), else `postgres` on `PATH`.
-fn pg_install() -> anyhow::Result<&'static PgInstall> {
+pub(crate) fn pg_install() -> anyhow::Result<&'static PgInstall> {
     static INSTALL: OnceLock<Result<PgInstall, String>> = OnceLock::new();
     INSTALL
         .get_or_init(|| find_pg_install().map_err(|e| format!("{e:#}")))
@@ -1052,7 +1052,7 @@ fn newest_debian_bin_dir() -> Option<PathBuf> {
 }
 
 /// The uid/gid to run the server programs as: the `postgres` user when we are root.
-fn server_owner() -> anyhow::Result<Option<(u32, u32)>> {
+pub(crate) fn server_owner() -> anyhow::Result<Option<(u32, u32)>> {
     if !nix::unistd::geteuid().is_root() {
         return Ok(None);
     }
@@ -1068,7 +1068,7 @@ fn lookup_user(name: &str) -> anyhow::Result<Option<(u32, u32)>> {
     Ok(user.map(|u| (u.uid.as_raw(), u.gid.as_raw())))
 }
 
-fn chown_to(path: &Path, owner: Option<(u32, u32)>) -> anyhow::Result<()> {
+pub(crate) fn chown_to(path: &Path, owner: Option<(u32, u32)>) -> anyhow::Result<()> {
     if let Some((uid, gid)) = owner {
         std::os::unix::fs::chown(path, Some(uid), Some(gid))
             .with_context(|| format!("chown {} to the postgres user", path.display()))?;
@@ -1077,7 +1077,7 @@ fn chown_to(path: &Path, owner: Option<(u32, u32)>) -> anyhow::Result<()> {
 }
 
 /// A server program with a cleared environment, run as `owner` when given.
-fn server_command(program: &Path, owner: Option<(u32, u32)>) -> Command {
+pub(crate) fn server_command(program: &Path, owner: Option<(u32, u32)>) -> Command {
     let mut cmd = Command::new(program);
     cmd.env_clear().env("LC_ALL", "C").stdin(Stdio::null());
     if let Some(path) = std::env::var_os("PATH") {
@@ -1236,7 +1236,7 @@ fn flock_exclusive(file: File) -> std::io::Result<Flock<File>> {
 /// Creates `$TMPDIR/imfault-[<run>-]<pid>-<counter>-<random>/` (`tempfile`), traversable by
 /// the postgres user. It is kept: removing it, or keeping it on failure, is
 /// `register_run_dir`'s and `Drop`'s business.
-fn create_work_dir() -> anyhow::Result<PathBuf> {
+pub(crate) fn create_work_dir() -> anyhow::Result<PathBuf> {
     let n = CLUSTER_COUNTER.fetch_add(1, Ordering::Relaxed);
     let name = run_name().map(|r| format!("{r}-")).unwrap_or_default();
     let dir = tempfile::Builder::new()
@@ -1250,7 +1250,7 @@ fn create_work_dir() -> anyhow::Result<PathBuf> {
 }
 
 /// A port that was free a moment ago (the postmaster may still lose a race for it).
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     let listener =
         std::net::TcpListener::bind("127.0.0.1:0").context("bind 127.0.0.1:0 to pick a port")?;
     Ok(listener.local_addr().context("local_addr")?.port())
@@ -1278,6 +1278,31 @@ pub(crate) fn log_tail(path: &Path, from: u64, lines: usize) -> String {
 async fn close_quietly(conn: PgConnection) {
     // Closing is a courtesy to the server; a failure changes nothing for the caller.
     let _ = conn.close().await;
+}
+
+/// A database this harness reaches but does not run (issue 11, pg_auto_failover).
+impl Cluster {
+    /// The handle of a database at 127.0.0.1:`port` whose servers someone else runs (a
+    /// pg_auto_failover formation behind the harness's proxy, `crate::autofailover`): a work
+    /// directory in this run's scheme (`logs/`, and what a world keeps there: history, client
+    /// state) and `url()`/`pool()`/`setting()` at that address, but no postmaster of its
+    /// own: `crash`, `stop` and `kill_all` say it is not running, and `restart` fails (it
+    /// has no data directory).
+    pub fn at_address(port: u16) -> anyhow::Result<Cluster> {
+        let cluster = Cluster {
+            work_dir: create_work_dir()?,
+            port,
+            child: None,
+            owner: server_owner()?,
+            install: Some(pg_install()?),
+            keep: false,
+            settings: Vec::new(),
+            lazy: None,
+            container: None,
+        };
+        cluster.make_dirs()?;
+        Ok(cluster)
+    }
 }
 
 #[cfg(test)]

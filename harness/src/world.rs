@@ -742,3 +742,50 @@ fn single_line_token(out: String, command: &str) -> anyhow::Result<String> {
     }
     Ok(out)
 }
+
+/// A world on a database the harness does not run itself (issue 11, pg_auto_failover).
+impl World {
+    /// A world on `pg`, a database reached at its address ([`Cluster::at_address`]: a
+    /// pg_auto_failover formation behind the harness's proxy): migrates it, installs the
+    /// cursor audit, starts the history and a gateway with `opts` on `pg.url()`. The
+    /// world's files (history, client state, gateway logs) live in `pg`'s work directory.
+    /// Nemesis actions on the servers are the caller's (record them in [`World::history`]).
+    pub async fn start_on(pg: Cluster, opts: GatewayOpts) -> anyhow::Result<World> {
+        let needs_faults = opts.fault.is_some();
+        tokio::task::spawn_blocking(move || {
+            gateway::gateway_bin()?;
+            if needs_faults {
+                gateway::require_faults()?;
+            }
+            anyhow::Ok(())
+        })
+        .await
+        .context("join the gateway binary check")??;
+        let db_url = pg.url();
+        gateway::migrate(&db_url)
+            .await
+            .with_context(|| format!("migrate the database at {db_url}"))?;
+        let clients = pg.work_dir().join("clients");
+        std::fs::create_dir_all(&clients)
+            .with_context(|| format!("create {}", clients.display()))?;
+        let hist = History::create(&pg.work_dir().join("history.jsonl"))?;
+        history::set_current(Some(hist.clone()));
+        let pool = pool_at(&db_url).await?;
+        sqlx::raw_sql(CURSOR_AUDIT_SQL)
+            .execute(&pool)
+            .await
+            .context("install the cursor audit")?;
+        hist.set_probe_pool(pool_at(&db_url).await?);
+        let gw = Gateway::start(&db_url, &opts, &pg.log_dir()).await?;
+        record_gateway_start(&hist, &opts);
+        Ok(World {
+            gw: Some(gw),
+            failover: None,
+            db_url,
+            pool: tokio::sync::OnceCell::new_with(Some(pool)),
+            pg,
+            opts,
+            hist,
+        })
+    }
+}

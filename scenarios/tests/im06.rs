@@ -1477,3 +1477,239 @@ async fn im06_failover_u2_async() {
 async fn im06_failover_u2_sync() {
     failover_check("06-failover-u2-sync", true).await;
 }
+
+/// Issue 11, failover the way users run it: a pg_auto_failover formation (monitor, primary,
+/// secondary: each `pg_autoctl` our child, harness::autofailover) with its monitor tuned to
+/// detect in about a second; the gateway reaches the database through the harness's proxy,
+/// which follows whichever node the MONITOR names as primary. Four senders keep sending;
+/// once 200+ are acknowledged the primary node dies (every process of it SIGKILLed at
+/// once); the monitor must detect it and promote the secondary, the address follow, the
+/// gateway recover on its own and the outboxes replay. The replication mode is what
+/// pg_auto_failover set up, read from the monitor and the primary: if synchronous, no
+/// acknowledged message may be lost and the checker must find nothing; if asynchronous,
+/// the loss is an observation, as in `06-failover-u2-async`. NOT_RUN where pg_autoctl is
+/// not installed.
+#[tokio::test]
+async fn im06_failover_pg_auto_failover() {
+    use harness::autofailover::{self, Formation, Tuning};
+    let mut c = Check::new(
+        "06-failover-pg-auto-failover",
+        "crash",
+        Some(
+            "primary node killed (SIGKILL to pg_autoctl and every PostgreSQL process of it); \
+             pg_auto_failover's monitor promotes the secondary; the address follows the monitor",
+        ),
+    );
+    if let Err(why) = autofailover::available() {
+        c.not_run(format!("pg_auto_failover cannot run here: {why}"));
+        c.finish(Ok(()));
+        return;
+    }
+    let r = async {
+        let mut formation = Formation::start(Tuning::default()).await?;
+        let home = harness::pg::Cluster::at_address(formation.proxy_port())?;
+        let w = World::start_on(
+            home,
+            GatewayOpts {
+                db_timeout_ms: Some(1000),
+                ..Default::default()
+            },
+        )
+        .await?;
+        c.set_postgres(postgres_facts(&w.pool().await?).await?);
+        let mut settings = durability_settings(&w).await?;
+        c.observe("pg_autoctl_version", formation.version().await);
+        c.observe("pg_auto_failover_settings", formation.settings().await?);
+        let (a, b) = alice_and_bob(&w).await?;
+        let senders = four_senders(&w).await?;
+        let replication = formation.replication().await?;
+        let synchronous = replication["mode"] == "synchronous";
+        c.observe("replication", &replication);
+        let load = Load::new();
+        let hist = w.history().clone();
+        let fail_at = async {
+            let rate = load.wait_acked(200).await;
+            let id = hist.nemesis_start("pg-primary-kill", json!({"node": "primary"}));
+            let crash = formation.crash_primary().await;
+            hist.nemesis_end(
+                "pg-primary-kill",
+                id,
+                json!({"ok": crash.is_ok(), "node": crash.as_ref().ok().map(|c| c.node.clone())}),
+            );
+            load.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            anyhow::Ok((rate, crash?))
+        };
+        let (_, failed) = tokio::join!(load.run(&senders), fail_at);
+        let (rate, crash) = failed?;
+        let acked = load.acked();
+        load.observe_cost(&mut c, rate);
+        c.expect_ge("acknowledged_before_failover", 200, acked.len());
+        c.observe(
+            "crashed",
+            json!({"node": crash.node, "processes_killed": crash.processes}),
+        );
+        // The first successful send after the crash: one cmid, retried as a client does,
+        // until the promoted node answers through the gateway (30 s at most).
+        let mut probe_tries = 0;
+        let probe_ms = loop {
+            probe_tries += 1;
+            let r = a
+                .send(
+                    "c1",
+                    "probe-after-failover",
+                    "first on the new primary",
+                    Duration::from_secs(2),
+                )
+                .await;
+            if r.is_ok() {
+                break Some(ms(crash.at.elapsed()));
+            }
+            if crash.at.elapsed() > Duration::from_secs(30) {
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let switch = formation
+            .wait_switch(crash.port, Duration::from_secs(5))
+            .await;
+        if let Some(s) = &switch {
+            w.history().nemesis_instant(
+                "db-address-switch",
+                json!({"to": s.node, "port": s.port, "by": "the monitor's get_primary()"}),
+            );
+        }
+        let detected_ms =
+            formation.first_change_after(crash.at, |s| s.node == crash.node && s.goal != "primary");
+        let promoted_ms = switch
+            .as_ref()
+            .map(|s| ms(s.at.saturating_duration_since(crash.at)));
+        c.expect(
+            "monitor_promoted_node",
+            Some("node2"),
+            switch.as_ref().map(|s| s.node.as_str()),
+        );
+        c.expect("send_succeeded_after_failover", true, probe_ms.is_some());
+        c.observe(
+            "failover_ms",
+            json!({
+                "monitor_assigned_old_primary_away_from_primary": detected_ms,
+                "monitor_named_new_primary_address_switched": promoted_ms,
+                "first_successful_send": probe_ms,
+                "send_attempts": probe_tries,
+            }),
+        );
+        c.observe(
+            "monitor_timeline_ms_from_crash",
+            formation.timeline(crash.at),
+        );
+        c.observe("follower", formation.follower_stats());
+        // The gateway recovered on its own: the in-flight sends replay through it.
+        let pending: usize = senders.iter().map(|s| s.outbox().len()).sum();
+        let t_recover = Instant::now();
+        let replayed = replay_all(&senders).await?;
+        c.observe("in_flight_replayed", pending);
+        c.observe("replay_done_after_ms", ms(t_recover.elapsed()));
+        let after = acked_after(&w, &acked).await?;
+        let lost = after.missing.len();
+        let resent: Vec<String> = replayed.iter().map(|(m, _)| m.clone()).collect();
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT cmid, seq FROM events WHERE cmid = ANY($1)")
+                .bind(&resent)
+                .fetch_all(&w.pool().await?)
+                .await?;
+        let mut per: std::collections::HashMap<&str, Vec<i64>> = Default::default();
+        for (m, s) in &rows {
+            per.entry(m.as_str()).or_default().push(*s);
+        }
+        c.expect(
+            "resent_cmid_with_second_row",
+            0,
+            per.values().filter(|v| v.len() > 1).count(),
+        );
+        c.expect(
+            "resent_cmid_with_other_seq_than_its_reply",
+            0,
+            replayed
+                .iter()
+                .filter(|(m, s)| per.get(m.as_str()).is_some_and(|v| !v.contains(s)))
+                .count(),
+        );
+        c.observe(
+            "acknowledged_missing_sample",
+            &after.missing[..after.missing.len().min(10)],
+        );
+        if synchronous {
+            c.expect("acknowledged_lost_in_failover", 0, lost);
+            c.expect("acknowledged_with_other_seq", 0, after.other_seq);
+        } else {
+            c.observe("acknowledged_lost_in_failover", lost);
+            c.observe("acknowledged_with_other_seq", after.other_seq);
+        }
+        c.expect("acknowledged_found_twice", 0, after.twice);
+        // A message sent now reaches the subscribed receiver, and one more arrives as a
+        // push (the gateway's LISTEN connection is back, on the new primary).
+        let r = a
+            .send("c1", "after-failover", "on the new primary", T)
+            .await
+            .map_err(|e| anyhow::anyhow!("send after failover: {e}"))?;
+        let seq = r["seq"].as_i64().unwrap_or(-1);
+        let held = b
+            .wait_for("the message sent after the failover", T, |b| {
+                b.stored_seqs("c1").contains(&seq)
+            })
+            .await;
+        c.expect(
+            "receiver_holds_message_sent_after_failover",
+            true,
+            held.is_ok(),
+        );
+        // The gateway rebuilds its LISTEN connection on its own schedule (with backoff): a
+        // message committed before that is repaired by the sweep, not pushed. Wait (10 s at
+        // most) until its LISTEN backend exists on the new primary, then expect a push.
+        let listen_deadline = Instant::now() + T;
+        let listen = loop {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'",
+            )
+            .fetch_one(&w.pool().await?)
+            .await?;
+            if n >= 1 || Instant::now() >= listen_deadline {
+                break n;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        c.expect_ge("listen_backends_on_new_primary", 1, listen);
+        c.observe("listen_seen_after_crash_ms", ms(crash.at.elapsed()));
+        let pushes_before = b.stats().pushes_received;
+        a.send("c1", "after-failover-2", "pushed by the new primary", T)
+            .await
+            .map_err(|e| anyhow::anyhow!("second send after failover: {e}"))?;
+        let pushed = b
+            .wait_for("a push after the failover", T, |b| {
+                b.stats().pushes_received > pushes_before
+            })
+            .await;
+        c.expect(
+            "push_after_failover (LISTEN recovered)",
+            true,
+            pushed.is_ok(),
+        );
+        c.observe("head_after_failover", w.head("c1").await?);
+        c.observe("replication_after_failover", formation.replication().await?);
+        c.observe("proxy", formation.proxy_stats());
+        // The new primary's own durability settings, read through the moved address.
+        for (k, v) in durability_settings(&w).await? {
+            if let Some(k) = k.strip_prefix("server.") {
+                settings.insert(format!("new_primary.{k}"), v);
+            }
+        }
+        c.durability(&settings);
+        if synchronous {
+            invariants(&mut c, &w).await
+        } else {
+            judge_measure(&mut c, &w).await.map(|_| ())
+        }
+    }
+    .await;
+    c.finish(r);
+}
