@@ -319,8 +319,8 @@ impl Hello<'_> {
             r,
             Err(WireError::Unauthenticated(_) | WireError::StaleInstall)
         );
-        if !failed {
-            state.hello_throttle.not_failed(ip, &device);
+        if failed {
+            state.hello_throttle.failed(ip, &device);
         }
         match r {
             Ok(p) => {

@@ -774,6 +774,31 @@ async fn failed_hellos_are_throttled_per_address_and_per_device() {
     assert_eq!(r.hello("b1", &tb, 1).await["t"], "welcome");
 }
 
+/// The throttle counts FAILED hellos only: concurrent good hellos from one address are
+/// never refused for being concurrent, even past the per-address budget (many devices
+/// behind one NAT; `make bench` opening 32 senders at once was refused before).
+#[tokio::test]
+async fn concurrent_good_hellos_from_one_address_are_not_throttled() {
+    let w = World::start(GatewayOpts {
+        env: env(&[
+            ("IM_HELLO_FAILS_PER_ADDR_PER_MIN", "3"),
+            ("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", "3"),
+        ]),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (_ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let addr = w.gw().addr();
+    let mut raws = Vec::new();
+    for _ in 0..6 {
+        raws.push(Raw::open(addr, Ipv4Addr::new(127, 0, 0, 3)).await.unwrap());
+    }
+    let replies = join_all(raws.iter_mut().map(|r| r.hello("b1", &tb, 1))).await;
+    let welcomed = replies.iter().filter(|v| v["t"] == "welcome").count();
+    assert_eq!(welcomed, 6, "{replies:?}");
+}
+
 /// Item 5 of issue #8, lock before membership. Proves a non-member's `send` is answered
 /// NOT_MEMBER while the conversation's row lock is held by someone else (it never waits for
 /// the lock), and writes nothing. Pins down the bug where `send` took the conversation row
