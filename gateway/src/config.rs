@@ -96,6 +96,7 @@ pub const ENV: &[EnvVar] = &[
     v("IM_LISTEN", "127.0.0.1:8080", "address serve binds (port 0 picks one)"),
     v("IM_SWEEP_MS", "1000", "period of the redelivery sweep (D5)"),
     v("IM_FAULT", "", "fault points to arm: point:action[:skip[:count]][,...] (see `im-gateway faults`)"),
+    v("IM_FAULT_CONTROL", "", "faults build: a Unix socket path where fault points are armed and disarmed while serve runs (arm SPEC | disarm POINT|all | list)"),
     v("IM_BUG", "", "deliberate bug to activate, controls build only (see `im-gateway bugs`)"),
     v("IM_DB_POOL_MAX", "16", "database connections for requests, fan-out and sweep (+1 for LISTEN)"),
     v("IM_MAX_CONNECTIONS", "10000", "WebSocket connections served at once; more get 503"),

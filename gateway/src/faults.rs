@@ -239,6 +239,45 @@ pub fn install(spec: &str) -> Result<Vec<FaultSpec>, String> {
     Ok(specs)
 }
 
+/// Arms the points of `spec` (IM_FAULT syntax) while the gateway runs (the control socket,
+/// [`crate::fault_control`]): each named point replaces its previous arming and its hit
+/// count starts again from 0, so `point:halt:N:1` fires on the N+1-th hit from now. Points
+/// not named keep what they had. Refused without the `faults` feature.
+pub fn arm(spec: &str) -> Result<Vec<FaultSpec>, String> {
+    let specs = parse(spec)?;
+    if !ENABLED {
+        return Err("this im-gateway was built without fault points".to_string());
+    }
+    #[cfg(feature = "faults")]
+    for s in &specs {
+        imp::arm(s)?;
+    }
+    Ok(specs)
+}
+
+/// Disarms `point` (a name of [`points::ALL`]), or every point for `None`.
+pub fn disarm(point: Option<&str>) -> Result<(), String> {
+    if let Some(p) = point {
+        if !points::ALL.contains(&p) {
+            return Err(format!(
+                "unknown fault point {p:?}; valid points: {}",
+                valid_points()
+            ));
+        }
+    }
+    #[cfg(feature = "faults")]
+    imp::disarm(point);
+    Ok(())
+}
+
+/// Every armed point with its spec and the hits counted since it was armed.
+pub fn armed() -> Vec<(String, u64)> {
+    #[cfg(feature = "faults")]
+    return imp::armed();
+    #[cfg(not(feature = "faults"))]
+    Vec::new()
+}
+
 /// Passes the point `point`: `Continue` when nothing fired (or a `delay` elapsed, slept
 /// here, async), else `Break` with the caller's value for the action that fired, `on_drop`
 /// (discard the frame, abandon the request without a reply) or `on_error` (fail with
@@ -301,9 +340,47 @@ mod imp {
         }
         fail::cfg(s.point, &actions.join("->")).map_err(|e| format!("IM_FAULT: {e}"))?;
         if let Some(idx) = points::ALL.iter().position(|p| *p == s.point) {
+            HITS[idx].store(0, Ordering::SeqCst);
+            *SPECS[idx].lock().unwrap_or_else(|p| p.into_inner()) = Some(spec_text(s));
             ARMED[idx].store(true, Ordering::SeqCst);
         }
         Ok(())
+    }
+
+    fn spec_text(s: &FaultSpec) -> String {
+        match s.count {
+            Some(n) => format!("{}:{}:{}:{n}", s.point, s.action, s.skip),
+            None => format!("{}:{}:{}", s.point, s.action, s.skip),
+        }
+    }
+
+    /// What each point was armed with, for `armed()`.
+    static SPECS: [std::sync::Mutex<Option<String>>; points::ALL.len()] =
+        [const { std::sync::Mutex::new(None) }; points::ALL.len()];
+
+    pub(super) fn disarm(point: Option<&str>) {
+        for (idx, p) in points::ALL.iter().enumerate() {
+            if point.is_none_or(|q| q == *p) {
+                ARMED[idx].store(false, Ordering::SeqCst);
+                fail::remove(p);
+                *SPECS[idx].lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
+        }
+    }
+
+    pub(super) fn armed() -> Vec<(String, u64)> {
+        points::ALL
+            .iter()
+            .enumerate()
+            .filter(|(idx, _)| ARMED[*idx].load(Ordering::SeqCst))
+            .filter_map(|(idx, _)| {
+                let spec = SPECS[idx]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone()?;
+                Some((spec, HITS[idx].load(Ordering::SeqCst)))
+            })
+            .collect()
     }
 
     fn eval(point: &str) -> Option<String> {

@@ -26,6 +26,7 @@ pub mod conn;
 pub mod dbconnect;
 pub mod error;
 pub mod fanout;
+pub mod fault_control;
 pub mod faults;
 pub mod hub;
 pub mod invariant;

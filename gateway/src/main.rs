@@ -158,6 +158,14 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         }
+        if let Err(e) = im_gateway::fault_control::validate(
+            std::env::var(im_gateway::fault_control::ENV)
+                .ok()
+                .as_deref(),
+        ) {
+            eprintln!("im-gateway: {e}");
+            return ExitCode::from(2);
+        }
         // Then IM_BUG (the controls build's deliberate bugs), also before any connection.
         match bugs::install(&std::env::var("IM_BUG").unwrap_or_default()) {
             Ok(Some(name)) => eprintln!("deliberate bug active: {name}"),
@@ -287,6 +295,9 @@ async fn serve() -> anyhow::Result<()> {
         }
         c.cancel();
     });
+    if let Some(path) = std::env::var_os(im_gateway::fault_control::ENV) {
+        im_gateway::fault_control::start(std::path::Path::new(&path))?;
+    }
     {
         // The readiness signal: exactly one line on stdout.
         let mut out = std::io::stdout().lock();

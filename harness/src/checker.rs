@@ -1103,7 +1103,9 @@ struct PendingHint {
 /// every `sweep_ms`. Consecutive sweep hints of one (device, conv, instance) with no
 /// disconnect / crash / restart of the device, no gateway start, no fault that took the
 /// database away (`pg-crash`, `pg-power-cut`, `pg-primary-kill`: the sweep is a query, and
-/// its interval runs while the database answers) and no ack reply reaching
+/// its interval runs while the database answers), no other nemesis action (a pause, a
+/// network fault, a killed backend: hints received while one is in force are not judged;
+/// membership changes do not count) and no ack reply reaching
 /// the first hint's head in between must be at most `sweep_ms + 1 s` apart, and, given at
 /// least three gaps of one device and conv under one `sweep_ms`, their median at most
 /// `1.5 × sweep_ms`. Returns every gap for the statistics.
@@ -1114,6 +1116,8 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
     // (device, conv, sweep_ms) → (gaps, hint lines), for the median rule.
     let mut groups: BTreeMap<(Pair, u64), (Vec<f64>, BTreeSet<u64>)> = BTreeMap::new();
     let mut all = Vec::new();
+    // Nemesis periods in force (start seen, end not yet), by op id.
+    let mut disturbed: HashSet<u64> = HashSet::new();
     for e in cx.h {
         let device = e.process.as_str();
         match (e.kind, e.op.as_str()) {
@@ -1123,7 +1127,17 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
             }
             (Type::Nemesis, "pg-crash" | "pg-power-cut" | "pg-primary-kill") => {
                 pending.clear();
+                track_period(e, &mut disturbed);
             }
+            // A membership change or a reinstall does not slow the sweep.
+            (Type::Nemesis, "membership" | "reinstall") => {}
+            // Any other fault (a pause, network latency or blackhole, a killed backend...)
+            // may delay the sweep: the rule judges only gaps with no fault in force.
+            (Type::Nemesis, _) => {
+                pending.clear();
+                track_period(e, &mut disturbed);
+            }
+            (Type::Recv, "hint") if !disturbed.is_empty() => {}
             (Type::Client, "disconnect" | "crash" | "restart") => {
                 pending.remove(device);
             }
@@ -1185,6 +1199,21 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
         }
     }
     all
+}
+
+/// Keeps the set of nemesis periods in force: a `start` line opens one (by op id), its
+/// `end` closes it; instants open nothing.
+fn track_period(e: &Entry, open: &mut HashSet<u64>) {
+    let Some(id) = e.op_id else { return };
+    match s(&e.value, "phase") {
+        Some("start") => {
+            open.insert(id);
+        }
+        Some("end") => {
+            open.remove(&id);
+        }
+        _ => {}
+    }
 }
 
 /// Rule 12, `store-mismatch` (D1/D6: what a client was given is what the database kept):
@@ -2294,6 +2323,55 @@ mod tests {
         b.wait(1500.0);
         b.hint("b1", "c1", 2, "sweep");
         assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+        b.wait(2500.0);
+        let h = b.hint("b1", "c1", 2, "sweep");
+        let late = only(&b, &two_rows(), Kind::D5SweepLate);
+        assert_eq!(late.len(), 1, "{late:?}");
+        assert_eq!(late[0].entries[1], h);
+    }
+
+    /// Issue 10: hints received while a nemesis fault is in force (here a gateway pause)
+    /// are not judged, nor a gap that spans its start or end; a membership change excuses
+    /// nothing; a late gap with no fault in force is still caught.
+    #[test]
+    fn sweep_hints_are_not_judged_while_a_fault_is_in_force() {
+        let mut b = B::new();
+        b.gateway_start(1000);
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(100.0);
+        b.line(
+            "harness",
+            0,
+            Type::Nemesis,
+            "gw-pause",
+            Some(77),
+            json!({"phase": "start"}),
+        );
+        b.wait(3000.0);
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(3000.0);
+        b.hint("b1", "c1", 2, "sweep");
+        b.line(
+            "harness",
+            0,
+            Type::Nemesis,
+            "gw-pause",
+            Some(77),
+            json!({"phase": "end"}),
+        );
+        b.wait(900.0);
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(900.0);
+        b.hint("b1", "c1", 2, "sweep");
+        assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+        b.line(
+            "harness",
+            0,
+            Type::Nemesis,
+            "membership",
+            None,
+            json!({"phase": "instant", "action": "join", "conv": "c1", "user": "carol"}),
+        );
         b.wait(2500.0);
         let h = b.hint("b1", "c1", 2, "sweep");
         let late = only(&b, &two_rows(), Kind::D5SweepLate);

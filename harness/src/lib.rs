@@ -5,6 +5,7 @@ pub mod container;
 pub mod gateway;
 pub mod history;
 pub mod lazyfs;
+pub mod nemesis;
 pub mod pg;
 pub mod proxy;
 pub mod util;

@@ -717,6 +717,33 @@ impl Cluster {
         Ok(())
     }
 
+    /// Freezes the postmaster and every backend (SIGSTOP to its process group): the server
+    /// holds its connections but answers nothing until [`Cluster::resume`] (issue 10, a
+    /// stalled database host).
+    pub fn pause(&mut self) -> anyhow::Result<()> {
+        self.signal_group(Signal::SIGSTOP, "pause")
+    }
+
+    /// Thaws a paused server (SIGCONT to its process group).
+    pub fn resume(&mut self) -> anyhow::Result<()> {
+        self.signal_group(Signal::SIGCONT, "resume")
+    }
+
+    fn signal_group(&mut self, signal: Signal, what: &str) -> anyhow::Result<()> {
+        if self.container.is_some() {
+            bail!("IMFAULT_PG=container: {what} needs the process group on this machine (unset IMFAULT_PG)");
+        }
+        let Some(child) = self.child.as_mut() else {
+            bail!(
+                "{what}: the postmaster on port {} is not running",
+                self.port
+            );
+        };
+        let pgid = i32::try_from(child.id()).context("pid out of range")?;
+        nix::sys::signal::killpg(Pid::from_raw(pgid), signal)
+            .with_context(|| format!("{what}: killpg({pgid}, {signal})"))
+    }
+
     /// The machine's end: SIGKILL to the postmaster and every backend (its process group)
     /// at once, no shutdown of any kind; waits until all of them are gone.
     pub async fn kill_all(&mut self) -> anyhow::Result<()> {

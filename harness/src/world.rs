@@ -53,6 +53,10 @@ pub struct World {
     pub gw: Option<Gateway>,
     /// The standby and the proxies of a replicated world (dropped before the primary).
     pub failover: Option<Failover>,
+    /// The gateway's own path to the database ([`WorldOpts::db_proxy`]): a controlled
+    /// proxy whose condition the nemesis sets; the checks, admin commands and the judge go
+    /// around it.
+    pub db_proxy: Option<Proxy>,
     /// The database address the gateway, the admin commands and the checks use: the
     /// primary's, or the failover proxy's in a replicated world.
     db_url: String,
@@ -74,6 +78,8 @@ pub struct WorldOpts {
     pub cluster: ClusterOpts,
     /// A streaming-replication standby behind a switchable proxy.
     pub replication: Option<Replication>,
+    /// The gateway reaches the database through a controlled proxy ([`World::db_proxy`]).
+    pub db_proxy: bool,
 }
 
 /// A standby for failover (issue 11, U2).
@@ -156,11 +162,22 @@ impl World {
         };
         let pool = pool_at(&db_url).await?;
         hist.set_probe_pool(pool_at(&db_url).await?);
-        let gw = Gateway::start(&db_url, &opts, &pg.log_dir()).await?;
+        let db_proxy = if wopts.db_proxy {
+            let to = std::net::SocketAddr::from(([127, 0, 0, 1], url_port(&db_url)?));
+            Some(Proxy::start_controlled(to)?)
+        } else {
+            None
+        };
+        let gw_db_url = match &db_proxy {
+            Some(p) => proxied_url(p),
+            None => db_url.clone(),
+        };
+        let gw = Gateway::start(&gw_db_url, &opts, &pg.log_dir()).await?;
         record_gateway_start(&hist, &opts);
         Ok(World {
             gw: Some(gw),
             failover,
+            db_proxy,
             db_url,
             pool: tokio::sync::OnceCell::new_with(Some(pool)),
             pg,
@@ -296,7 +313,11 @@ impl World {
                 self.hist.nemesis_end("gateway-kill", id, json!({}));
             }
         }
-        self.gw = Some(Gateway::start(&self.db_url, &opts, &self.pg.log_dir()).await?);
+        let gw_db_url = match &self.db_proxy {
+            Some(p) => proxied_url(p),
+            None => self.db_url.clone(),
+        };
+        self.gw = Some(Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?);
         record_gateway_start(&self.hist, &opts);
         self.opts = opts;
         Ok(())
@@ -433,6 +454,20 @@ impl World {
 /// `postgres://postgres@127.0.0.1:PORT/postgres`.
 fn url_at(port: u16) -> String {
     format!("postgres://postgres@127.0.0.1:{port}/postgres")
+}
+
+/// The gateway's URL through the database proxy, named `im-gateway` in
+/// `pg_stat_activity` (so a nemesis can terminate the gateway's backends, not the harness's).
+fn proxied_url(p: &Proxy) -> String {
+    format!("{}?application_name=im-gateway", url_at(p.addr().port()))
+}
+
+/// The port of a `postgres://…@HOST:PORT/…` URL.
+fn url_port(url: &str) -> anyhow::Result<u16> {
+    url.rsplit_once(':')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("no port in {url}"))
 }
 
 /// A small check pool (as `Cluster::pool`) at `url`.
@@ -781,6 +816,7 @@ impl World {
         Ok(World {
             gw: Some(gw),
             failover: None,
+            db_proxy: None,
             db_url,
             pool: tokio::sync::OnceCell::new_with(Some(pool)),
             pg,

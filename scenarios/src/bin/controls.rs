@@ -89,6 +89,71 @@ struct Opts {
     /// the commit it ran at), after a clean baseline at the current commit.
     #[arg(long, requires = "only")]
     merge: bool,
+    /// Also run each bug under the nemesis (issue 10): seeds 1..=N of `nemesis` (default
+    /// options), stopping at the first seed that catches it; 0 skips this part.
+    #[arg(long, default_value_t = 20)]
+    nemesis_seeds: u64,
+    /// Run only the nemesis part: keep every suite result of the existing file (as
+    /// measured, with its commit) and replace only the bugs' `nemesis` entries.
+    #[arg(long)]
+    nemesis_only: bool,
+}
+
+/// One bug under the nemesis: seeds 1..=`seeds`, stopping at the first one that catches it.
+fn nemesis_control(bug: &str, env: &[(&str, String)], seeds: u64) -> anyhow::Result<Value> {
+    let dir = target_dir()
+        .join("imfault-controls")
+        .join(format!("{bug}-nemesis"));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("clear {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    let summary = dir.join("summary.json");
+    let started = Instant::now();
+    let mut cmd = Command::new(target_dir().join("debug/nemesis"));
+    cmd.args([
+        "--first-seed",
+        "1",
+        "--seeds",
+        &seeds.to_string(),
+        "--stop-at-first-failure",
+    ])
+    .arg("--out")
+    .arg(&dir)
+    .arg("--summary")
+    .arg(&summary)
+    .env("RUST_BACKTRACE", "0")
+    .env_remove("IM_BUG")
+    .env_remove("IM_GATEWAY_BIN")
+    .current_dir(workspace());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().context("run target/debug/nemesis")?;
+    std::fs::write(dir.join("nemesis.log"), &out.stdout)?;
+    let s: Value = serde_json::from_slice(&std::fs::read(&summary).with_context(|| {
+        format!(
+            "nemesis wrote no summary ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .chars()
+                .take(2000)
+                .collect::<String>()
+        )
+    })?)?;
+    let runs = s["per_run"].as_array().cloned().unwrap_or_default();
+    let catching = runs.iter().find(|r| r["verdict"] == "FAIL");
+    let errors = runs.iter().filter(|r| r["verdict"] == "ERROR").count();
+    Ok(json!({
+        "result": if catching.is_some() { "CAUGHT" } else { "MISSED" },
+        "seeds_run": runs.len(),
+        "seeds_max": seeds,
+        "first_catching_seed": catching.map(|r| r["seed"].clone()),
+        "anomaly_kinds": catching.map(|r| r["anomalies"].clone()),
+        "repeat": catching.map(|r| r["repeat"].clone()),
+        "runs_not_judged": errors,
+        "wall_ms": started.elapsed().as_millis() as u64,
+    }))
 }
 
 fn parse_args() -> Opts {
@@ -299,6 +364,9 @@ fn main() -> anyhow::Result<()> {
         bugs.retain(|(b, _)| only.contains(b));
     }
 
+    if o.nemesis_only {
+        return nemesis_only(&o, &out, &bugs, &bugs_bin, started);
+    }
     eprintln!("controls: the clean gateway, whole suite");
     let clean = run_suite(SUITE, &[], "clean")?;
     let clean_anomalies: u64 = clean
@@ -385,6 +453,20 @@ fn main() -> anyhow::Result<()> {
             "  {bug}: caught in {caught_runs}/{runs} runs by {} test(s)",
             first.failed.len()
         );
+        let nemesis = if o.nemesis_seeds > 0 {
+            eprintln!(
+                "controls: {bug} under the nemesis, up to {} seeds",
+                o.nemesis_seeds
+            );
+            let n = nemesis_control(bug, &env, o.nemesis_seeds)?;
+            eprintln!(
+                "  {bug}: nemesis {} after {} seed(s)",
+                n["result"], n["seeds_run"]
+            );
+            n
+        } else {
+            Value::Null
+        };
         let mut kinds: Vec<String> = caught_by
             .iter()
             .flat_map(|c| c["anomaly_kinds"].as_array().cloned().unwrap_or_default())
@@ -409,6 +491,7 @@ fn main() -> anyhow::Result<()> {
             "first_detection_ms": first_detection_ms,
             "run_wall_ms": run_walls,
             "known_limit": known_limit(bug),
+            "nemesis": nemesis,
         }));
     }
 
@@ -442,6 +525,7 @@ fn main() -> anyhow::Result<()> {
         }));
     }
     let count = |r: &str| controls.iter().filter(|c| c["result"] == r).count();
+    let nemesis_summary = nemesis_summary(&controls);
     let doc = json!({
         "schema_version": SCHEMA_VERSION,
         "generated_by": "make controls (scenarios/src/bin/controls.rs)",
@@ -468,6 +552,7 @@ fn main() -> anyhow::Result<()> {
             "flaky": count("FLAKY"),
             "missed": count("MISSED"),
             "wall_ms": started.elapsed().as_millis() as u64,
+            "nemesis": nemesis_summary,
         },
         "controls": controls,
     });
@@ -484,19 +569,123 @@ fn main() -> anyhow::Result<()> {
         clean.failed.len(),
         clean_anomalies
     );
-    for c in doc["controls"].as_array().into_iter().flatten() {
-        println!(
-            "  {:<7} {:<20} {}/{} runs  {}",
-            c["result"].as_str().unwrap_or(""),
-            c["bug"].as_str().unwrap_or(""),
-            c["caught_runs"],
-            c["runs"],
-            c["anomaly_kinds"]
-        );
-    }
+    print_table(&doc);
     if !clean.failed.is_empty() || clean_anomalies > 0 {
         eprintln!("the clean gateway failed or showed anomalies: the controls mean nothing");
         std::process::exit(1);
     }
+    Ok(())
+}
+
+/// Which bugs the scripted suite and the nemesis each caught, side by side.
+fn nemesis_summary(controls: &[Value]) -> Value {
+    let with: Vec<&Value> = controls
+        .iter()
+        .filter(|c| !c["nemesis"].is_null())
+        .collect();
+    let names = |f: &dyn Fn(&Value) -> bool| -> Vec<Value> {
+        with.iter()
+            .filter(|c| f(c))
+            .map(|c| c["bug"].clone())
+            .collect()
+    };
+    json!({
+        "bugs_run": with.len(),
+        "caught": names(&|c| c["nemesis"]["result"] == "CAUGHT").len(),
+        "caught_only_by_nemesis": names(&|c| c["nemesis"]["result"] == "CAUGHT" && c["result"] != "CAUGHT"),
+        "caught_only_by_scripted_checks": names(&|c| c["nemesis"]["result"] != "CAUGHT" && c["result"] == "CAUGHT"),
+        "missed_by_both": names(&|c| c["nemesis"]["result"] != "CAUGHT" && c["result"] != "CAUGHT"),
+    })
+}
+
+fn print_table(doc: &Value) {
+    println!(
+        "  {:<7} {:<20} {:<12} nemesis",
+        "suite", "bug", "suite runs"
+    );
+    for c in doc["controls"].as_array().into_iter().flatten() {
+        let n = &c["nemesis"];
+        let nem = if n.is_null() {
+            "-".to_string()
+        } else {
+            format!(
+                "{} (seed {}, {} seeds run) {}",
+                n["result"].as_str().unwrap_or(""),
+                n["first_catching_seed"],
+                n["seeds_run"],
+                n["anomaly_kinds"]
+            )
+        };
+        println!(
+            "  {:<7} {:<20} {:<12} {nem}",
+            c["result"].as_str().unwrap_or(""),
+            c["bug"].as_str().unwrap_or(""),
+            format!("{}/{}", c["caught_runs"], c["runs"]),
+        );
+    }
+}
+
+/// `--nemesis-only`: the nemesis part for the selected bugs, merged into the existing file
+/// (its suite results stay as measured).
+fn nemesis_only(
+    o: &Opts,
+    out: &Path,
+    bugs: &[(String, &str)],
+    bugs_bin: &Path,
+    started: Instant,
+) -> anyhow::Result<()> {
+    if o.nemesis_seeds == 0 {
+        bail!("--nemesis-only with --nemesis-seeds 0 would run nothing");
+    }
+    let mut doc: Value = serde_json::from_slice(
+        &std::fs::read(out)
+            .with_context(|| format!("read {} (run make controls first)", out.display()))?,
+    )
+    .context("parse the existing controls result")?;
+    for (bug, side) in bugs {
+        let mut env = vec![("IM_BUG", bug.clone())];
+        if *side == "gateway" {
+            env.push(("IM_GATEWAY_BIN", bugs_bin.display().to_string()));
+        }
+        eprintln!(
+            "controls: {bug} under the nemesis, up to {} seeds",
+            o.nemesis_seeds
+        );
+        let mut n = nemesis_control(bug, &env, o.nemesis_seeds)?;
+        n["git_commit"] = json!(git(&["rev-parse", "HEAD"]));
+        eprintln!(
+            "  {bug}: nemesis {} after {} seed(s)",
+            n["result"], n["seeds_run"]
+        );
+        let entries = doc["controls"]
+            .as_array_mut()
+            .context("no controls in the file")?;
+        match entries.iter_mut().find(|c| c["bug"] == json!(bug)) {
+            Some(c) => c["nemesis"] = n,
+            None => bail!(
+                "{bug} has no entry in {}: run make controls ONLY={bug} MERGE=1 first",
+                out.display()
+            ),
+        }
+    }
+    let controls = doc["controls"].as_array().cloned().unwrap_or_default();
+    doc["summary"]["nemesis"] = nemesis_summary(&controls);
+    let partial = &mut doc["environment"]["partial_runs"];
+    if !partial.is_array() {
+        *partial = json!([]);
+    }
+    if let Some(p) = partial.as_array_mut() {
+        p.push(json!({
+            "nemesis_only": true,
+            "bugs": bugs.iter().map(|(b, _)| b).collect::<Vec<_>>(),
+            "nemesis_seeds": o.nemesis_seeds,
+            "git_commit": git(&["rev-parse", "HEAD"]),
+            "generated_at": scenarios::rfc3339_now(),
+            "wall_ms": started.elapsed().as_millis() as u64,
+        }));
+    }
+    harness::util::write_atomic(out, (serde_json::to_string_pretty(&doc)? + "\n").as_bytes())?;
+    println!("\n{} ({} s)", out.display(), started.elapsed().as_secs());
+    print_table(&doc);
     Ok(())
 }

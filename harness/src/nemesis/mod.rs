@@ -1,0 +1,18 @@
+//! The nemesis (issue 10): seeded random fault schedules over a live workload, on the real
+//! gateway binary and a throwaway cluster; exact replay of a recorded schedule; shrinking
+//! of a failing one; a timeline report per run.
+//!
+//! - [`schedule`]: the schedule as data, generated only from the seed and the options;
+//! - [`runner`]: one schedule carried out and judged by the checker (`result.json`);
+//! - [`shrink`]: a failing schedule reduced to a 1-minimal one (`minimal.json`);
+//! - [`report`]: `report.html`.
+//!
+//! `scenarios/src/bin/nemesis.rs` (`make nemesis`) is the command line over these.
+
+pub mod report;
+pub mod runner;
+pub mod schedule;
+pub mod shrink;
+
+pub use runner::{run, Outcome};
+pub use schedule::{generate, Options, Schedule};

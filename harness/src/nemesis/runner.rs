@@ -1,0 +1,819 @@
+//! Runs one [`Schedule`] on the real gateway binary and a throwaway cluster (issue 10):
+//! the workload's clients send and receive while the schedule's faults start and end at
+//! their offsets, then every fault is healed, the outboxes are replayed, and the checker
+//! judges the whole history (D5 after the heal).
+//!
+//! Owns: a [`World`] whose gateway reaches PostgreSQL through a controlled proxy, a second
+//! controlled proxy in front of the gateway for the clients, the gateway's fault control
+//! socket (`IM_FAULT_CONTROL`), one task per device, and the supervisor that restarts a
+//! gateway that exited (a crash point fired) or was killed (after its down time).
+//!
+//! Must not: judge anything itself (the checker does), or retry a send on a client's
+//! behalf except through the client's own outbox replay.
+
+use super::schedule::{Fault, FaultKind, Schedule};
+use crate::checker::{Anomaly, OpCounts, Quantiles, Report};
+use crate::client::{Client, ClientError};
+use crate::gateway::{self, GatewayOpts};
+use crate::proxy::{Condition, Proxy};
+use crate::world::{World, WorldOpts};
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// Timeout of the clients' requests (sends, syncs, acks, hello).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// Timeout of one command on the gateway's fault control socket.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(1);
+/// Timeout of a harness query during the faults (a paused database answers nothing).
+const QUERY_TIMEOUT: Duration = Duration::from_secs(1);
+/// The supervisor and the schedule's clock tick.
+const TICK: Duration = Duration::from_millis(20);
+/// Gateway database deadline during a nemesis run (`IM_DB_TIMEOUT_MS`).
+const GW_DB_TIMEOUT_MS: u64 = 1000;
+
+/// What one run observed, as `result.json` holds it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Outcome {
+    pub seed: u64,
+    /// `PASS` (no anomaly), `FAIL` (the checker found anomalies) or `ERROR` (the run could
+    /// not be carried out or judged: `error` says why).
+    pub verdict: String,
+    pub error: Option<String>,
+    /// The repeat command (printed by every run).
+    pub repeat: String,
+    /// Anomalies by kind (only kinds with at least one).
+    pub anomalies: BTreeMap<String, u64>,
+    /// The first anomalies, with their history lines.
+    pub first_anomalies: Vec<Anomaly>,
+    /// Client operations by how they ended.
+    pub ops: BTreeMap<String, OpCounts>,
+    /// Faults carried out, by kind.
+    pub faults: BTreeMap<String, u64>,
+    /// Each fault as carried out: id, kind, target, planned and actual times, outcome.
+    pub fault_log: Vec<Value>,
+    /// Store time minus send-ok time of events that reached a device by sync (repairs).
+    pub repair_ms: Quantiles,
+    /// The same for every event delivered to another device.
+    pub delivery_ms: Quantiles,
+    /// Gateway processes started (1 + restarts).
+    pub gateway_starts: u64,
+    pub history_entries: u64,
+    pub wall_ms: u64,
+}
+
+impl Outcome {
+    pub fn failed(&self) -> bool {
+        self.verdict != "PASS"
+    }
+
+    fn error(seed: u64, repeat: String, e: &anyhow::Error, wall: Duration) -> Outcome {
+        Outcome {
+            seed,
+            verdict: "ERROR".into(),
+            error: Some(format!("{e:#}")),
+            repeat,
+            anomalies: BTreeMap::new(),
+            first_anomalies: Vec::new(),
+            ops: BTreeMap::new(),
+            faults: BTreeMap::new(),
+            fault_log: Vec::new(),
+            repair_ms: Quantiles::default(),
+            delivery_ms: Quantiles::default(),
+            gateway_starts: 0,
+            history_entries: 0,
+            wall_ms: wall.as_millis() as u64,
+        }
+    }
+}
+
+/// The state the device tasks share with the runner.
+struct Shared {
+    ws_url: String,
+    /// user → conversations they are a member of now.
+    membership: Mutex<BTreeMap<String, BTreeSet<String>>>,
+    /// False from the heal on: no new messages, outboxes are still replayed.
+    sending: AtomicBool,
+}
+
+/// A device task's handle.
+struct DeviceHandle {
+    device: String,
+    /// true: the client is crashed (killed) until set back to false.
+    crashed: watch::Sender<bool>,
+    /// Connected, subscribed, outbox empty, and not sending new messages.
+    settled: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<anyhow::Result<Option<Client>>>,
+}
+
+/// Runs `schedule` and writes its artefacts into `dir` (made if missing): `schedule.json`,
+/// `history.jsonl`, `final.json`, `report.json` (the checker's), `result.json`,
+/// `report.html` and the gateway logs. `repeat` is the command line that repeats it.
+pub async fn run(schedule: &Schedule, dir: &Path, repeat: String) -> Outcome {
+    let t0 = Instant::now();
+    let r = run_inner(schedule, dir, &repeat, t0).await;
+    let outcome = match r {
+        Ok(o) => o,
+        Err(e) => Outcome::error(schedule.seed, repeat, &e, t0.elapsed()),
+    };
+    let _ = crate::util::write_atomic(
+        &dir.join("result.json"),
+        format!(
+            "{}\n",
+            serde_json::to_string_pretty(&outcome).unwrap_or_default()
+        )
+        .as_bytes(),
+    );
+    if let Err(e) = super::report::write_html(dir, schedule, &outcome) {
+        tracing::warn!(error = %format!("{e:#}"), "report.html not written");
+    }
+    outcome
+}
+
+async fn run_inner(
+    schedule: &Schedule,
+    dir: &Path,
+    repeat: &str,
+    t0: Instant,
+) -> anyhow::Result<Outcome> {
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    crate::util::write_atomic(&dir.join("schedule.json"), schedule.to_json().as_bytes())?;
+    tokio::task::spawn_blocking(gateway::require_faults)
+        .await
+        .context("join the faults check")??;
+    let sock_dir = tempfile::Builder::new()
+        .prefix("imfault-nemesis-")
+        .tempdir()
+        .context("make the control socket directory")?;
+    let control = sock_dir.path().join("fault.sock");
+    let opts = GatewayOpts {
+        sweep_ms: Some(schedule.options.sweep_ms),
+        db_timeout_ms: Some(GW_DB_TIMEOUT_MS),
+        env: vec![(
+            "IM_FAULT_CONTROL".to_string(),
+            control.to_string_lossy().to_string(),
+        )],
+        ..Default::default()
+    };
+    let mut w = World::start_with(
+        WorldOpts {
+            db_proxy: true,
+            ..Default::default()
+        },
+        opts.clone(),
+    )
+    .await?;
+    let result = drive(&mut w, schedule, &opts, &control, repeat, t0).await;
+    // The artefacts, whatever happened.
+    let work = w.pg.work_dir().to_path_buf();
+    for name in ["history.jsonl", "final.json", "report.json"] {
+        let from = work.join(name);
+        if from.exists() {
+            std::fs::copy(&from, dir.join(name))
+                .with_context(|| format!("copy {}", from.display()))?;
+        }
+    }
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    if let Ok(entries) = std::fs::read_dir(w.pg.log_dir()) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            if name.to_string_lossy().starts_with("gateway-") {
+                let _ = std::fs::copy(e.path(), logs.join(&name));
+            }
+        }
+    }
+    result
+}
+
+/// The faulty phase, the heal and the judgement.
+async fn drive(
+    w: &mut World,
+    schedule: &Schedule,
+    opts: &GatewayOpts,
+    control: &Path,
+    repeat: &str,
+    t0: Instant,
+) -> anyhow::Result<Outcome> {
+    let hist = w.history().clone();
+    hist.nemesis_instant(
+        "nemesis-start",
+        json!({"seed": schedule.seed, "repeat": repeat, "faults": schedule.faults.len()}),
+    );
+    let client_proxy = Proxy::start_controlled(w.gw().addr())?;
+    let shared = Arc::new(Shared {
+        ws_url: format!("ws://{}/ws", client_proxy.addr()),
+        membership: Mutex::new(BTreeMap::new()),
+        sending: AtomicBool::new(true),
+    });
+
+    // Provisioning (before the clock starts).
+    let mut tokens = BTreeMap::new();
+    for u in &schedule.workload.users {
+        w.add_user(&u.name).await?;
+        for d in &u.devices {
+            tokens.insert(d.clone(), (u.name.clone(), w.add_device(d, &u.name).await?));
+        }
+    }
+    for c in &schedule.workload.convs {
+        let members: Vec<&str> = c.members.iter().map(String::as_str).collect();
+        w.add_conv(&c.id, &members).await?;
+        let mut m = shared.membership.lock().unwrap_or_else(|p| p.into_inner());
+        for u in &c.members {
+            m.entry(u.clone()).or_default().insert(c.id.clone());
+        }
+    }
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut devices = Vec::new();
+    for (device, seed) in &schedule.workload.device_seeds {
+        let (user, token) = tokens
+            .get(device)
+            .cloned()
+            .with_context(|| format!("device {device} of device_seeds is no user's"))?;
+        let (crashed, crashed_rx) = watch::channel(false);
+        let settled = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(device_loop(DeviceArgs {
+            device: device.clone(),
+            user,
+            token,
+            seed: *seed,
+            state: w.state_path(device),
+            think_ms: schedule.options.think_ms,
+            shared: shared.clone(),
+            crashed: crashed_rx,
+            stop: stop_rx.clone(),
+            settled: settled.clone(),
+        }));
+        devices.push(DeviceHandle {
+            device: device.clone(),
+            crashed,
+            settled,
+            task,
+        });
+    }
+
+    // The faulty phase.
+    let mut sup = Supervisor {
+        opts: opts.clone(),
+        control: control.to_path_buf(),
+        client_proxy,
+        down: false,
+        gateway_starts: 1,
+        next_restart: None,
+    };
+    let mut events: Vec<(u64, u8, usize)> = Vec::new(); // (t, order, index); order 0 end, 1 membership, 2 start
+    for (i, f) in schedule.faults.iter().enumerate() {
+        events.push((f.at_ms, 2, i));
+        if f.end_ms > f.at_ms {
+            events.push((f.end_ms, 0, i));
+        }
+    }
+    for (i, m) in schedule.workload.membership.iter().enumerate() {
+        events.push((m.at_ms, 1, i));
+    }
+    events.sort();
+    let mut log: Vec<Value> = vec![Value::Null; schedule.faults.len()];
+    let mut active: BTreeMap<usize, u64> = BTreeMap::new(); // fault index → history op id
+    let start = Instant::now();
+    let mut next = 0;
+    let mut pending_membership: Vec<usize> = Vec::new();
+    loop {
+        let now_ms = start.elapsed().as_millis() as u64;
+        while next < events.len() && events[next].0 <= now_ms {
+            let (_, order, i) = events[next];
+            next += 1;
+            match order {
+                2 => {
+                    let f = &schedule.faults[i];
+                    let id = hist.nemesis_start("fault", fault_value(f));
+                    let t = hist.now_ms();
+                    let r = start_fault(w, &mut sup, &devices, f).await;
+                    log[i] = json!({"id": f.id, "kind": f.kind.name(), "target": f.target,
+                        "fault": f, "started_ms": t,
+                        "start": r.as_ref().map(|v| v.clone()).unwrap_or_else(|e| json!({"error": format!("{e:#}")}))});
+                    if f.end_ms > f.at_ms {
+                        active.insert(i, id);
+                    } else {
+                        hist.nemesis_end(
+                            "fault",
+                            id,
+                            json!({"kind": f.kind.name(), "fault": f.id}),
+                        );
+                        log[i]["ended_ms"] = json!(hist.now_ms());
+                    }
+                }
+                0 => {
+                    if let Some(id) = active.remove(&i) {
+                        let f = &schedule.faults[i];
+                        let r = end_fault(w, &mut sup, &devices, f).await;
+                        hist.nemesis_end(
+                            "fault",
+                            id,
+                            json!({"kind": f.kind.name(), "fault": f.id}),
+                        );
+                        log[i]["ended_ms"] = json!(hist.now_ms());
+                        log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+                    }
+                }
+                _ => pending_membership.push(i),
+            }
+        }
+        // Membership changes go through the admin command, which needs the database: one
+        // that fails (the database is down) is tried again on the next tick.
+        let mut still = Vec::new();
+        for i in pending_membership.drain(..) {
+            let m = &schedule.workload.membership[i];
+            let r = tokio::time::timeout(Duration::from_secs(3), async {
+                if m.op == "join" {
+                    w.join(&m.conv, &m.user).await
+                } else {
+                    w.leave(&m.conv, &m.user).await
+                }
+            })
+            .await;
+            match r {
+                Ok(Ok(())) => {
+                    let mut mm = shared.membership.lock().unwrap_or_else(|p| p.into_inner());
+                    let set = mm.entry(m.user.clone()).or_default();
+                    if m.op == "join" {
+                        set.insert(m.conv.clone());
+                    } else {
+                        set.remove(&m.conv);
+                    }
+                }
+                _ => still.push(i),
+            }
+        }
+        pending_membership = still;
+        sup.supervise(w).await;
+        if next >= events.len() && now_ms >= schedule.options.duration_ms {
+            break;
+        }
+        tokio::time::sleep(TICK).await;
+    }
+
+    // The heal: every fault still in force ends, no new messages, the gateway is up, the
+    // clients reconnect and replay their outboxes.
+    shared.sending.store(false, Ordering::SeqCst);
+    for (i, id) in std::mem::take(&mut active).into_iter().rev() {
+        let f = &schedule.faults[i];
+        let r = end_fault(w, &mut sup, &devices, f).await;
+        hist.nemesis_end(
+            "fault",
+            id,
+            json!({"kind": f.kind.name(), "fault": f.id, "healed": true}),
+        );
+        log[i]["ended_ms"] = json!(hist.now_ms());
+        log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+    }
+    let heal_id = hist.nemesis_start("heal", json!({}));
+    let heal_deadline = Instant::now() + Duration::from_millis(schedule.options.heal_ms);
+    let mut unsettled: Vec<String>;
+    loop {
+        sup.supervise(w).await;
+        for i in std::mem::take(&mut pending_membership) {
+            let m = &schedule.workload.membership[i];
+            let r = if m.op == "join" {
+                w.join(&m.conv, &m.user).await
+            } else {
+                w.leave(&m.conv, &m.user).await
+            };
+            if r.is_err() {
+                pending_membership.push(i);
+            }
+        }
+        unsettled = devices
+            .iter()
+            .filter(|d| !d.settled.load(Ordering::SeqCst))
+            .map(|d| d.device.clone())
+            .collect();
+        let gw_up = w.gw.as_mut().is_some_and(|g| g.try_exit_status().is_none());
+        if unsettled.is_empty() && gw_up && pending_membership.is_empty() {
+            break;
+        }
+        if Instant::now() >= heal_deadline {
+            break;
+        }
+        tokio::time::sleep(TICK).await;
+    }
+    hist.nemesis_end("heal", heal_id, json!({"unsettled": unsettled}));
+    let heal_error = if unsettled.is_empty() {
+        None
+    } else {
+        Some(format!(
+            "the heal did not finish within {} ms: devices not back (connected, subscribed, \
+             outbox replayed): {}",
+            schedule.options.heal_ms,
+            unsettled.join(", ")
+        ))
+    };
+    // Stop the device tasks; their clients stay connected for the judge (D5).
+    let _ = stop_tx.send(true);
+    let mut clients = Vec::new();
+    for d in devices {
+        match d.task.await {
+            Ok(Ok(Some(c))) => clients.push(c),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => anyhow::bail!("device {}: {e:#}", d.device),
+            Err(e) => anyhow::bail!("device {} task: {e}", d.device),
+        }
+    }
+    let judged = w.judge().await?;
+    for c in clients {
+        c.close().await;
+    }
+    let report: &Report = &judged.report;
+    let mut faults = BTreeMap::new();
+    for f in &schedule.faults {
+        *faults.entry(f.kind.name().to_string()).or_insert(0u64) += 1;
+    }
+    let anomalies: BTreeMap<String, u64> = report
+        .counts
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(k, n)| (k.as_str().to_string(), *n))
+        .collect();
+    let verdict = if !anomalies.is_empty() {
+        "FAIL"
+    } else if heal_error.is_some() {
+        "ERROR"
+    } else {
+        "PASS"
+    };
+    Ok(Outcome {
+        seed: schedule.seed,
+        verdict: verdict.into(),
+        error: heal_error,
+        repeat: repeat.to_string(),
+        anomalies,
+        first_anomalies: report.anomalies.iter().take(20).cloned().collect(),
+        ops: report.stats.ops.clone(),
+        faults,
+        fault_log: log,
+        repair_ms: report.stats.repair_ms.clone(),
+        delivery_ms: report.stats.delivery_ms.clone(),
+        gateway_starts: sup.gateway_starts,
+        history_entries: report.stats.entries,
+        wall_ms: t0.elapsed().as_millis() as u64,
+    })
+}
+
+fn fault_value(f: &Fault) -> Value {
+    let mut v = serde_json::to_value(f).unwrap_or(Value::Null);
+    if let Some(o) = v.as_object_mut() {
+        o.insert("fault".into(), json!(f.id));
+    }
+    v
+}
+
+/// Keeps one gateway running behind the clients' proxy.
+struct Supervisor {
+    opts: GatewayOpts,
+    control: PathBuf,
+    client_proxy: Proxy,
+    /// A `gw-kill` holds the gateway down until its end.
+    down: bool,
+    gateway_starts: u64,
+    /// When a failed start may be tried again.
+    next_restart: Option<Instant>,
+}
+
+impl Supervisor {
+    /// Restarts the gateway if it exited (a crash point fired) or is missing, unless a
+    /// `gw-kill` holds it down. A start that fails (the database is away) is retried.
+    async fn supervise(&mut self, w: &mut World) {
+        if self.down {
+            return;
+        }
+        if let Some(gw) = w.gw.as_mut() {
+            match gw.try_exit_status() {
+                None => return,
+                Some(status) => {
+                    w.history().nemesis_instant(
+                        "gateway-exit",
+                        json!({"status": status.code(), "raw": status.to_string()}),
+                    );
+                    w.gw = None;
+                }
+            }
+        }
+        if self.next_restart.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        match w.restart_gateway(self.opts.clone()).await {
+            Ok(()) => {
+                self.gateway_starts += 1;
+                self.next_restart = None;
+                self.client_proxy.switch(w.gw().addr());
+            }
+            Err(e) => {
+                tracing::info!(error = %format!("{e:#}"), "nemesis: gateway start failed; retrying");
+                w.gw = None;
+                self.next_restart = Some(Instant::now() + Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+/// One command on the gateway's fault control socket; its reply line.
+async fn control(path: &Path, cmd: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let r = tokio::time::timeout(CONTROL_TIMEOUT, async {
+        let mut s = tokio::net::UnixStream::connect(path)
+            .await
+            .with_context(|| format!("connect {}", path.display()))?;
+        s.write_all(format!("{cmd}\n").as_bytes()).await?;
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).await?;
+        anyhow::Ok(line.trim().to_string())
+    })
+    .await
+    .with_context(|| format!("fault control `{cmd}` timed out"))??;
+    anyhow::ensure!(r.starts_with("ok"), "fault control `{cmd}`: {r}");
+    Ok(r)
+}
+
+fn gateway_signal(w: &World, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
+    let gw = w.gw.as_ref().context("no gateway running")?;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(gw.pid())?);
+    nix::sys::signal::kill(pid, sig).with_context(|| format!("kill({pid}, {sig})"))
+}
+
+/// The gateway's backends (`application_name = im-gateway`): LISTEN or not.
+async fn gateway_backends(w: &World, listen: bool) -> anyhow::Result<Vec<i32>> {
+    let pool = w.pool().await?;
+    let sql = if listen {
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'im-gateway' \
+         AND query ILIKE 'listen%' ORDER BY pid"
+    } else {
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'im-gateway' \
+         AND query NOT ILIKE 'listen%' ORDER BY pid"
+    };
+    tokio::time::timeout(QUERY_TIMEOUT, sqlx::query_scalar(sql).fetch_all(&pool))
+        .await
+        .context("pg_stat_activity timed out")?
+        .context("read pg_stat_activity")
+}
+
+async fn start_fault(
+    w: &mut World,
+    sup: &mut Supervisor,
+    devices: &[DeviceHandle],
+    f: &Fault,
+) -> anyhow::Result<Value> {
+    use nix::sys::signal::Signal;
+    match &f.kind {
+        FaultKind::GwKill => {
+            sup.down = true;
+            if let Some(gw) = w.gw.as_mut() {
+                gw.kill();
+            }
+            w.gw = None;
+            Ok(json!({"killed": true}))
+        }
+        FaultKind::GwCrashPoint { point, skip } => {
+            let r = control(&sup.control, &format!("arm {point}:halt:{skip}:1")).await?;
+            Ok(json!({"control": r}))
+        }
+        FaultKind::GwPause => {
+            gateway_signal(w, Signal::SIGSTOP)?;
+            Ok(json!({"stopped": true}))
+        }
+        FaultKind::GwFault { point, action } => {
+            let r = control(&sup.control, &format!("arm {point}:{action}")).await?;
+            Ok(json!({"control": r}))
+        }
+        FaultKind::PgCrash => {
+            w.crash_pg().await?;
+            Ok(json!({"crashed": true}))
+        }
+        FaultKind::PgPause => {
+            w.pg.pause()?;
+            Ok(json!({"stopped": true}))
+        }
+        FaultKind::PgTerminateListen => {
+            let pids = gateway_backends(w, true).await?;
+            let mut done = Vec::new();
+            for pid in pids {
+                done.push((pid, w.terminate_backend(pid).await.unwrap_or(false)));
+            }
+            Ok(json!({"terminated": done}))
+        }
+        FaultKind::PgTerminatePool { count } => {
+            let pids = gateway_backends(w, false).await?;
+            let mut done = Vec::new();
+            for pid in pids.into_iter().take(*count as usize) {
+                done.push((pid, w.terminate_backend(pid).await.unwrap_or(false)));
+            }
+            Ok(json!({"terminated": done}))
+        }
+        FaultKind::NetDb { condition } => {
+            w.db_proxy
+                .as_ref()
+                .context("no database proxy")?
+                .set_condition(*condition);
+            Ok(json!({"condition": condition}))
+        }
+        FaultKind::NetClient { condition } => {
+            sup.client_proxy.set_condition(*condition);
+            Ok(json!({"condition": condition}))
+        }
+        FaultKind::NetDbReset => {
+            w.db_proxy.as_ref().context("no database proxy")?.cut();
+            Ok(json!({"reset": true}))
+        }
+        FaultKind::NetClientReset => {
+            sup.client_proxy.cut();
+            Ok(json!({"reset": true}))
+        }
+        FaultKind::ClientCrash => {
+            let d = devices
+                .iter()
+                .find(|d| d.device == f.target)
+                .with_context(|| format!("no device {}", f.target))?;
+            d.crashed.send_replace(true);
+            Ok(json!({"crashed": f.target}))
+        }
+    }
+}
+
+async fn end_fault(
+    w: &mut World,
+    sup: &mut Supervisor,
+    devices: &[DeviceHandle],
+    f: &Fault,
+) -> anyhow::Result<Value> {
+    use nix::sys::signal::Signal;
+    match &f.kind {
+        FaultKind::GwKill => {
+            sup.down = false;
+            sup.next_restart = None;
+            sup.supervise(w).await;
+            Ok(json!({"restarted": w.gw.is_some()}))
+        }
+        FaultKind::GwCrashPoint { point, .. } | FaultKind::GwFault { point, .. } => {
+            // The gateway may have exited (the halt fired) or been replaced: nothing armed.
+            let r = control(&sup.control, &format!("disarm {point}")).await;
+            Ok(json!({"control": r.unwrap_or_else(|e| format!("{e:#}"))}))
+        }
+        FaultKind::GwPause => {
+            gateway_signal(w, Signal::SIGCONT)?;
+            Ok(json!({"continued": true}))
+        }
+        FaultKind::PgCrash => {
+            w.restart_pg().await?;
+            Ok(json!({"restarted": true}))
+        }
+        FaultKind::PgPause => {
+            w.pg.resume()?;
+            Ok(json!({"continued": true}))
+        }
+        FaultKind::NetDb { .. } => {
+            w.db_proxy
+                .as_ref()
+                .context("no database proxy")?
+                .set_condition(Condition::Pass);
+            Ok(json!({"condition": Condition::Pass}))
+        }
+        FaultKind::NetClient { .. } => {
+            sup.client_proxy.set_condition(Condition::Pass);
+            Ok(json!({"condition": Condition::Pass}))
+        }
+        FaultKind::ClientCrash => {
+            let d = devices
+                .iter()
+                .find(|d| d.device == f.target)
+                .with_context(|| format!("no device {}", f.target))?;
+            d.crashed.send_replace(false);
+            Ok(json!({"restarted": f.target}))
+        }
+        FaultKind::PgTerminateListen
+        | FaultKind::PgTerminatePool { .. }
+        | FaultKind::NetDbReset
+        | FaultKind::NetClientReset => Ok(Value::Null),
+    }
+}
+
+struct DeviceArgs {
+    device: String,
+    user: String,
+    token: String,
+    seed: u64,
+    state: PathBuf,
+    think_ms: (u64, u64),
+    shared: Arc<Shared>,
+    crashed: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+    settled: Arc<AtomicBool>,
+}
+
+/// One device: connects (again after any loss), subscribes, replays its outbox, sends a
+/// message to one of its user's conversations, thinks, and so on; crashes when told and
+/// comes back from its state file. Returns its client, still connected, at the stop.
+async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
+    let DeviceArgs {
+        device,
+        user,
+        token,
+        seed,
+        state,
+        think_ms,
+        shared,
+        mut crashed,
+        mut stop,
+        settled,
+    } = a;
+    let mut rng = super::schedule::Rng::new(seed);
+    let mut client = Some(Client::create(&state, &device, &token, 1)?);
+    let mut n: u64 = 0;
+    loop {
+        if *stop.borrow() {
+            return Ok(client);
+        }
+        if *crashed.borrow() {
+            settled.store(false, Ordering::SeqCst);
+            if let Some(c) = client.take() {
+                c.crash().await;
+            }
+            // Dead until told to come back, or the run stops (then it stays dead).
+            tokio::select! {
+                _ = crashed.wait_for(|c| !*c) => {}
+                _ = stop.wait_for(|s| *s) => return Ok(None),
+            }
+            client = Some(Client::load(&state)?);
+            continue;
+        }
+        let c = client.as_mut().expect("a live client");
+        let think = Duration::from_millis(rng.range(think_ms.0, think_ms.1));
+        let pick = rng.next_u64();
+        let convs: Vec<String> = shared
+            .membership
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&user)
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default();
+        let sending = shared.sending.load(Ordering::SeqCst);
+        if sending && !convs.is_empty() {
+            n += 1;
+        }
+        let (settled2, ws_url) = (&settled, &shared.ws_url);
+        let step = async move {
+            if !c.is_connected() || !c.is_subscribed() {
+                settled2.store(false, Ordering::SeqCst);
+                c.connect(ws_url).await?;
+                c.sub().await?;
+            }
+            if !c.outbox().is_empty() {
+                settled2.store(false, Ordering::SeqCst);
+                for r in c.replay_outbox(REQUEST_TIMEOUT).await {
+                    if let Err(e) = r {
+                        if !e.is_terminal_for_send() {
+                            return Err(e);
+                        }
+                    }
+                }
+                return Ok(());
+            }
+            if sending {
+                if !convs.is_empty() {
+                    let conv = &convs[(pick % convs.len() as u64) as usize];
+                    let cmid = format!("{device}-{n}", device = c.device());
+                    match c.send(conv, &cmid, &format!("m{n}"), REQUEST_TIMEOUT).await {
+                        Ok(_) => {}
+                        Err(e) if e.is_terminal_for_send() => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+            } else {
+                settled2.store(
+                    c.is_connected() && c.is_subscribed() && c.outbox().is_empty(),
+                    Ordering::SeqCst,
+                );
+            }
+            tokio::time::sleep(think).await;
+            Ok::<(), ClientError>(())
+        };
+        let failed = tokio::select! {
+            r = step => r.is_err(),
+            _ = crashed.changed() => false,
+            _ = stop.changed() => false,
+        };
+        if failed {
+            settled.store(false, Ordering::SeqCst);
+            // Back off a little before the next attempt (any loss: reconnect).
+            tokio::time::sleep(Duration::from_millis(50 + rng.range(0, 150))).await;
+        }
+    }
+}
+
+/// The history of a finished run, for the report.
+pub fn read_history(dir: &Path) -> Vec<crate::history::Entry> {
+    crate::history::read(&dir.join("history.jsonl")).unwrap_or_default()
+}

@@ -1,0 +1,293 @@
+//! Shrinking a failing schedule (issue 10): remove faults (halves, then quarters, down to
+//! single faults, as delta debugging does), then membership changes, then shorten the
+//! workload, re-running each candidate `reps` times (timing matters: a candidate keeps
+//! failing if any of its runs shows an anomaly of a kind the original showed), until no
+//! single fault can be removed without the anomaly disappearing (1-minimal).
+//!
+//! The runs are the caller's ([`shrink`] takes a closure), so the search is tested here on
+//! a model without processes.
+
+use super::schedule::Schedule;
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use std::future::Future;
+
+/// How hard to try.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ShrinkOpts {
+    /// Runs per candidate; the candidate fails if any run fails.
+    pub reps: u32,
+    /// Runs in all, at most.
+    pub max_runs: u32,
+}
+
+impl Default for ShrinkOpts {
+    fn default() -> Self {
+        ShrinkOpts {
+            reps: 2,
+            max_runs: 40,
+        }
+    }
+}
+
+/// What the shrinker found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Shrunk {
+    /// The smallest schedule that still failed.
+    pub minimal: Schedule,
+    /// Whether every single fault of `minimal` was tried for removal (false when the run
+    /// budget ended first).
+    pub one_minimal: bool,
+    pub runs: u32,
+    /// Each candidate: its faults, duration, runs and whether it still failed.
+    pub attempts: Vec<Value>,
+    /// `make repro FAULT=…` when the minimal schedule is one fault point.
+    pub repro: Option<String>,
+}
+
+/// Shrinks `original` (which failed with anomalies of `kinds`). `run` runs one schedule
+/// and returns the anomaly kinds it observed (empty: it passed).
+pub async fn shrink<F, Fut>(
+    original: &Schedule,
+    kinds: &BTreeSet<String>,
+    opts: ShrinkOpts,
+    mut run: F,
+) -> Shrunk
+where
+    F: FnMut(Schedule) -> Fut,
+    Fut: Future<Output = BTreeSet<String>>,
+{
+    let mut best = original.clone();
+    let mut runs = 0u32;
+    let mut attempts = Vec::new();
+    // Whether `cand` still fails, within the budget (None: budget spent).
+    let mut still_fails = async |cand: &Schedule, runs: &mut u32, attempts: &mut Vec<Value>| {
+        let mut failed = false;
+        let mut tried = 0;
+        for _ in 0..opts.reps {
+            if *runs >= opts.max_runs {
+                break;
+            }
+            *runs += 1;
+            tried += 1;
+            let seen = run(cand.clone()).await;
+            if seen.iter().any(|k| kinds.contains(k)) {
+                failed = true;
+                break;
+            }
+        }
+        attempts.push(json!({
+            "faults": cand.faults.iter().map(|f| f.id).collect::<Vec<_>>(),
+            "membership_changes": cand.workload.membership.len(),
+            "duration_ms": cand.options.duration_ms,
+            "runs": tried,
+            "still_fails": failed,
+        }));
+        if tried == 0 {
+            None
+        } else {
+            Some(failed)
+        }
+    };
+
+    // 1. Faults, by delta debugging (ddmin's complement step).
+    let mut n = 2usize;
+    let mut budget_out = false;
+    'dd: while !best.faults.is_empty() {
+        let len = best.faults.len();
+        let n_eff = n.min(len);
+        let chunk = len.div_ceil(n_eff);
+        let mut reduced = false;
+        for c in 0..n_eff {
+            let lo = c * chunk;
+            if lo >= len {
+                break;
+            }
+            let hi = (lo + chunk).min(len);
+            let mut cand = best.clone();
+            cand.faults.drain(lo..hi);
+            match still_fails(&cand, &mut runs, &mut attempts).await {
+                None => {
+                    budget_out = true;
+                    break 'dd;
+                }
+                Some(true) => {
+                    best = cand;
+                    n = (n_eff - 1).max(2);
+                    reduced = true;
+                    break;
+                }
+                Some(false) => {}
+            }
+        }
+        if !reduced {
+            if n_eff >= len {
+                break; // every single fault was tried: 1-minimal
+            }
+            n = (n_eff * 2).min(len);
+        }
+    }
+    let one_minimal = !budget_out;
+
+    // 2. Membership changes, all at once.
+    if !budget_out && !best.workload.membership.is_empty() {
+        let mut cand = best.clone();
+        cand.workload.membership.clear();
+        if still_fails(&cand, &mut runs, &mut attempts).await == Some(true) {
+            best = cand;
+        }
+    }
+    // 3. A shorter workload: halve while it still fails, never cutting a fault off.
+    while !budget_out {
+        let last = best.faults.iter().map(|f| f.end_ms).max().unwrap_or(0);
+        let target = (best.options.duration_ms / 2).max(last + 300).max(1000);
+        if target >= best.options.duration_ms {
+            break;
+        }
+        let mut cand = best.clone();
+        cand.options.duration_ms = target;
+        cand.workload.membership.retain(|m| m.at_ms < target);
+        match still_fails(&cand, &mut runs, &mut attempts).await {
+            Some(true) => best = cand,
+            _ => break,
+        }
+    }
+    let repro = match best.faults.as_slice() {
+        [f] => f
+            .kind
+            .im_fault()
+            .map(|spec| format!("make repro FAULT='{spec}'")),
+        _ => None,
+    };
+    Shrunk {
+        minimal: best,
+        one_minimal,
+        runs,
+        attempts,
+        repro,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nemesis::schedule::{generate, Options};
+
+    fn model(need: &'static [u32]) -> impl FnMut(Schedule) -> std::future::Ready<BTreeSet<String>> {
+        move |s: Schedule| {
+            let ids: BTreeSet<u32> = s.faults.iter().map(|f| f.id).collect();
+            let fails = need.iter().all(|i| ids.contains(i));
+            std::future::ready(if fails {
+                BTreeSet::from(["lost".to_string()])
+            } else {
+                BTreeSet::new()
+            })
+        }
+    }
+
+    /// A failure that needs faults 1 and 4 together shrinks to exactly those two, with
+    /// the workload shortened to just past them.
+    #[tokio::test]
+    async fn shrinks_to_the_faults_that_matter() {
+        let opts = Options {
+            faults: 8,
+            ..Options::default()
+        };
+        let s = (0..100)
+            .map(|seed| generate(seed, &opts).unwrap())
+            .find(|s| s.faults.len() == 8)
+            .expect("a seed with 8 faults");
+        let kinds = BTreeSet::from(["lost".to_string()]);
+        let r = shrink(
+            &s,
+            &kinds,
+            ShrinkOpts {
+                reps: 1,
+                max_runs: 100,
+            },
+            model(&[1, 4]),
+        )
+        .await;
+        let ids: Vec<u32> = r.minimal.faults.iter().map(|f| f.id).collect();
+        assert_eq!(ids.len(), 2, "{ids:?}");
+        assert!(ids.contains(&1) && ids.contains(&4), "{ids:?}");
+        assert!(r.one_minimal);
+        assert!(r.minimal.workload.membership.is_empty());
+        let last = r.minimal.faults.iter().map(|f| f.end_ms).max().unwrap();
+        assert!(
+            r.minimal.options.duration_ms < s.options.duration_ms
+                || last + 300 >= s.options.duration_ms / 2
+        );
+        r.minimal.validate().unwrap();
+        assert!(r.repro.is_none());
+    }
+
+    /// A failure of one fault point shrinks to it and names the repro line; a budget too
+    /// small is reported as not 1-minimal; an anomaly of another kind does not count.
+    #[tokio::test]
+    async fn one_fault_gives_a_repro_line_and_budgets_hold() {
+        let opts = Options {
+            kinds: vec!["gw-crash-point".into(), "pg-pause".into(), "net-db".into()],
+            faults: 6,
+            ..Options::default()
+        };
+        let s = (0..200)
+            .map(|seed| generate(seed, &opts).unwrap())
+            .find(|s| {
+                s.faults.len() >= 4 && s.faults.iter().any(|f| f.kind.name() == "gw-crash-point")
+            })
+            .expect("a seed with a crash point");
+        let target = s
+            .faults
+            .iter()
+            .find(|f| f.kind.name() == "gw-crash-point")
+            .unwrap()
+            .id;
+        let need: &'static [u32] = Box::leak(vec![target].into_boxed_slice());
+        let kinds = BTreeSet::from(["lost".to_string()]);
+        let r = shrink(
+            &s,
+            &kinds,
+            ShrinkOpts {
+                reps: 1,
+                max_runs: 100,
+            },
+            model(need),
+        )
+        .await;
+        assert_eq!(r.minimal.faults.len(), 1);
+        assert!(
+            r.repro
+                .as_deref()
+                .unwrap()
+                .starts_with("make repro FAULT='"),
+            "{:?}",
+            r.repro
+        );
+        let r = shrink(
+            &s,
+            &kinds,
+            ShrinkOpts {
+                reps: 1,
+                max_runs: 1,
+            },
+            model(need),
+        )
+        .await;
+        assert!(!r.one_minimal);
+        assert_eq!(r.runs, 1);
+        let other = BTreeSet::from(["duplicated".to_string()]);
+        let r = shrink(
+            &s,
+            &other,
+            ShrinkOpts {
+                reps: 1,
+                max_runs: 100,
+            },
+            model(need),
+        )
+        .await;
+        assert_eq!(r.minimal.faults.len(), s.faults.len(), "nothing removable");
+    }
+}

@@ -1,0 +1,496 @@
+//! `make nemesis`: seeded random fault schedules over a live workload (issue 10). Each seed's
+//! schedule (`schedule.json`) is generated from the seed and the options alone, carried out
+//! on the real gateway binary and a throwaway cluster, healed, and judged by the checker
+//! over the whole history. A failing seed keeps its artefacts (`history.jsonl`,
+//! `schedule.json`, `result.json`, `report.html`, logs) and, with `--shrink`, is shrunk to a
+//! 1-minimal schedule (`minimal.json`); passing seeds keep nothing but their line in the
+//! summary unless `--keep-passing`, so `--seeds 1000` does not fill the disk.
+//!
+//! Exit status: 0 every run passed, 1 a run failed (anomalies) or could not be judged,
+//! 2 usage error, 3 nothing could be run.
+
+use anyhow::Context;
+use clap::Parser;
+use harness::nemesis::shrink::{shrink, ShrinkOpts, Shrunk};
+use harness::nemesis::{generate, run, Options, Outcome, Schedule};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// Seeded random fault schedules over a live workload, judged by the history checker.
+#[derive(Parser, Debug)]
+#[command(
+    name = "nemesis",
+    after_help = concat!(
+        include_str!("harness_env.txt"),
+        "
+Each run prints its seed and the one-line command that repeats it.
+Output per run: OUT/seed-N/ (or OUT/replay-K/) with schedule.json, history.jsonl,
+result.json, report.html, logs/; kept only for failing runs unless --keep-passing.
+--summary FILE writes the summary of all runs (format: evidence/README.md, \"nemesis\").
+Exit status: 0 every run passed, 1 a run failed or could not be judged, 2 usage error,
+3 nothing could be run.
+Examples: make nemesis  |  make nemesis SEEDS=1000  |  target/debug/nemesis --seed 7
+          target/debug/nemesis --replay target/nemesis/seed-7/schedule.json --replays 10"
+    )
+)]
+struct Args {
+    /// Run exactly this seed (same as --first-seed S --seeds 1).
+    #[arg(long, conflicts_with_all = ["first_seed", "replay"])]
+    seed: Option<u64>,
+    /// The first seed of a series.
+    #[arg(long, default_value_t = 1)]
+    first_seed: u64,
+    /// How many seeds (default 20; 1 with --seed).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    seeds: Option<u64>,
+    /// Length of the faulty phase of each run, milliseconds.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1000..=600_000))]
+    duration: Option<u64>,
+    /// Faults per schedule (at most).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=200))]
+    faults: Option<u32>,
+    /// Only these fault kinds (comma-separated; default all): gw-kill, gw-crash-point,
+    /// gw-pause, gw-fault, pg-crash, pg-pause, pg-terminate-listen, pg-terminate-pool,
+    /// net-db, net-client, net-db-reset, net-client-reset, client-crash.
+    #[arg(long, value_delimiter = ',')]
+    kinds: Vec<String>,
+    /// Run this schedule.json exactly (its seed and options are in it).
+    #[arg(long, value_name = "FILE")]
+    replay: Option<PathBuf>,
+    /// With --replay: run it this many times and count how many fail.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    replays: u32,
+    /// Shrink each failing run to a 1-minimal schedule (minimal.json).
+    #[arg(long)]
+    shrink: bool,
+    /// Runs per shrink candidate (it still fails if any of them fails).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=20))]
+    shrink_reps: u32,
+    /// Runs a shrink may make in all.
+    #[arg(long, default_value_t = 40, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    shrink_runs: u32,
+    /// Stop at the first failing seed (the controls' use: is this bug caught at all?).
+    #[arg(long)]
+    stop_at_first_failure: bool,
+    /// Where the runs' directories go.
+    #[arg(long, default_value = "target/nemesis")]
+    out: PathBuf,
+    /// Write the summary of all runs here (make nemesis: evidence/nemesis/result.json).
+    #[arg(long, value_name = "FILE")]
+    summary: Option<PathBuf>,
+    /// Keep the artefacts of passing runs too.
+    #[arg(long)]
+    keep_passing: bool,
+}
+
+/// One run in the summary.
+#[derive(Serialize, Clone)]
+struct RunLine {
+    seed: u64,
+    verdict: String,
+    error: Option<String>,
+    repeat: String,
+    anomalies: BTreeMap<String, u64>,
+    faults: BTreeMap<String, u64>,
+    /// Client operations by how they ended.
+    ops: BTreeMap<String, harness::checker::OpCounts>,
+    gateway_starts: u64,
+    repair_ms: harness::checker::Quantiles,
+    wall_ms: u64,
+    /// The run's directory, when kept.
+    dir: Option<String>,
+}
+
+#[derive(Serialize, Clone)]
+struct ShrinkLine {
+    seed: u64,
+    minimal: String,
+    faults: Vec<Value>,
+    duration_ms: u64,
+    one_minimal: bool,
+    runs: u32,
+    repro: Option<String>,
+    repeat: String,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    schema_version: u32,
+    /// `PASS` when every run passed.
+    verdict: String,
+    generated_at: String,
+    command: String,
+    /// The deliberate bug of this process (`IM_BUG`), if any.
+    bug: Option<String>,
+    options: Options,
+    runs: u64,
+    pass: u64,
+    fail: u64,
+    error: u64,
+    wall_s: f64,
+    anomalies_by_kind: BTreeMap<String, u64>,
+    faults_by_kind: BTreeMap<String, u64>,
+    /// Client operations over all runs, by how they ended.
+    ops: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Repair time (store by sync minus send ok) over runs: the per-run p50s' median and
+    /// the largest per-run maximum, in ms, and how many repairs.
+    repair_ms: Value,
+    per_run: Vec<RunLine>,
+    shrunk: Vec<ShrinkLine>,
+}
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("nemesis: cannot start the runtime: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    match rt.block_on(main_async(args)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("nemesis: {e:#}");
+            ExitCode::from(3)
+        }
+    }
+}
+
+fn options(args: &Args) -> Options {
+    let mut o = Options::default();
+    if let Some(d) = args.duration {
+        o.duration_ms = d;
+    }
+    if let Some(f) = args.faults {
+        o.faults = f;
+    }
+    o.kinds = args.kinds.clone();
+    o
+}
+
+/// The command that generates the same schedule and runs it again.
+fn repeat_seed(seed: u64, o: &Options) -> String {
+    let d = Options::default();
+    let mut s = String::new();
+    if let Ok(bug) = std::env::var("IM_BUG") {
+        if !bug.trim().is_empty() {
+            s.push_str(&format!("IM_BUG={} ", bug.trim()));
+        }
+    }
+    s.push_str(&format!("target/debug/nemesis --seed {seed}"));
+    if o.duration_ms != d.duration_ms {
+        s.push_str(&format!(" --duration {}", o.duration_ms));
+    }
+    if o.faults != d.faults {
+        s.push_str(&format!(" --faults {}", o.faults));
+    }
+    if !o.kinds.is_empty() {
+        s.push_str(&format!(" --kinds {}", o.kinds.join(",")));
+    }
+    s
+}
+
+fn repeat_replay(file: &Path) -> String {
+    let mut s = String::new();
+    if let Ok(bug) = std::env::var("IM_BUG") {
+        if !bug.trim().is_empty() {
+            s.push_str(&format!("IM_BUG={} ", bug.trim()));
+        }
+    }
+    s.push_str(&format!("target/debug/nemesis --replay {}", file.display()));
+    s
+}
+
+fn kinds_of(o: &Outcome) -> BTreeSet<String> {
+    o.anomalies.keys().cloned().collect()
+}
+
+async fn main_async(args: Args) -> anyhow::Result<bool> {
+    let opts = options(&args);
+    // Validate the options once (a bad kind is a usage error before anything starts).
+    generate(1, &opts)?;
+    std::fs::create_dir_all(&args.out).with_context(|| format!("create {}", args.out.display()))?;
+    let t0 = Instant::now();
+    let mut plan: Vec<(String, Schedule, String)> = Vec::new(); // (dir name, schedule, repeat)
+    if let Some(file) = &args.replay {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("read {}", file.display()))?;
+        let s = Schedule::from_json(&text).with_context(|| format!("{}", file.display()))?;
+        // Copy it first: the run directories below may be where it came from.
+        let kept = args.out.join(format!("replayed-seed-{}.json", s.seed));
+        std::fs::write(&kept, s.to_json())?;
+        for k in 1..=args.replays {
+            plan.push((format!("replay-{k}"), s.clone(), repeat_replay(&kept)));
+        }
+    } else {
+        let (first, n) = match args.seed {
+            Some(s) => (s, args.seeds.unwrap_or(1)),
+            None => (args.first_seed, args.seeds.unwrap_or(20)),
+        };
+        for seed in first..first.saturating_add(n) {
+            plan.push((
+                format!("seed-{seed}"),
+                generate(seed, &opts)?,
+                repeat_seed(seed, &opts),
+            ));
+        }
+    }
+    let total = plan.len();
+    let mut lines: Vec<RunLine> = Vec::new();
+    let mut shrunk: Vec<ShrinkLine> = Vec::new();
+    let mut all_pass = true;
+    for (k, (name, schedule, repeat)) in plan.into_iter().enumerate() {
+        let dir = args.out.join(&name);
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("remove {}", dir.display()))?;
+        }
+        println!("nemesis: seed {} ({name}): {repeat}", schedule.seed);
+        let o = run(&schedule, &dir, repeat.clone()).await;
+        let keep = o.failed() || args.keep_passing;
+        let elapsed = t0.elapsed().as_secs_f64();
+        let eta = elapsed / (k + 1) as f64 * (total - k - 1) as f64;
+        println!(
+            "[{:>4}/{total}] seed {}: {}{} ({} faults, {} ops, {} gateway starts, {:.1} s) | {:.0} s elapsed, ~{:.0} s left",
+            k + 1,
+            o.seed,
+            o.verdict,
+            if o.anomalies.is_empty() { String::new() } else { format!(" {:?}", o.anomalies) },
+            schedule.faults.len(),
+            o.ops.values().map(|c| c.invoke).sum::<u64>(),
+            o.gateway_starts,
+            o.wall_ms as f64 / 1000.0,
+            elapsed,
+            eta
+        );
+        if let Some(e) = &o.error {
+            println!("         error: {e}");
+        }
+        if keep {
+            println!("         kept: {}", dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        lines.push(RunLine {
+            seed: o.seed,
+            verdict: o.verdict.clone(),
+            error: o.error.clone(),
+            repeat: o.repeat.clone(),
+            anomalies: o.anomalies.clone(),
+            faults: o.faults.clone(),
+            ops: o.ops.clone(),
+            gateway_starts: o.gateway_starts,
+            repair_ms: o.repair_ms.clone(),
+            wall_ms: o.wall_ms,
+            dir: keep.then(|| dir.display().to_string()),
+        });
+        if o.failed() {
+            all_pass = false;
+            if args.shrink && o.verdict == "FAIL" && args.replay.is_none() {
+                let s = do_shrink(&args, &schedule, &o, &dir).await?;
+                shrunk.push(s);
+            }
+        }
+        if let Some(path) = &args.summary {
+            write_summary(path, &opts, &lines, &shrunk, t0)?;
+        }
+        if o.failed() && args.stop_at_first_failure {
+            break;
+        }
+    }
+    let fails = lines.iter().filter(|l| l.verdict != "PASS").count();
+    println!(
+        "nemesis: {} runs, {} passed, {} failed or not judged, {:.0} s{}",
+        lines.len(),
+        lines.len() - fails,
+        fails,
+        t0.elapsed().as_secs_f64(),
+        args.summary
+            .as_ref()
+            .map(|p| format!("; summary: {}", p.display()))
+            .unwrap_or_default()
+    );
+    Ok(all_pass)
+}
+
+async fn do_shrink(
+    args: &Args,
+    schedule: &Schedule,
+    o: &Outcome,
+    dir: &Path,
+) -> anyhow::Result<ShrinkLine> {
+    let kinds = kinds_of(o);
+    println!(
+        "nemesis: shrinking seed {} ({} faults; keeps anomalies of {:?}; {} runs per candidate, {} at most)",
+        schedule.seed,
+        schedule.faults.len(),
+        kinds,
+        args.shrink_reps,
+        args.shrink_runs
+    );
+    let work = dir.join("shrink");
+    let mut n = 0u32;
+    let r: Shrunk = shrink(
+        schedule,
+        &kinds,
+        ShrinkOpts {
+            reps: args.shrink_reps,
+            max_runs: args.shrink_runs,
+        },
+        |cand: Schedule| {
+            n += 1;
+            let d = work.join(format!("try-{n}"));
+            async move {
+                let o = run(&cand, &d, String::new()).await;
+                let seen = kinds_of(&o);
+                println!(
+                    "  try {n}: faults {:?}, {} ms: {} {:?}",
+                    cand.faults.iter().map(|f| f.id).collect::<Vec<_>>(),
+                    cand.options.duration_ms,
+                    o.verdict,
+                    o.anomalies
+                );
+                let _ = std::fs::remove_dir_all(&d);
+                seen
+            }
+        },
+    )
+    .await;
+    let minimal_path = dir.join("minimal.json");
+    std::fs::write(&minimal_path, r.minimal.to_json())?;
+    std::fs::write(
+        dir.join("shrink.json"),
+        serde_json::to_string_pretty(&json!({"runs": r.runs, "one_minimal": r.one_minimal,
+            "attempts": r.attempts, "repro": r.repro}))?
+            + "\n",
+    )?;
+    let _ = std::fs::remove_dir_all(&work);
+    let repeat = repeat_replay(&minimal_path);
+    println!(
+        "nemesis: seed {} shrunk to {} fault(s) in {} ms ({} runs{}): {}",
+        schedule.seed,
+        r.minimal.faults.len(),
+        r.minimal.options.duration_ms,
+        r.runs,
+        if r.one_minimal {
+            ", 1-minimal"
+        } else {
+            ", run budget spent"
+        },
+        minimal_path.display()
+    );
+    for f in &r.minimal.faults {
+        println!("  {}", serde_json::to_string(f)?);
+    }
+    println!("  repeat: {repeat}");
+    if let Some(line) = &r.repro {
+        println!("  the same as one fault point: {line}");
+    }
+    Ok(ShrinkLine {
+        seed: schedule.seed,
+        minimal: minimal_path.display().to_string(),
+        faults: r
+            .minimal
+            .faults
+            .iter()
+            .map(|f| serde_json::to_value(f).unwrap_or(Value::Null))
+            .collect(),
+        duration_ms: r.minimal.options.duration_ms,
+        one_minimal: r.one_minimal,
+        runs: r.runs,
+        repro: r.repro,
+        repeat,
+    })
+}
+
+fn write_summary(
+    path: &Path,
+    opts: &Options,
+    lines: &[RunLine],
+    shrunk: &[ShrinkLine],
+    t0: Instant,
+) -> anyhow::Result<()> {
+    let mut anomalies = BTreeMap::new();
+    let mut faults = BTreeMap::new();
+    let mut ops: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    let mut p50s = Vec::new();
+    let mut max: Option<f64> = None;
+    let mut repairs = 0;
+    for l in lines {
+        for (k, n) in &l.anomalies {
+            *anomalies.entry(k.clone()).or_insert(0) += n;
+        }
+        for (k, n) in &l.faults {
+            *faults.entry(k.clone()).or_insert(0) += n;
+        }
+        for (op, c) in &l.ops {
+            let e = ops.entry(op.clone()).or_default();
+            for (how, n) in [
+                ("invoke", c.invoke),
+                ("ok", c.ok),
+                ("fail", c.fail),
+                ("info", c.info),
+            ] {
+                *e.entry(how.to_string()).or_insert(0) += n;
+            }
+        }
+        repairs += l.repair_ms.n;
+        if let Some(p) = l.repair_ms.p50 {
+            p50s.push(p);
+        }
+        if let Some(m) = l.repair_ms.max {
+            max = Some(max.map_or(m, |x: f64| x.max(m)));
+        }
+    }
+    p50s.sort_by(f64::total_cmp);
+    let pass = lines.iter().filter(|l| l.verdict == "PASS").count() as u64;
+    let fail = lines.iter().filter(|l| l.verdict == "FAIL").count() as u64;
+    let error = lines.iter().filter(|l| l.verdict == "ERROR").count() as u64;
+    let s = Summary {
+        schema_version: 1,
+        verdict: if pass == lines.len() as u64 {
+            "PASS"
+        } else {
+            "FAIL"
+        }
+        .into(),
+        generated_at: harness::util::rfc3339_now(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        bug: std::env::var("IM_BUG")
+            .ok()
+            .filter(|b| !b.trim().is_empty()),
+        options: opts.clone(),
+        runs: lines.len() as u64,
+        pass,
+        fail,
+        error,
+        wall_s: (t0.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+        anomalies_by_kind: anomalies,
+        faults_by_kind: faults,
+        ops,
+        repair_ms: json!({"repairs": repairs,
+            "median_of_run_p50": harness::util::nearest_rank(&p50s, 0.5),
+            "max": max}),
+        per_run: lines.to_vec(),
+        shrunk: shrunk.to_vec(),
+    };
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    harness::util::write_atomic(path, (serde_json::to_string_pretty(&s)? + "\n").as_bytes())
+}
