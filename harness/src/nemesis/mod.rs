@@ -2,10 +2,10 @@
 //! gateway binary and a throwaway cluster; exact replay of a recorded schedule; shrinking
 //! of a failing one; a timeline report per run.
 //!
-//! - [`schedule`]: the schedule as data, generated only from the seed and the options;
-//! - [`runner`]: one schedule carried out and judged by the checker (`result.json`);
-//! - [`shrink`]: a failing schedule reduced to a 1-minimal one (`minimal.json`);
-//! - [`report`]: `report.html`.
+//! - [`schedule`] holds the schedule as data, generated only from the seed and the options;
+//! - [`runner`] carries out one schedule and has the checker judge it (`result.json`);
+//! - [`shrink`] reduces a failing schedule to a 1-minimal one (`minimal.json`);
+//! - [`report`] writes `report.html`.
 //!
 //! `scenarios/src/bin/nemesis.rs` (`make nemesis`) is the command line over these.
 

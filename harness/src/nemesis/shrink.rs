@@ -140,6 +140,7 @@ where
     }
     // 3. A shorter workload: halve while it still fails, never cutting a fault off.
     while !budget_out {
+        budget_out = runs >= opts.max_runs;
         let last = best.faults.iter().map(|f| f.end_ms).max().unwrap_or(0);
         let target = (best.options.duration_ms / 2).max(last + 300).max(1000);
         if target >= best.options.duration_ms {

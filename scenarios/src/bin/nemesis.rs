@@ -226,6 +226,10 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
     // Validate the options once (a bad kind is a usage error before anything starts).
     generate(1, &opts)?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("create {}", args.out.display()))?;
+    // A missing, stale or fault-less gateway binary stops everything before the first run.
+    tokio::task::spawn_blocking(harness::gateway::require_faults)
+        .await
+        .context("join the gateway binary check")??;
     let t0 = Instant::now();
     let mut plan: Vec<(String, Schedule, String)> = Vec::new(); // (dir name, schedule, repeat)
     if let Some(file) = &args.replay {
