@@ -44,7 +44,12 @@ struct Band {
 fn bands(h: &[Entry], end: f64) -> Vec<Band> {
     let mut open: HashMap<u64, (String, String, f64)> = HashMap::new();
     let mut out = Vec::new();
-    for e in h.iter().filter(|e| e.kind == Type::Nemesis) {
+    // Markers, not periods: drawn on the harness lane instead.
+    let markers = ["gateway-start", "gateway-exit", "nemesis-start"];
+    for e in h
+        .iter()
+        .filter(|e| e.kind == Type::Nemesis && !markers.contains(&e.op.as_str()))
+    {
         let phase = e.value.get("phase").and_then(|v| v.as_str()).unwrap_or("");
         let kind = if e.op == "fault" {
             e.value

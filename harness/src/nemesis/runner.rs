@@ -161,9 +161,17 @@ async fn run_inner(
         )],
         ..Default::default()
     };
+    if schedule.needs_lazyfs() {
+        crate::lazyfs::LazyFs::available()
+            .map_err(|why| anyhow::anyhow!("a pg-power-cut fault needs the LazyFS layer: {why}"))?;
+    }
     let mut w = World::start_with(
         WorldOpts {
             db_proxy: true,
+            cluster: crate::pg::ClusterOpts {
+                lazyfs: schedule.needs_lazyfs(),
+                ..Default::default()
+            },
             ..Default::default()
         },
         opts.clone(),
@@ -597,6 +605,10 @@ async fn start_fault(
             w.pg.pause()?;
             Ok(json!({"stopped": true}))
         }
+        FaultKind::PgPowerCut => {
+            let cut = w.power_cut_pg().await?;
+            Ok(json!({"pages_dropped": cut.pages_dropped, "files_dropped": cut.files_dropped}))
+        }
         FaultKind::PgTerminateListen => {
             let pids = gateway_backends(w, true).await?;
             let mut done = Vec::new();
@@ -666,7 +678,7 @@ async fn end_fault(
             gateway_signal(w, Signal::SIGCONT)?;
             Ok(json!({"continued": true}))
         }
-        FaultKind::PgCrash => {
+        FaultKind::PgCrash | FaultKind::PgPowerCut => {
             w.restart_pg().await?;
             Ok(json!({"restarted": true}))
         }

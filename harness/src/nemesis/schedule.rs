@@ -103,6 +103,7 @@ pub const KINDS: &[&str] = &[
     "gw-fault",
     "pg-crash",
     "pg-pause",
+    "pg-power-cut",
     "pg-terminate-listen",
     "pg-terminate-pool",
     "net-db",
@@ -158,6 +159,10 @@ pub enum FaultKind {
     PgCrash,
     /// SIGSTOP every PostgreSQL process at `at_ms`, SIGCONT at `end_ms`.
     PgPause,
+    /// A power cut at `at_ms` (the LazyFS layer: every PostgreSQL process killed at once,
+    /// writes not yet fsynced thrown away), started again (recovery) at `end_ms`. Needs
+    /// FUSE: a schedule with one runs its cluster on the LazyFS layer.
+    PgPowerCut,
     /// `pg_terminate_backend` on the gateway's LISTEN connection (instant).
     PgTerminateListen,
     /// `pg_terminate_backend` on `count` of the gateway's other connections (instant).
@@ -185,6 +190,7 @@ impl FaultKind {
             FaultKind::GwFault { .. } => "gw-fault",
             FaultKind::PgCrash => "pg-crash",
             FaultKind::PgPause => "pg-pause",
+            FaultKind::PgPowerCut => "pg-power-cut",
             FaultKind::PgTerminateListen => "pg-terminate-listen",
             FaultKind::PgTerminatePool { .. } => "pg-terminate-pool",
             FaultKind::NetDb { .. } => "net-db",
@@ -203,7 +209,9 @@ impl FaultKind {
                 Some("gateway".into())
             }
             FaultKind::GwFault { point, .. } => Some(format!("point:{point}")),
-            FaultKind::PgCrash | FaultKind::PgPause => Some("postgres".into()),
+            FaultKind::PgCrash | FaultKind::PgPause | FaultKind::PgPowerCut => {
+                Some("postgres".into())
+            }
             FaultKind::NetDb { .. } => Some("net-db".into()),
             FaultKind::NetClient { .. } => Some("net-client".into()),
             FaultKind::ClientCrash => Some(format!("device:{target}")),
@@ -334,6 +342,11 @@ impl Schedule {
         Ok(())
     }
 
+    /// Whether a fault needs the LazyFS layer under the cluster.
+    pub fn needs_lazyfs(&self) -> bool {
+        self.faults.iter().any(|f| f.kind == FaultKind::PgPowerCut)
+    }
+
     /// Every device, in order.
     pub fn devices(&self) -> Vec<String> {
         self.workload
@@ -442,15 +455,27 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
         .collect();
     let devices: Vec<String> = users.iter().flat_map(|u| u.devices.clone()).collect();
 
-    // Faults: a kind, a start in the first 80% of the workload, a length of 0.2 to 2 s
+    // Faults: a kind, a start between 5% and 95% of the workload, a length of 0.2 to 2 s
     // (kept inside the workload), redrawn a few times when its resource is busy.
+    // In half the schedules the last fault is a tail fault: it starts in the last 15% and
+    // lasts to the end of the traffic, so what it loses has no later message to reveal it
+    // (D5: only the sweep and the heal's reconnections repair it).
+    let tail = opts.faults > 0 && fr.chance(1, 2);
     let mut faults: Vec<Fault> = Vec::new();
     let mut id = 0;
-    for _ in 0..opts.faults {
+    for k in 0..opts.faults {
+        let is_tail = tail && k + 1 == opts.faults;
         for _attempt in 0..8 {
             let kind_name = *fr.pick(&kinds);
-            let at_ms = fr.range(opts.duration_ms / 20, opts.duration_ms * 8 / 10);
-            let len = fr.range(200, 2000);
+            let (at_ms, len) = if is_tail {
+                let at = fr.range(opts.duration_ms * 85 / 100, opts.duration_ms * 95 / 100);
+                (at, opts.duration_ms - at)
+            } else {
+                (
+                    fr.range(opts.duration_ms / 20, opts.duration_ms * 19 / 20),
+                    fr.range(200, 2000),
+                )
+            };
             let end_ms = (at_ms + len).min(opts.duration_ms);
             let (kind, target, instant) = draw_kind(kind_name, &mut fr, &devices);
             let end_ms = if instant { at_ms } else { end_ms };
@@ -530,6 +555,7 @@ fn draw_kind(name: &str, r: &mut Rng, devices: &[String]) -> (FaultKind, String,
         }
         "pg-crash" => (FaultKind::PgCrash, "postgres".into(), false),
         "pg-pause" => (FaultKind::PgPause, "postgres".into(), false),
+        "pg-power-cut" => (FaultKind::PgPowerCut, "postgres".into(), false),
         "pg-terminate-listen" => (FaultKind::PgTerminateListen, "postgres".into(), true),
         "pg-terminate-pool" => (
             FaultKind::PgTerminatePool {
