@@ -237,6 +237,11 @@ async fn drive(
             m.entry(u.clone()).or_default().insert(c.id.clone());
         }
     }
+    if schedule.needs_lazyfs() {
+        // The schema and the provisioning are on disk before the clock starts, as on a
+        // server that has run for a while: a power cut judges what the run writes.
+        w.pg.settle().await?;
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut devices = Vec::new();
     for (device, seed) in &schedule.workload.device_seeds {
