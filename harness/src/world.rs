@@ -2,8 +2,9 @@
 //! admin and database look-ups scenarios need (users, devices, conversations, event
 //! counts, cursors, heads).
 //!
-//! Owns: the pairing of one `pg::Cluster` with the current `gateway::Gateway`, their
-//! drop order (gateway first), a cached check pool, the run's history (`history.jsonl` in
+//! Owns: the pairing of one `pg::Cluster` with its gateways (the first, `gw`, and any
+//! further ones on the same database, issue 12: [`World::start_gateway`]), their drop
+//! order (gateways first), a cached check pool, the run's history (`history.jsonl` in
 //! the cluster's work dir: every nemesis action taken through the world is recorded
 //! there), the cursor audit the checker reads, and the final read that the checker judges
 //! ([`World::judge`]). Must not: speak the WebSocket protocol (`crate::client`).
@@ -49,8 +50,11 @@ CREATE TRIGGER imfault_cursor_audit AFTER INSERT OR UPDATE ON device_cursors
 /// A migrated cluster and a gateway serving it. Fields drop in declaration order: the
 /// gateway is killed before the database goes away.
 pub struct World {
-    /// The current gateway; `None` only if a test took it out.
+    /// The current gateway (gateway 0); `None` only if a test took it out.
     pub gw: Option<Gateway>,
+    /// Further gateway processes on the same database (gateways 1, 2, …), each with the
+    /// options it was started with ([`World::start_gateway`]).
+    more: Vec<(Gateway, GatewayOpts)>,
     /// The standby and the proxies of a replicated world (dropped before the primary).
     pub failover: Option<Failover>,
     /// The database address the gateway, the admin commands and the checks use: the
@@ -157,9 +161,10 @@ impl World {
         let pool = pool_at(&db_url).await?;
         hist.set_probe_pool(pool_at(&db_url).await?);
         let gw = Gateway::start(&db_url, &opts, &pg.log_dir()).await?;
-        record_gateway_start(&hist, &opts);
+        record_gateway_start(&hist, 0, &opts);
         Ok(World {
             gw: Some(gw),
+            more: Vec::new(),
             failover,
             db_url,
             pool: tokio::sync::OnceCell::new_with(Some(pool)),
@@ -236,10 +241,19 @@ impl World {
         &mut self,
         within: Duration,
     ) -> anyhow::Result<std::process::ExitStatus> {
-        let status = self.gw_mut().wait_exit(within).await?;
+        self.wait_gateway_exit_at(0, within).await
+    }
+
+    /// Waits for gateway `i` to exit (a halt at a fault point) and records it.
+    pub async fn wait_gateway_exit_at(
+        &mut self,
+        i: usize,
+        within: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        let status = self.gw_at_mut(i).wait_exit(within).await?;
         self.hist.nemesis_instant(
             "gateway-exit",
-            json!({"status": self.gw().exit_code(), "raw": status.to_string()}),
+            json!({"gateway": i, "status": self.gw_at(i).exit_code(), "raw": status.to_string()}),
         );
         Ok(status)
     }
@@ -284,21 +298,63 @@ impl World {
     /// Kills the current gateway (if it still runs) and starts a new one with `opts` on
     /// the same cluster.
     pub async fn restart_gateway(&mut self, opts: GatewayOpts) -> anyhow::Result<()> {
+        self.restart_gateway_at(0, opts).await
+    }
+
+    /// Starts one more gateway process with `opts` on the same database (issue 12: several
+    /// gateways on one PostgreSQL); returns its index for the `*_at` methods (1, 2, …).
+    pub async fn start_gateway(&mut self, opts: GatewayOpts) -> anyhow::Result<usize> {
         if opts.fault.is_some() {
             tokio::task::spawn_blocking(gateway::require_faults)
                 .await
                 .context("join the faults check")??;
         }
-        if let Some(mut old) = self.gw.take() {
-            if old.try_exit_status().is_none() {
-                let id = self.hist.nemesis_start("gateway-kill", json!({}));
-                old.kill();
-                self.hist.nemesis_end("gateway-kill", id, json!({}));
-            }
+        let gw = Gateway::start(&self.db_url, &opts, &self.pg.log_dir()).await?;
+        let i = self.more.len() + 1;
+        record_gateway_start(&self.hist, i, &opts);
+        self.more.push((gw, opts));
+        Ok(i)
+    }
+
+    /// How many gateways the world holds (the first one included).
+    pub fn gateway_count(&self) -> usize {
+        1 + self.more.len()
+    }
+
+    /// SIGKILLs gateway `i` if it still runs, recorded as a nemesis action.
+    pub fn kill_gateway_at(&mut self, i: usize) {
+        if self.gw_at_mut(i).try_exit_status().is_none() {
+            let id = self
+                .hist
+                .nemesis_start("gateway-kill", json!({"gateway": i}));
+            self.gw_at_mut(i).kill();
+            self.hist
+                .nemesis_end("gateway-kill", id, json!({"gateway": i}));
         }
-        self.gw = Some(Gateway::start(&self.db_url, &opts, &self.pg.log_dir()).await?);
-        record_gateway_start(&self.hist, &opts);
-        self.opts = opts;
+    }
+
+    /// Kills gateway `i` (if it still runs) and starts a new one with `opts` in its place,
+    /// on the same database; index `i` then names the new process.
+    pub async fn restart_gateway_at(&mut self, i: usize, opts: GatewayOpts) -> anyhow::Result<()> {
+        if opts.fault.is_some() {
+            tokio::task::spawn_blocking(gateway::require_faults)
+                .await
+                .context("join the faults check")??;
+        }
+        if i == 0 && self.gw.is_none() {
+            // A test took gateway 0 out: nothing to kill.
+        } else {
+            self.kill_gateway_at(i);
+        }
+        let gw = Gateway::start(&self.db_url, &opts, &self.pg.log_dir()).await?;
+        record_gateway_start(&self.hist, i, &opts);
+        if i == 0 {
+            self.gw = Some(gw);
+            self.opts = opts;
+        } else {
+            // The old process was killed and reaped above; dropping it does nothing more.
+            self.more[i - 1] = (gw, opts);
+        }
         Ok(())
     }
 
@@ -314,6 +370,28 @@ impl World {
         self.gw
             .as_mut()
             .expect("World has no gateway (taken out of World::gw)")
+    }
+
+    /// Gateway `i`: 0 is [`World::gw`], 1.. the ones [`World::start_gateway`] started.
+    /// Panics on an index the world never handed out.
+    pub fn gw_at(&self, i: usize) -> &Gateway {
+        match i {
+            0 => self.gw(),
+            _ => &self.more.get(i - 1).expect("no such gateway").0,
+        }
+    }
+
+    /// Gateway `i`, mutably (see [`World::gw_at`]).
+    pub fn gw_at_mut(&mut self, i: usize) -> &mut Gateway {
+        match i {
+            0 => self.gw_mut(),
+            _ => &mut self.more.get_mut(i - 1).expect("no such gateway").0,
+        }
+    }
+
+    /// Gateway `i`'s `ws://ADDR/ws`.
+    pub fn ws_url_at(&self, i: usize) -> String {
+        self.gw_at(i).ws_url()
     }
 
     /// The options the current gateway was started with.
@@ -499,10 +577,11 @@ async fn start_standby(pg: &Cluster, r: Replication) -> anyhow::Result<Failover>
     })
 }
 
-fn record_gateway_start(hist: &History, opts: &GatewayOpts) {
+fn record_gateway_start(hist: &History, i: usize, opts: &GatewayOpts) {
     hist.nemesis_instant(
         "gateway-start",
-        json!({"fault": opts.fault, "sweep_ms": opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT),
+        json!({"gateway": i, "fault": opts.fault,
+               "sweep_ms": opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT),
                "bug": gateway::gateway_bug()}),
     );
 }
@@ -539,7 +618,12 @@ impl World {
     pub async fn judge(&self) -> anyhow::Result<Judgement> {
         let hist = &self.hist;
         hist.wait_probes(Duration::from_secs(3)).await;
-        let sweep_ms = self.opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT);
+        // With several gateways, the slowest sweep bounds the repair.
+        let sweep_ms = std::iter::once(&self.opts)
+            .chain(self.more.iter().map(|(_, o)| o))
+            .map(|o| o.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT))
+            .max()
+            .unwrap_or(SWEEP_MS_DEFAULT);
         let bound_ms = sweep_ms + 1000;
         let entries = hist.entries();
         let live = live_devices(&entries);
@@ -777,9 +861,10 @@ impl World {
             .context("install the cursor audit")?;
         hist.set_probe_pool(pool_at(&db_url).await?);
         let gw = Gateway::start(&db_url, &opts, &pg.log_dir()).await?;
-        record_gateway_start(&hist, &opts);
+        record_gateway_start(&hist, 0, &opts);
         Ok(World {
             gw: Some(gw),
+            more: Vec::new(),
             failover: None,
             db_url,
             pool: tokio::sync::OnceCell::new_with(Some(pool)),
