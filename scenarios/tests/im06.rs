@@ -1736,10 +1736,7 @@ impl Traffic {
             n += 1;
             if let Ok(r) = sender.send("c1", &cmid, "keep serving", T).await {
                 let seq = r["seq"].as_i64().unwrap_or(-1);
-                self.acked
-                    .lock()
-                    .unwrap()
-                    .push((cmid, seq, Instant::now()));
+                self.acked.lock().unwrap().push((cmid, seq, Instant::now()));
             }
         }
     }
@@ -1823,7 +1820,12 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
     let b_gw = w.start_gateway(GatewayOpts::default()).await?;
     c.expect("gateways", 2, w.gateway_count());
     let mut tokens = Vec::new();
-    for (user, device) in [("alice", "a1"), ("bob", "b1"), ("carol", "k1"), ("dave", "d1")] {
+    for (user, device) in [
+        ("alice", "a1"),
+        ("bob", "b1"),
+        ("carol", "k1"),
+        ("dave", "d1"),
+    ] {
         w.add_user(user).await?;
         tokens.push(w.add_device(device, user).await?);
     }
@@ -1846,7 +1848,11 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
     let worst = a_to_b.iter().chain(&b_to_a).copied().fold(0.0, f64::max);
     c.expect_lt("cross_ms_max (under the sweep interval)", sweep_ms, worst);
     for (name, dev) in [("b1", &b1), ("d1", &d1), ("a1", &a1), ("k1", &k1)] {
-        c.expect(&format!("{name}_events_synced_while_crossing"), 0, dev.stats().events_synced);
+        c.expect(
+            &format!("{name}_events_synced_while_crossing"),
+            0,
+            dev.stats().events_synced,
+        );
     }
     c.expect_ge("d1_pushes_applied_from_a", 5, d1.stats().pushes_applied);
     c.expect_ge("k1_pushes_applied_from_b", 5, k1.stats().pushes_applied);
@@ -1861,10 +1867,26 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
         .send("c1", "dup-across", "once", T)
         .await
         .map_err(|e| anyhow::anyhow!("resend dup-across through B: {e}"))?;
-    c.expect("resend_other_gateway_dup", Some(true), again["dup"].as_bool());
-    c.expect("resend_other_gateway_seq", first["seq"].as_i64(), again["seq"].as_i64());
-    c.expect("resend_other_gateway_mid", first["mid"].clone(), again["mid"].clone());
-    c.expect("resend_other_gateway_rows", 1, cmid_rows(&w, "dup-across").await?);
+    c.expect(
+        "resend_other_gateway_dup",
+        Some(true),
+        again["dup"].as_bool(),
+    );
+    c.expect(
+        "resend_other_gateway_seq",
+        first["seq"].as_i64(),
+        again["seq"].as_i64(),
+    );
+    c.expect(
+        "resend_other_gateway_mid",
+        first["mid"].clone(),
+        again["mid"].clone(),
+    );
+    c.expect(
+        "resend_other_gateway_rows",
+        1,
+        cmid_rows(&w, "dup-across").await?,
+    );
     move_to(&w, A, &mut a1).await?;
 
     // One gateway crashed at each send point while the other keeps serving.
@@ -1902,13 +1924,19 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
                 anyhow::Ok((reply, status, crashed_at, during))
             }
             .await;
-            traffic.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            traffic
+                .stop
+                .store(true, std::sync::atomic::Ordering::SeqCst);
             r
         });
         let (reply, _status, crashed_at, during) = crash?;
         let acked: Vec<(String, i64, Instant)> = traffic.acked.lock().unwrap().clone();
         let after = acked.iter().filter(|(_, _, t)| *t > crashed_at).count();
-        c.expect(&format!("{point}.b_exit_status"), 137, w.gw_at(b_gw).exit_code());
+        c.expect(
+            &format!("{point}.b_exit_status"),
+            137,
+            w.gw_at(b_gw).exit_code(),
+        );
         c.expect(
             &format!("{point}.b_fault_line"),
             true,
@@ -1916,8 +1944,16 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
                 .log_text()
                 .contains(&format!("fault fired: point={point} action=halt hit=1")),
         );
-        c.expect(&format!("{point}.b1_first_reply"), "none (connection lost)", first_reply(&reply));
-        c.expect(&format!("{point}.rows_after_crash"), rows_after_crash, cmid_rows(&w, &cmid).await?);
+        c.expect(
+            &format!("{point}.b1_first_reply"),
+            "none (connection lost)",
+            first_reply(&reply),
+        );
+        c.expect(
+            &format!("{point}.rows_after_crash"),
+            rows_after_crash,
+            cmid_rows(&w, &cmid).await?,
+        );
         c.observe(&format!("{point}.a_acked_while_b_halted"), during);
         c.expect_ge(&format!("{point}.a_acked_after_crash"), 5, after);
         // Every send A acknowledged in the phase reached k1 (on A), each by a push.
@@ -1945,9 +1981,21 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
             .next()
             .ok_or_else(|| anyhow::anyhow!("{point}: nothing to replay"))?
             .map_err(|e| anyhow::anyhow!("{point}: replay through A failed: {e}"))?;
-        c.expect(&format!("{point}.b1_replay_dup"), Some(dup), replayed["dup"].as_bool());
-        c.expect(&format!("{point}.rows_after_replay"), 1, cmid_rows(&w, &cmid).await?);
-        c.expect(&format!("{point}.b1_outbox_empty"), true, b1.outbox().is_empty());
+        c.expect(
+            &format!("{point}.b1_replay_dup"),
+            Some(dup),
+            replayed["dup"].as_bool(),
+        );
+        c.expect(
+            &format!("{point}.rows_after_replay"),
+            1,
+            cmid_rows(&w, &cmid).await?,
+        );
+        c.expect(
+            &format!("{point}.b1_outbox_empty"),
+            true,
+            b1.outbox().is_empty(),
+        );
         acked_all.push((cmid.clone(), replayed["seq"].as_i64().unwrap_or(-1)));
         move_to(&w, A, &mut d1).await?;
         let head = w.head("c1").await?;
@@ -1964,7 +2012,10 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
     move_to(&w, b_gw, &mut d1).await?;
     let after = crossing(&a1, &[&b1, &d1], "a-after", 2).await?;
     let back = crossing(&b1, &[&a1, &k1], "b-after", 2).await?;
-    c.observe("cross_ms_after_crashes", after.iter().chain(&back).collect::<Vec<_>>());
+    c.observe(
+        "cross_ms_after_crashes",
+        after.iter().chain(&back).collect::<Vec<_>>(),
+    );
 
     let found = acked_after(&w, &acked_all).await?;
     c.observe("acknowledged_during_crash_phases", acked_all.len());
