@@ -574,7 +574,7 @@ fn print_summary(r: &BenchResult, out: &std::path::Path) {
         let value = m.value.map_or("n/a".into(), |v| format!("{v}"));
         let judged = match (&m.op, m.limit, m.met) {
             (Some(op), Some(l), met) => format!(
-                "  [{} {} {l}] {}",
+                "  [{} {l} {}] {}",
                 if op == "le" { "<=" } else { ">=" },
                 m.unit,
                 match met {
