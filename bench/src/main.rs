@@ -123,7 +123,7 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
             sweep_set_based_max_devices: 3000,
             repair_trials: vec![20, 8, 4],
             repair_lanes: 4,
-            two_gateways_s: 1.0,
+            two_gateways_s: 2.0,
             ..full
         },
         "smoke" => Params {
@@ -149,7 +149,7 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
             repair_lanes: 2,
             two_gateways_conversations: 4,
             two_gateways_receivers: 2,
-            two_gateways_s: 0.5,
+            two_gateways_s: 1.0,
             ..full
         },
         other => bail!("unknown mode {other:?} (full, quick, smoke)"),

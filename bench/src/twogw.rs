@@ -1,5 +1,7 @@
-//! Part `two_gateways` (issue 12, item 4): the same closed-loop load, once against one
-//! gateway and once spread over two gateway processes on the same database, in one run.
+//! Part `two_gateways` (issue 12, item 4): the same closed-loop load against one gateway
+//! and spread over two gateway processes on the same database, in one run, in ABBA order
+//! (one, two, two, one; half the time each round) so a drifting machine load weighs on both
+//! alike.
 //! Each conversation has one sending device (not subscribed) and `receivers` subscribed
 //! devices (the lean receiver of `wire`); with two gateways, senders and receivers
 //! alternate between them, so most pushes cross from one gateway to the other (through
@@ -79,13 +81,15 @@ impl TwoGateways {
 }
 
 /// Provisions `tg<k>-*` (conversations, senders, receivers) and runs the load for
-/// `duration` against `gateways` (device `i` of each role on gateway `i % n`).
+/// `duration` against `gateways` (device `i` of each role on gateway `i % n`); returns the
+/// round's counts and its length, seconds.
 async fn one_run(
     ctx: &Ctx,
     k: usize,
     gateways: &[harness::gateway::Gateway],
+    duration: Duration,
     acked_all: &Arc<Mutex<Vec<(String, String)>>>,
-) -> anyhow::Result<Run> {
+) -> anyhow::Result<(Run, f64)> {
     let p = &ctx.params;
     let (nc, nr) = (p.two_gateways_conversations, p.two_gateways_receivers);
     let convs: Vec<String> = (0..nc).map(|c| format!("tg{k}-c{c}")).collect();
@@ -128,7 +132,6 @@ async fn one_run(
     let errors = Mutex::new(0u64);
     let body = "x".repeat(p.body_bytes);
     let acked = Mutex::new(Vec::new());
-    let duration = secs(p.two_gateways_s);
     for l in &logs {
         l.lock().unwrap().take();
     }
@@ -166,29 +169,44 @@ async fn one_run(
     let acked = acked.into_inner().unwrap();
     let sends_acked = acked.len() as u64;
     acked_all.lock().unwrap().extend(acked);
-    Ok(Run {
+    let run = Run {
         gateways: gateways.len(),
         sends_acked,
-        sends_per_s: r3(sends_acked as f64 / elapsed),
         pushes,
-        pushes_per_s: r3(pushes as f64 / elapsed),
         send_errors: errors.into_inner().unwrap(),
-    })
+        ..Default::default()
+    };
+    Ok((run, elapsed))
 }
 
 pub async fn run(ctx: &Ctx) -> anyhow::Result<TwoGateways> {
     let p = &ctx.params;
     let acked_all = Arc::new(Mutex::new(Vec::new()));
-    progress("[two_gateways] one gateway");
-    let one = {
-        let g = [ctx.start_gateway().await?];
-        one_run(ctx, 1, &g, &acked_all).await?
-    };
-    progress("[two_gateways] two gateways on the same database");
-    let two = {
-        let g = [ctx.start_gateway().await?, ctx.start_gateway().await?];
-        one_run(ctx, 2, &g, &acked_all).await?
-    };
+    let round = secs(p.two_gateways_s / 2.0);
+    // (counts, seconds) per configuration, summed over its two rounds.
+    let mut sums = [(Run::default(), 0.0f64), (Run::default(), 0.0f64)];
+    for (k, n) in [1usize, 2, 2, 1].into_iter().enumerate() {
+        progress(&format!(
+            "[two_gateways {}/4] {n} gateway(s) on the database",
+            k + 1
+        ));
+        let mut gateways = Vec::new();
+        for _ in 0..n {
+            gateways.push(ctx.start_gateway().await?);
+        }
+        let (r, s) = one_run(ctx, k + 1, &gateways, round, &acked_all).await?;
+        let (sum, t) = &mut sums[n - 1];
+        sum.gateways = n;
+        sum.sends_acked += r.sends_acked;
+        sum.pushes += r.pushes;
+        sum.send_errors += r.send_errors;
+        *t += s;
+    }
+    let [one, two] = sums.map(|(mut r, t)| {
+        r.sends_per_s = r3(r.sends_acked as f64 / t);
+        r.pushes_per_s = r3(r.pushes as f64 / t);
+        r
+    });
     if one.sends_acked == 0 || two.sends_acked == 0 {
         bail!("no send acknowledged (one gateway: {one:?}, two: {two:?})");
     }
