@@ -80,10 +80,11 @@ repro: build
 	$(TARGET)/debug/repro $(if $(KEEP),--keep) '$(FAULT)'
 
 # make bench: a load generator (bench/, imfault-bench) against the RELEASE gateway without
-# fault points (send path, fan-out, sweep), and the debug build with fault points from
-# `make build` for the lost-push repair part only. Writes evidence/bench/result.json
-# (format: evidence/README.md): `data_integrity` (nothing acknowledged lost or doubled, every
-# lost push repaired) and `targets_met` (performance targets, never the exit status). Exit
+# fault points (send path, fan-out, sweep, two gateways against one), and the debug build
+# with fault points from `make build` for the lost-push repair part only; under 5 minutes.
+# Writes evidence/bench/result.json (format: evidence/README.md): `data_integrity` (nothing
+# acknowledged lost or doubled, every lost push repaired), `targets_met` (performance
+# targets, never the exit status) and the flat `metrics` the targets are among. Exit
 # status 1 when data_integrity is FAIL or a part did not run; `imfault-bench --help`.
 BENCH_BUILD := $(CARGO) build --release -p im-gateway -p imfault-bench
 

@@ -7,23 +7,9 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::SystemTime;
 
-/// The workspace root (this crate's parent directory).
-pub fn workspace_dir() -> PathBuf {
-    let raw = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
-    std::fs::canonicalize(raw).unwrap_or_else(|_| raw.to_path_buf())
-}
-
-/// `$CARGO_TARGET_DIR` (relative to the workspace) or `<workspace>/target`.
-pub fn target_dir() -> PathBuf {
-    let ws = workspace_dir();
-    match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(d) if Path::new(&d).is_absolute() => PathBuf::from(d),
-        Some(d) => ws.join(d),
-        None => ws.join("target"),
-    }
-}
+/// The workspace root and the cargo target directory: the harness's look-up.
+pub use harness::gateway::{target_dir, workspace_dir};
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Environment {
@@ -187,36 +173,6 @@ pub fn gateway_version(bin: &Path) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// The newest mtime of the gateway's sources (what the harness's staleness check uses).
-fn newest_source() -> Option<(SystemTime, PathBuf)> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        let Ok(rd) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for e in rd.flatten() {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            if name.starts_with('.') || name.ends_with('~') {
-                continue;
-            }
-            match e.file_type() {
-                Ok(t) if t.is_dir() => walk(&e.path(), out),
-                Ok(_) => out.push(e.path()),
-                Err(_) => {}
-            }
-        }
-    }
-    let ws = workspace_dir();
-    let mut files = Vec::new();
-    walk(&ws.join("gateway").join("src"), &mut files);
-    walk(&ws.join("migrations"), &mut files);
-    files.push(ws.join("gateway").join("Cargo.toml"));
-    files
-        .into_iter()
-        .filter_map(|f| Some((std::fs::metadata(&f).ok()?.modified().ok()?, f)))
-        .max_by_key(|(t, _)| *t)
-}
-
 /// Checks a gateway binary: it exists, is not older than the gateway's sources, and was
 /// built with (`Some(true)`) or without (`Some(false)`) the fault points (`None`: either).
 /// Returns its `version` line.
@@ -228,7 +184,8 @@ pub fn check_gateway(
     let built = std::fs::metadata(bin)
         .and_then(|m| m.modified())
         .map_err(|e| anyhow::anyhow!("{} not found ({e}): run `{build_hint}`", bin.display()))?;
-    if let Some((newest, src)) = newest_source() {
+    // The harness's staleness rule, on this binary.
+    if let Some((newest, src)) = harness::gateway::newest_source()? {
         if newest > built {
             bail!(
                 "{} is stale: {} is newer: run `{build_hint}`",

@@ -1,9 +1,11 @@
 //! `imfault-bench`: the load generator behind `make bench`. It starts a throwaway PostgreSQL
 //! cluster (harness::pg::Cluster) and the real gateway as a child process (release build,
-//! no fault points), measures the send path, fan-out, the sweep query and lost-push repair,
-//! each against a ceiling measured in the same run, and writes one JSON result
-//! (`evidence/README.md`) plus a short summary on stdout. A run that loses an
-//! acknowledged message reports FAIL and exits 1.
+//! no fault points), measures the send path, fan-out, the sweep query, lost-push repair and
+//! two gateways against one, each against a ceiling measured in the same run, and writes
+//! one JSON result (`evidence/README.md`): flat `metrics` (the targets among them) plus
+//! each part's detail, and the metrics on stdout. A run that loses an acknowledged
+//! message reports FAIL and exits 1. Interpretation is for README.md and
+//! evidence/README.md, not for this program.
 //!
 //! Modes: `full` (`make bench`, evidence/bench/result.json, under 5 minutes on 2 cores),
 //! `quick` (`make bench-quick`, target/bench/quick.json, under a minute), `smoke` (the
@@ -11,12 +13,10 @@
 //!
 //! Internal subcommands (run by the bench itself): `repair-child` (part 4 with the fault
 //! build, see `repair`) and `ws-ceiling-server` (the fan-out ceiling, see `fanout`).
-//! `imfault-bench findings RESULT.json` prints the findings re-derived from a result.
 
 mod cpu;
 mod env;
 mod fanout;
-mod findings;
 mod pgbench;
 mod pgss;
 mod provision;
@@ -24,6 +24,7 @@ mod repair;
 mod result;
 mod send;
 mod sweep;
+mod twogw;
 mod util;
 mod wire;
 
@@ -99,6 +100,9 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
         repair_sweep_ms: vec![100, 500, 1000],
         repair_trials: vec![100, 100, 60],
         repair_lanes: 10,
+        two_gateways_conversations: 16,
+        two_gateways_receivers: 4,
+        two_gateways_s: 3.0,
     };
     Ok(match mode {
         "full" => full,
@@ -119,6 +123,7 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
             sweep_set_based_max_devices: 3000,
             repair_trials: vec![20, 8, 4],
             repair_lanes: 4,
+            two_gateways_s: 2.0,
             ..full
         },
         "smoke" => Params {
@@ -142,6 +147,9 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
             repair_sweep_ms: vec![100, 200],
             repair_trials: vec![4, 2],
             repair_lanes: 2,
+            two_gateways_conversations: 4,
+            two_gateways_receivers: 2,
+            two_gateways_s: 1.0,
             ..full
         },
         other => bail!("unknown mode {other:?} (full, quick, smoke)"),
@@ -154,7 +162,6 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
 #[derive(clap::Parser, Debug)]
 #[command(
     name = "imfault-bench",
-    args_conflicts_with_subcommands = true,
     after_help = "\
 Environment:
   CARGO_TARGET_DIR     where the default gateway binaries are [default: target]
@@ -169,19 +176,8 @@ errored; 2 usage error. Missed performance targets (targets_met) never change it
 Internal subcommands (run by the bench itself): ws-ceiling-server, repair-child."
 )]
 struct Cli {
-    #[command(subcommand)]
-    cmd: Option<Sub>,
     #[command(flatten)]
     run: Args,
-}
-
-#[derive(clap::Subcommand, Debug)]
-enum Sub {
-    /// Print the findings re-derived from an existing result file.
-    Findings {
-        /// A result written by the bench, e.g. evidence/bench/result.json.
-        result: PathBuf,
-    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -211,8 +207,8 @@ struct Args {
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Parts to run (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "send,fanout,sweep,repair",
-          value_parser = ["send", "fanout", "sweep", "repair"])]
+    #[arg(long, value_delimiter = ',', default_value = "send,fanout,sweep,repair,two_gateways",
+          value_parser = ["send", "fanout", "sweep", "repair", "two_gateways"])]
     only: Vec<String>,
     /// An extra IM_NAME=VALUE for the send and fan-out gateway (repeatable; experiments).
     #[arg(long = "gateway-env", value_name = "IM_NAME=VALUE", value_parser = parse_env)]
@@ -297,38 +293,6 @@ fn main() -> ExitCode {
         _ => {}
     }
     let cli: Cli = clap::Parser::parse();
-    if let Some(Sub::Findings { result }) = cli.cmd {
-        // Re-derives the findings and targets of an existing result (after a change of
-        // their rules).
-        let r = std::fs::read_to_string(&result)
-            .with_context(|| format!("read {}", result.display()))
-            .and_then(|t| Ok(serde_json::from_str::<BenchResult>(&t)?));
-        return match r {
-            Ok(r) => {
-                for f in findings::derive(&r) {
-                    println!("finding {}: {}", f.id, f.claim);
-                }
-                let targets = findings::targets(&r);
-                for t in &targets {
-                    println!(
-                        "target {} {}: {} (limit {} {})",
-                        t.result,
-                        t.id,
-                        t.observed.map_or("n/a".into(), |v| v.to_string()),
-                        t.limit,
-                        t.unit
-                    );
-                }
-                let (met, missed) = findings::targets_met(&targets);
-                println!("targets_met {met} {missed:?}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("findings: {e:#}");
-                ExitCode::FAILURE
-            }
-        };
-    }
     let args = cli.run.resolve();
     // The harness picks its gateway binary once per process, from IM_GATEWAY_BIN: set it
     // before anything (and before any other thread exists).
@@ -460,6 +424,11 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
             }
         }
     };
+    let two_gateways = if on("two_gateways") {
+        timed(twogw::run(&ctx)).await
+    } else {
+        Section::not_run("not selected (--only)")
+    };
     util::progress_done();
 
     let mut r = BenchResult {
@@ -470,14 +439,14 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         targets_met: String::new(),
         targets_missed: Vec::new(),
         failures: Vec::new(),
-        targets: Vec::new(),
+        metrics: Vec::new(),
         environment,
         parameters: params,
         send_path,
         fanout,
         sweep,
         repair,
-        findings: Vec::new(),
+        two_gateways,
     };
     // The fan-out's second ceiling: what pgbench with NOTIFY commits, times the frames each
     // message makes.
@@ -497,6 +466,11 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         ("fanout", &r.fanout.status, &r.fanout.reason),
         ("sweep", &r.sweep.status, &r.sweep.reason),
         ("repair", &r.repair.status, &r.repair.reason),
+        (
+            "two_gateways",
+            &r.two_gateways.status,
+            &r.two_gateways.reason,
+        ),
     ] {
         if status != "ok" {
             failures.push(format!(
@@ -512,6 +486,10 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         ),
         ("fanout", r.fanout.data.as_ref().map(|d| &d.data_check)),
         ("repair", r.repair.data.as_ref().map(|d| &d.data_check)),
+        (
+            "two_gateways",
+            r.two_gateways.data.as_ref().map(|d| &d.data_check),
+        ),
     ];
     for (name, c) in checks {
         if let Some(c) = c {
@@ -545,9 +523,14 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         f.contains("DATA LOSS") || f.contains("pgbench logged") || f.contains("NOT REPAIRED")
     });
     // A part that checks data and errored vouches for nothing.
-    let unverified = [&r.send_path.status, &r.fanout.status, &r.repair.status]
-        .iter()
-        .any(|s| s.as_str() == "error");
+    let unverified = [
+        &r.send_path.status,
+        &r.fanout.status,
+        &r.repair.status,
+        &r.two_gateways.status,
+    ]
+    .iter()
+    .any(|s| s.as_str() == "error");
     r.data_integrity = if data_lost || unverified {
         "FAIL"
     } else {
@@ -555,9 +538,8 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     }
     .into();
     r.failures = failures;
-    r.targets = findings::targets(&r);
-    (r.targets_met, r.targets_missed) = findings::targets_met(&r.targets);
-    r.findings = findings::derive(&r);
+    r.metrics = result::metrics(&r);
+    (r.targets_met, r.targets_missed) = result::targets_met(&r.metrics);
     r.environment.finished_at = util::rfc3339(util::unix_us() / 1_000_000);
     r.environment.wall_s = util::r3(started.elapsed().as_secs_f64());
     r.environment.load_avg_end = env::load_avg();
@@ -588,148 +570,23 @@ fn print_summary(r: &BenchResult, out: &std::path::Path) {
         r.mode, r.data_integrity, r.targets_met, e.wall_s, e.postgres_version, e.fsync, e.synchronous_commit, e.host_cores,
         e.load_avg_start[0], e.load_avg_end[0]
     );
-    match &r.send_path.data {
-        Some(sp) => {
-            println!(
-                "send path (acked sends/s, p50/p99/max ms; ratio gateway/pgbench-with-NOTIFY):"
-            );
-            for l in &sp.levels {
-                let g = &l.gateway;
-                let b = |x: &Option<result::SendRun>| {
-                    x.as_ref().map_or("n/a".into(), |x| {
-                        format!("{:.0}/s p50 {:.2}", x.ops_per_s, x.latency.p50_ms)
-                    })
-                };
-                println!(
-                    "  c={:<3} gateway {:>6.0}/s p50 {:.2} p99 {:.2} max {:.2} | pgbench plain {} notify {} notify+async-commit {}",
-                    l.concurrency,
-                    g.ops_per_s,
-                    g.latency.p50_ms,
-                    g.latency.p99_ms,
-                    g.latency.max_ms,
-                    b(&l.pgbench_plain),
-                    b(&l.pgbench_notify),
-                    b(&l.pgbench_notify_async_commit),
-                );
-                let f = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{v:.2}"));
-                println!(
-                    "        ratios: gateway/notify {}  gateway/plain {}  notify/plain {}  sync/async commit {}",
-                    f(l.ratios.gateway_vs_pgbench_notify_throughput),
-                    f(l.ratios.gateway_vs_pgbench_plain_throughput),
-                    f(l.ratios.pgbench_notify_vs_plain_throughput),
-                    f(l.ratios.pgbench_sync_vs_async_commit_throughput),
-                );
-            }
-            println!(
-                "  data: {} acknowledged, {} lost -> {}",
-                sp.data_check.acknowledged, sp.data_check.lost, sp.data_check.result
-            );
-        }
-        None => println!(
-            "send path: {} {}",
-            r.send_path.status,
-            r.send_path.reason.clone().unwrap_or_default()
-        ),
-    }
-    match &r.fanout.data {
-        Some(fo) => {
-            println!(
-                "fan-out ({} receivers, {} frames/message; ws ceiling {:.0} frames/s):",
-                fo.receivers, fo.frames_per_message, fo.ws_ceiling.frames_per_s
-            );
-            for s in &fo.steps {
-                println!(
-                    "  target {:>6.0} -> {:>6.0} frames/s, push p50 {:.1} p99 {:.1} ms, lost {}, cursor writes/push {}, {}",
-                    s.target_frames_per_s,
-                    s.frames_per_s,
-                    s.push_latency.p50_ms,
-                    s.push_latency.p99_ms,
-                    s.frames_lost,
-                    s.cursor_writes_per_push.map_or("n/a".into(), |v| format!("{v:.3}")),
-                    s.verdict
-                );
-            }
-            for d in &fo.diagnostics {
-                let s = &d.step;
-                println!(
-                    "  diagnostic {}: target {:.0} -> {:.0} frames/s, push p50 {:.1} p99 {:.1} ms, {} of {} events first by sync",
-                    d.gateway_env.join(" "),
-                    s.target_frames_per_s,
-                    s.frames_per_s,
-                    s.push_latency.p50_ms,
-                    s.push_latency.p99_ms,
-                    s.events_via_sync,
-                    s.frames_received
-                );
-            }
-            println!(
-                "  stop: {}; data: {} lost -> {}",
-                fo.stop_reason, fo.data_check.lost, fo.data_check.result
-            );
-        }
-        None => println!(
-            "fan-out: {} {}",
-            r.fanout.status,
-            r.fanout.reason.clone().unwrap_or_default()
-        ),
-    }
-    match &r.sweep.data {
-        Some(sw) => {
-            println!(
-                "sweep query (simulated subscribed devices, {} conversations each):",
-                sw.convs_per_device
-            );
-            for row in &sw.rows {
-                println!(
-                    "  {:>6} devices {:>3}% lagging: wall {:>9.1} ms, db {:>9} ms, explain {:>9} ms, {:.1} us/pair, {} rows",
-                    row.devices,
-                    row.lag_percent,
-                    row.wall_ms_median,
-                    row.db_exec_ms.map_or("n/a".into(), |v| format!("{v:.1}")),
-                    row.explain.as_ref().map_or("n/a".into(), |x| format!("{:.1}", x.execution_ms)),
-                    row.us_per_pair,
-                    row.rows_returned
-                );
-            }
-        }
-        None => println!(
-            "sweep: {} {}",
-            r.sweep.status,
-            r.sweep.reason.clone().unwrap_or_default()
-        ),
-    }
-    match &r.repair.data {
-        Some(rp) => {
-            println!("repair (debug gateway with {}):", rp.fault);
-            for i in &rp.intervals {
-                println!(
-                    "  IM_SWEEP_MS={:<5} {} trials: p50 {:.1} p95 {:.1} p99 {:.1} ms, {:.0}% within interval + sync p99",
-                    i.sweep_ms, i.trials, i.repair.p50_ms, i.repair.p95_ms, i.repair.p99_ms, i.within_bound * 100.0
-                );
-            }
-        }
-        None => println!(
-            "repair: {} {}",
-            r.repair.status,
-            r.repair.reason.clone().unwrap_or_default()
-        ),
-    }
-    for f in &r.findings {
-        println!("finding {}: {}", f.id, f.claim);
-    }
-    for t in &r.targets {
-        println!(
-            "target {:<7} {}: {} (limit {} {} {}){}",
-            t.result,
-            t.id,
-            t.observed.map_or("n/a".into(), |v| format!("{v}")),
-            if t.op == "le" { "<=" } else { ">=" },
-            t.limit,
-            t.unit,
-            t.detail
-                .as_ref()
-                .map_or(String::new(), |d| format!("; {d}"))
-        );
+    for m in &r.metrics {
+        let value = m.value.map_or("n/a".into(), |v| format!("{v}"));
+        let judged = match (&m.op, m.limit, m.met) {
+            (Some(op), Some(l), met) => format!(
+                "  [{} {l} {}] {}",
+                if op == "le" { "<=" } else { ">=" },
+                m.unit,
+                match met {
+                    Some(true) => "MET",
+                    Some(false) => "MISSED",
+                    None => "NOT_RUN",
+                }
+            ),
+            (None, Some(l), _) => format!("  (of {l})"),
+            _ => String::new(),
+        };
+        println!("  {:<58} {value:>12} {}{judged}", m.name, m.unit);
     }
     for f in &r.failures {
         println!("FAIL: {f}");
@@ -792,20 +649,23 @@ mod tests {
             mode: "full".into(),
             data_integrity: "PASS".into(),
             targets_met: "FAIL".into(),
-            targets_missed: vec!["push.p99_at_chapter02_load: 3697 > 100 ms".into()],
+            targets_missed: vec!["push.p99_ms_at_chapter02_load: 3697 > 100 ms".into()],
             failures: Vec::new(),
-            targets: vec![Target {
-                observed: Some(1.0),
-                detail: Some(String::new()),
-                ..Default::default()
-            }],
+            metrics: vec![Metric::target(
+                "x",
+                Some(1.0),
+                "ms",
+                "le",
+                2.0,
+                Some(String::new()),
+            )],
             environment: env::Environment::default(),
             parameters: preset("full", 1).expect("full preset"),
             send_path: ok(send),
             fanout: ok(fanout),
             sweep: ok(sweep),
             repair: ok(repair),
-            findings: vec![Finding::default()],
+            two_gateways: ok(twogw::TwoGateways::default()),
         }
     }
 
@@ -878,8 +738,8 @@ mod tests {
         }
     }
 
-    /// Missed targets are reported (targets_met FAIL, with the figure) and a target that
-    /// could not be judged is never counted as met.
+    /// Missed targets are reported (targets_met FAIL, with the figure), a target that
+    /// could not be measured is never counted as met, and a measurement is never judged.
     #[test]
     fn targets_are_judged_from_the_figures() {
         let mut r = sample();
@@ -888,24 +748,33 @@ mod tests {
         fo.steps[0].push_latency.p99_ms = 3697.5;
         fo.steps[0].frames_per_s = 8957.0;
         fo.steps[0].cursor_writes_per_push = Some(0.03);
-        let t = findings::targets(&r);
-        let get = |id: &str| t.iter().find(|x| x.id == id).expect(id).result.clone();
-        assert_eq!(get("push.p99_at_chapter02_load"), "MISSED");
-        assert_eq!(get("push.rate_at_chapter02_load"), "MET");
-        assert_eq!(get("push.cursor_writes_at_chapter02_load"), "MET");
-        let (met, missed) = findings::targets_met(&t);
+        let m = result::metrics(&r);
+        let get = |name: &str| m.iter().find(|x| x.name == name).expect(name).met;
+        assert_eq!(get("push.p99_ms_at_chapter02_load"), Some(false));
+        assert_eq!(get("push.frames_per_s_at_chapter02_load"), Some(true));
+        assert_eq!(
+            get("push.cursor_writes_per_push_at_chapter02_load"),
+            Some(true)
+        );
+        assert!(m.iter().filter(|x| !x.is_target()).all(|x| x.met.is_none()));
+        let (met, missed) = result::targets_met(&m);
         assert_eq!(met, "FAIL");
-        assert!(missed.contains(&"push.p99_at_chapter02_load: 3697.5 > 100 ms".to_string()));
-        // No step at the chapter-02 load (quick mode): NOT_RUN, never PASS.
+        assert!(missed.contains(&"push.p99_ms_at_chapter02_load: 3697.5 > 100 ms".to_string()));
+        // No step at the chapter-02 load (quick mode): unmeasured, never met.
         r.fanout.data.as_mut().expect("fanout").steps[0].multiplier = 0.25;
-        let t: Vec<Target> = findings::targets(&r)
+        let m: Vec<Metric> = result::metrics(&r)
             .into_iter()
-            .filter(|x| x.path == "push")
+            .filter(|x| x.is_target() && x.name.starts_with("push."))
             .collect();
-        assert!(t
+        assert_eq!(m.len(), 3);
+        assert!(m.iter().all(|x| x.met.is_none() && x.note.is_some()));
+        assert_eq!(result::targets_met(&m).0, "NOT_RUN");
+        // A part that did not run lists its targets unmeasured.
+        r.send_path = Section::not_run("not selected (--only)");
+        let m = result::metrics(&r);
+        assert!(m
             .iter()
-            .all(|x| x.result == "NOT_RUN" && x.detail.is_some()));
-        assert_eq!(findings::targets_met(&t).0, "NOT_RUN");
+            .any(|x| x.name == "send.c32.gateway_vs_pgbench_plain" && x.met.is_none()));
     }
 
     #[test]

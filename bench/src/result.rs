@@ -8,10 +8,20 @@ use std::collections::BTreeMap;
 use crate::cpu::{CpuPerOp, CpuUse};
 use crate::env::Environment;
 use crate::pgss::StmtStat;
-use crate::util::Latency;
+use crate::twogw::TwoGateways;
+use crate::util::{r3, ratio, Latency};
 
 /// 2: the single `result` became `data_integrity` and `targets_met` (with `targets`).
-pub const SCHEMA_VERSION: u32 = 2;
+/// 3: flat `metrics` (name, value, unit, limit, ratio, met) replace `targets` and the prose
+/// `findings`; part `two_gateways` added.
+pub const SCHEMA_VERSION: u32 = 3;
+
+/// The design note's budget of cursor writes per push (acks coalesced every 4 events).
+pub const CURSOR_WRITES_PER_PUSH_BUDGET: f64 = 0.25;
+/// Issue 12: acknowledged sends/s at least this fraction of pgbench running the same
+/// transaction without NOTIFY, at the concurrencies of [`SEND_RATIO_AT`].
+pub const SEND_VS_PLAIN_MIN: f64 = 0.8;
+pub const SEND_RATIO_AT: [usize; 2] = [8, 32];
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BenchResult {
@@ -27,21 +37,126 @@ pub struct BenchResult {
     /// was judged and met, `NOT_RUN` otherwise (some could not be judged, none missed).
     #[serde(default)]
     pub targets_met: String,
-    /// The ids of the missed targets, each with its figure (`id: observed > limit unit`).
+    /// The missed targets, each with its figure (`name: value > limit unit`).
     #[serde(default)]
     pub targets_missed: Vec<String>,
     /// Why the run is incomplete or its data is in doubt (exit status 1 when not empty).
     pub failures: Vec<String>,
-    /// The performance targets, each judged against its limit (never the exit status).
+    /// Every figure of the run as one flat list; the targets are the metrics with a limit
+    /// and an `op` (judged: `met`), never the exit status.
     #[serde(default)]
-    pub targets: Vec<Target>,
+    pub metrics: Vec<Metric>,
     pub environment: Environment,
     pub parameters: Params,
     pub send_path: Section<SendPath>,
     pub fanout: Section<Fanout>,
     pub sweep: Section<Sweep>,
     pub repair: Section<Repair>,
-    pub findings: Vec<Finding>,
+    pub two_gateways: Section<TwoGateways>,
+}
+
+/// One figure of the run. A target has `op` and `limit` and is judged (`met`); a plain
+/// measurement has neither; a ratio against a reference measured in the same run has the
+/// reference as `limit` and no `op` unless it is a target.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Metric {
+    /// `<part>.<figure>`, e.g. `push.p99_ms_at_chapter02_load`.
+    pub name: String,
+    /// The figure; `null` when the run did not measure it (the `note` says why).
+    pub value: Option<f64>,
+    pub unit: String,
+    /// The bound of a target, or the reference figure of a ratio; `null` otherwise.
+    pub limit: Option<f64>,
+    /// `le` (value <= limit) or `ge` (value >= limit) for a target; `null` otherwise.
+    pub op: Option<String>,
+    /// `value / limit`; `null` without both.
+    pub ratio: Option<f64>,
+    /// Whether a target was met; `null` for a measurement or a target not measured.
+    pub met: Option<bool>,
+    /// Where the limit comes from, or why there is no value; `null` when nothing to say.
+    pub note: Option<String>,
+}
+
+impl Metric {
+    /// A plain measurement.
+    pub fn value(name: &str, value: f64, unit: &str) -> Metric {
+        Metric {
+            name: name.into(),
+            value: Some(r3(value)),
+            unit: unit.into(),
+            ..Default::default()
+        }
+    }
+
+    /// `a / b` as a measurement (unit `ratio`), with `b` as the reference.
+    pub fn ratio_of(name: &str, a: f64, b: f64) -> Metric {
+        Metric {
+            name: name.into(),
+            value: ratio(a, b),
+            unit: "ratio".into(),
+            ..Default::default()
+        }
+    }
+
+    /// A target: `value op limit`, judged (`met` stays `null` without a value).
+    pub fn target(
+        name: &str,
+        value: Option<f64>,
+        unit: &str,
+        op: &str,
+        limit: f64,
+        note: Option<String>,
+    ) -> Metric {
+        let value = value.map(r3);
+        let met = value.map(|v| if op == "le" { v <= limit } else { v >= limit });
+        Metric {
+            name: name.into(),
+            value,
+            unit: unit.into(),
+            limit: Some(r3(limit)),
+            op: Some(op.into()),
+            ratio: value.and_then(|v| ratio(v, limit)),
+            met,
+            note,
+        }
+    }
+
+    pub fn is_target(&self) -> bool {
+        self.op.is_some()
+    }
+}
+
+/// `targets_met` and `targets_missed` from the metrics: `FAIL` when a target was missed,
+/// `PASS` when every target was measured and met, `NOT_RUN` otherwise (a target that
+/// could not be measured is never counted as met).
+pub fn targets_met(metrics: &[Metric]) -> (String, Vec<String>) {
+    let targets: Vec<&Metric> = metrics.iter().filter(|m| m.is_target()).collect();
+    let missed: Vec<String> = targets
+        .iter()
+        .filter(|m| m.met == Some(false))
+        .map(|m| {
+            format!(
+                "{}: {} {} {} {}",
+                m.name,
+                m.value.map_or("?".into(), |v| format!("{v}")),
+                if m.op.as_deref() == Some("le") {
+                    ">"
+                } else {
+                    "<"
+                },
+                m.limit.unwrap_or_default(),
+                m.unit
+            )
+        })
+        .collect();
+    let verdict = if !missed.is_empty() {
+        "FAIL"
+    } else if !targets.is_empty() && targets.iter().all(|m| m.met == Some(true)) {
+        "PASS"
+    } else {
+        "NOT_RUN"
+    };
+    (verdict.into(), missed)
 }
 
 /// One part of the bench: whether it ran, why not, and its figures.
@@ -115,6 +230,11 @@ pub struct Params {
     pub repair_sweep_ms: Vec<u64>,
     pub repair_trials: Vec<usize>,
     pub repair_lanes: usize,
+    /// Part `two_gateways`: conversations (one sender each), subscribed receivers per
+    /// conversation, and seconds of load per configuration.
+    pub two_gateways_conversations: usize,
+    pub two_gateways_receivers: usize,
+    pub two_gateways_s: f64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -391,53 +511,297 @@ pub struct RepairInterval {
     pub wall_s: f64,
 }
 
-// ---------------------------------------------------------------- targets
+// ---------------------------------------------------------------- metrics
 
-/// One performance target: a limit from the design note or the gateway's configuration,
-/// and the figure of this run it is judged on.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Target {
-    pub id: String,
-    /// `push`, `sweep` or `repair`.
-    pub path: String,
-    /// The target in one sentence, with where its limit comes from.
-    pub what: String,
-    /// `le` (observed <= limit) or `ge` (observed >= limit).
-    pub op: String,
-    pub limit: f64,
-    /// The figure judged; `null` when the target could not be judged (`NOT_RUN`).
-    pub observed: Option<f64>,
-    pub unit: String,
-    /// `MET`, `MISSED` or `NOT_RUN`.
-    pub result: String,
-    /// Why `NOT_RUN`, or what else the reader should know (the step's verdict), else `null`.
-    pub detail: Option<String>,
+/// Why a part has no figures (`<part> <status>: <reason>`).
+fn absent<T>(part: &str, s: &Section<T>) -> Option<String> {
+    Some(format!(
+        "{part} {}: {}",
+        s.status,
+        s.reason.clone().unwrap_or_default()
+    ))
 }
 
-impl Target {
-    /// Judges `observed` against `limit` with `op`.
-    pub fn judge(mut self) -> Target {
-        self.result = match self.observed {
-            None => "NOT_RUN",
-            Some(v)
-                if (self.op == "le" && v <= self.limit) || (self.op == "ge" && v >= self.limit) =>
-            {
-                "MET"
+impl SendPath {
+    /// Per concurrency: acknowledged sends/s, latency, the ratios against pgbench in the
+    /// same run; the issue-12 target (>= 0.8 x pgbench without NOTIFY) at 8 and 32 senders.
+    pub fn metrics(&self) -> Vec<Metric> {
+        let mut out = Vec::new();
+        for l in &self.levels {
+            let c = l.concurrency;
+            let g = &l.gateway;
+            out.push(Metric::value(
+                &format!("send.c{c}.sends_per_s"),
+                g.ops_per_s,
+                "sends/s",
+            ));
+            out.push(Metric::value(
+                &format!("send.c{c}.p50_ms"),
+                g.latency.p50_ms,
+                "ms",
+            ));
+            out.push(Metric::value(
+                &format!("send.c{c}.p99_ms"),
+                g.latency.p99_ms,
+                "ms",
+            ));
+            if let Some(b) = &l.pgbench_notify {
+                let mut m = Metric::ratio_of(
+                    &format!("send.c{c}.gateway_vs_pgbench_notify"),
+                    g.ops_per_s,
+                    b.ops_per_s,
+                );
+                m.limit = Some(b.ops_per_s);
+                out.push(m);
             }
-            Some(_) => "MISSED",
+            let plain = l.pgbench_plain.as_ref().map(|a| a.ops_per_s);
+            if SEND_RATIO_AT.contains(&c) {
+                let mut m = Metric::target(
+                    &format!("send.c{c}.gateway_vs_pgbench_plain"),
+                    l.ratios.gateway_vs_pgbench_plain_throughput,
+                    "ratio",
+                    "ge",
+                    SEND_VS_PLAIN_MIN,
+                    Some("issue 12: acknowledged sends/s vs pgbench running the same transaction without NOTIFY".into()),
+                );
+                if plain.is_none() {
+                    m.note = Some("no pgbench on this machine".into());
+                }
+                out.push(m);
+            } else if let Some(a) = plain {
+                out.push(Metric::ratio_of(
+                    &format!("send.c{c}.gateway_vs_pgbench_plain"),
+                    g.ops_per_s,
+                    a,
+                ));
+            }
         }
-        .into();
-        self
+        for c in SEND_RATIO_AT {
+            if !self.levels.iter().any(|l| l.concurrency == c) {
+                out.push(Metric::target(
+                    &format!("send.c{c}.gateway_vs_pgbench_plain"),
+                    None,
+                    "ratio",
+                    "ge",
+                    SEND_VS_PLAIN_MIN,
+                    Some(format!("{c} senders not run in this mode")),
+                ));
+            }
+        }
+        out
     }
 }
 
-// ---------------------------------------------------------------- findings
+impl Fanout {
+    /// The chapter-02 targets (push p99, rate, cursor writes per push), the highest
+    /// passing rate and the WebSocket ceiling.
+    pub fn metrics(&self, p: &Params, mode: &str) -> Vec<Metric> {
+        let base = self
+            .steps
+            .iter()
+            .find(|s| (s.multiplier - 1.0).abs() < 1e-9);
+        let why = match base {
+            Some(s) => Some(format!("step verdict: {}", s.verdict)),
+            None => Some(format!(
+                "no step at the chapter-02 load in mode {mode} (first step at {} x)",
+                p.fanout_start_multiplier
+            )),
+        };
+        let rate = p.fanout_base_frames_per_s;
+        let mut out = fanout_targets(base, p, why);
+        out.push(Metric::value("push.base_frames_per_s", rate, "frames/s"));
+        if let Some(m) = self.max_passing_frames_per_s {
+            let mut x = Metric::value("push.max_passing_frames_per_s", m, "frames/s");
+            x.limit = Some(rate);
+            x.ratio = ratio(m, rate);
+            out.push(x);
+        }
+        let mut ws = Metric::value(
+            "push.ws_ceiling_frames_per_s",
+            self.ws_ceiling.frames_per_s,
+            "frames/s",
+        );
+        ws.note = Some(self.ws_ceiling.server.clone());
+        out.push(ws);
+        for s in &self.steps {
+            let name = format!("push.step_{}x", s.multiplier);
+            out.push(Metric::value(
+                &format!("{name}.frames_per_s"),
+                s.frames_per_s,
+                "frames/s",
+            ));
+            out.push(Metric::value(
+                &format!("{name}.p99_ms"),
+                s.push_latency.p99_ms,
+                "ms",
+            ));
+            out.push(Metric::value(
+                &format!("{name}.events_via_sync"),
+                s.events_via_sync as f64,
+                "events",
+            ));
+        }
+        out
+    }
+}
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Finding {
-    pub id: String,
-    /// `send`, `push`, `sweep`, `repair` or `gateway`.
-    pub path: String,
-    pub claim: String,
-    pub figures: BTreeMap<String, f64>,
+/// The three chapter-02 push targets, judged on `base` (the 1x step) when there is one.
+fn fanout_targets(base: Option<&FanoutStep>, p: &Params, why: Option<String>) -> Vec<Metric> {
+    let rate = p.fanout_base_frames_per_s;
+    vec![
+        Metric::target(
+            "push.p99_ms_at_chapter02_load",
+            base.map(|s| s.push_latency.p99_ms),
+            "ms",
+            "le",
+            p.fanout_p99_limit_ms,
+            why.clone(),
+        ),
+        Metric::target(
+            "push.frames_per_s_at_chapter02_load",
+            base.map(|s| s.frames_per_s),
+            "frames/s",
+            "ge",
+            0.9 * rate,
+            why.clone(),
+        ),
+        Metric::target(
+            "push.cursor_writes_per_push_at_chapter02_load",
+            base.and_then(|s| s.cursor_writes_per_push),
+            "writes/push",
+            "le",
+            CURSOR_WRITES_PER_PUSH_BUDGET,
+            why,
+        ),
+    ]
+}
+
+impl Sweep {
+    /// Per size and lag: the sweep query's wall time; the targets at the largest size
+    /// (within the default sweep interval and database deadline).
+    pub fn metrics(&self) -> Vec<Metric> {
+        let mut out = Vec::new();
+        let big = self.rows.iter().map(|r| r.devices).max();
+        let wall = big.map(|b| {
+            self.rows
+                .iter()
+                .filter(|r| r.devices == b)
+                .map(|r| r.wall_ms_median)
+                .fold(0.0, f64::max)
+        });
+        let note = big.map(|b| format!("{b} devices x {} conversations", self.convs_per_device));
+        out.extend(sweep_targets(
+            wall,
+            self.gateway_sweep_interval_ms_default as f64,
+            self.gateway_db_timeout_ms_default as f64,
+            note,
+        ));
+        for r in &self.rows {
+            let name = format!("sweep.{}_devices_{}pct_lagging", r.devices, r.lag_percent);
+            out.push(Metric::value(
+                &format!("{name}.wall_ms"),
+                r.wall_ms_median,
+                "ms",
+            ));
+            out.push(Metric::value(
+                &format!("{name}.us_per_pair"),
+                r.us_per_pair,
+                "us",
+            ));
+        }
+        out
+    }
+}
+
+fn sweep_targets(
+    wall: Option<f64>,
+    interval: f64,
+    timeout: f64,
+    note: Option<String>,
+) -> Vec<Metric> {
+    vec![
+        Metric::target(
+            "sweep.largest_within_interval_ms",
+            wall,
+            "ms",
+            "le",
+            interval,
+            note.clone(),
+        ),
+        Metric::target(
+            "sweep.largest_within_db_timeout_ms",
+            wall,
+            "ms",
+            "le",
+            timeout,
+            note,
+        ),
+    ]
+}
+
+impl Repair {
+    /// Per sweep interval: the lost-push repair p99 against D5's bound.
+    pub fn metrics(&self) -> Vec<Metric> {
+        self.intervals
+            .iter()
+            .map(|i| {
+                Metric::target(
+                    &format!("repair.p99_ms_at_sweep_{}ms", i.sweep_ms),
+                    (i.repaired > 0).then_some(i.repair.p99_ms),
+                    "ms",
+                    "le",
+                    i.d5_bound_ms,
+                    Some("D5: the interval plus the sync round trip's p99".into()),
+                )
+            })
+            .collect()
+    }
+}
+
+/// Every metric of a run. A part that did not run still lists its targets, unmeasured
+/// (`NOT_RUN` overall, never `PASS`).
+pub fn metrics(r: &BenchResult) -> Vec<Metric> {
+    let p = &r.parameters;
+    let mut out = Vec::new();
+    match &r.send_path.data {
+        Some(d) => out.extend(d.metrics()),
+        None => out.extend(SEND_RATIO_AT.iter().map(|c| {
+            Metric::target(
+                &format!("send.c{c}.gateway_vs_pgbench_plain"),
+                None,
+                "ratio",
+                "ge",
+                SEND_VS_PLAIN_MIN,
+                absent("send_path", &r.send_path),
+            )
+        })),
+    }
+    match &r.fanout.data {
+        Some(d) => out.extend(d.metrics(p, &r.mode)),
+        None => out.extend(fanout_targets(None, p, absent("fanout", &r.fanout))),
+    }
+    match &r.sweep.data {
+        Some(d) => out.extend(d.metrics()),
+        None => out.extend(sweep_targets(
+            None,
+            1000.0,
+            5000.0,
+            absent("sweep", &r.sweep),
+        )),
+    }
+    match &r.repair.data {
+        Some(d) => out.extend(d.metrics()),
+        None => out.push(Metric::target(
+            "repair.p99_ms",
+            None,
+            "ms",
+            "le",
+            0.0,
+            absent("repair", &r.repair),
+        )),
+    }
+    if let Some(d) = &r.two_gateways.data {
+        out.extend(d.metrics());
+    }
+    out
 }

@@ -39,7 +39,7 @@ fn smoke_run_measures_every_part_and_loses_no_acknowledged_message() {
         )
     });
     let r: serde_json::Value = serde_json::from_str(&text).expect("the result is JSON");
-    assert_eq!(r["schema_version"], 2, "{text}");
+    assert_eq!(r["schema_version"], 3, "{text}");
     assert_eq!(r["mode"], "smoke");
     assert!(
         run.status.success() && r["data_integrity"] == "PASS",
@@ -54,12 +54,47 @@ fn smoke_run_measures_every_part_and_loses_no_acknowledged_message() {
         "targets_met: {}",
         r["targets_met"]
     );
-    let targets = r["targets"].as_array().expect("targets");
-    assert!(!targets.is_empty());
-    for t in targets {
+    // The flat metrics: each has a name and a unit; a target (an `op`) has a limit and is
+    // judged exactly when it has a value, a measurement is never judged; targets_met and
+    // targets_missed follow from them alone.
+    let metrics = r["metrics"].as_array().expect("metrics");
+    assert!(metrics.len() >= 10, "{}", r["metrics"]);
+    let mut missed = 0;
+    for m in metrics {
         assert!(
-            ["MET", "MISSED", "NOT_RUN"].contains(&t["result"].as_str().unwrap_or("")),
-            "{t}"
+            m["name"].as_str().is_some_and(|n| !n.is_empty())
+                && m["unit"].as_str().is_some_and(|u| !u.is_empty()),
+            "{m}"
+        );
+        match m["op"].as_str() {
+            Some(op) => {
+                assert!(["le", "ge"].contains(&op) && m["limit"].is_number(), "{m}");
+                let (v, l) = (m["value"].as_f64(), m["limit"].as_f64().unwrap_or(0.0));
+                let want = v.map(|v| if op == "le" { v <= l } else { v >= l });
+                assert_eq!(m["met"].as_bool(), want, "{m}");
+                missed += usize::from(want == Some(false));
+            }
+            None => assert!(m["met"].is_null(), "{m}"),
+        }
+    }
+    assert_eq!(
+        r["targets_missed"].as_array().map(Vec::len),
+        Some(missed),
+        "{}",
+        r["targets_missed"]
+    );
+    assert_eq!(r["targets_met"] == "FAIL", missed > 0);
+    for name in [
+        "two_gateways.one.sends_per_s",
+        "two_gateways.two.sends_per_s",
+        "two_gateways.sends_two_vs_one",
+        "two_gateways.pushes_two_vs_one",
+    ] {
+        assert!(
+            metrics
+                .iter()
+                .any(|m| m["name"] == name && m["value"].as_f64().is_some_and(|v| v > 0.0)),
+            "{name} missing or zero"
         );
     }
     let env = &r["environment"];
@@ -80,7 +115,7 @@ fn smoke_run_measures_every_part_and_loses_no_acknowledged_message() {
         .as_array()
         .is_some_and(|a| a.len() == 3));
     assert!(env["load_avg_end"].as_array().is_some_and(|a| a.len() == 3));
-    for section in ["send_path", "fanout", "sweep", "repair"] {
+    for section in ["send_path", "fanout", "sweep", "repair", "two_gateways"] {
         assert_eq!(
             r[section]["status"], "ok",
             "{section}: {}",
@@ -89,7 +124,7 @@ fn smoke_run_measures_every_part_and_loses_no_acknowledged_message() {
         assert!(r[section]["data"].is_object(), "{section} has no data");
     }
     // No data loss anywhere: every acknowledged message is a row.
-    for section in ["send_path", "fanout", "repair"] {
+    for section in ["send_path", "fanout", "repair", "two_gateways"] {
         let c = &r[section]["data"]["data_check"];
         assert_eq!(c["result"], "PASS", "{section}: {c}");
         assert_eq!(c["lost"], 0, "{section}: {c}");
@@ -137,7 +172,18 @@ fn smoke_run_measures_every_part_and_loses_no_acknowledged_message() {
             "gw.push:drop let a push through: {i}"
         );
     }
-    assert!(r["findings"].as_array().is_some_and(|f| !f.is_empty()));
+    let two = &r["two_gateways"]["data"];
+    assert_eq!(
+        (
+            two["one"]["gateways"].as_u64(),
+            two["two"]["gateways"].as_u64()
+        ),
+        (Some(1), Some(2))
+    );
+    assert!(
+        two["two"]["pushes"].as_u64().is_some_and(|n| n > 0),
+        "{two}"
+    );
     // Not a timing assertion: only a guard that the smoke sizes stay small.
     assert!(
         took < Duration::from_secs(100),

@@ -45,7 +45,7 @@ const READY_PREFIX: &str = "listening on ";
 static GATEWAY_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// The workspace root: the harness crate's parent directory.
-fn workspace_dir() -> PathBuf {
+pub fn workspace_dir() -> PathBuf {
     let raw = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
     fs::canonicalize(raw).unwrap_or_else(|_| raw.to_path_buf())
 }
@@ -73,13 +73,7 @@ fn find_gateway_bin() -> anyhow::Result<PathBuf> {
         }
         return Ok(bin);
     }
-    let workspace = workspace_dir();
-    let target = match std::env::var_os("CARGO_TARGET_DIR") {
-        Some(dir) if Path::new(&dir).is_absolute() => PathBuf::from(dir),
-        Some(dir) => workspace.join(dir),
-        None => workspace.join("target"),
-    };
-    let bin = target.join("debug").join("im-gateway");
+    let bin = target_dir().join("debug").join("im-gateway");
     let built = fs::metadata(&bin)
         .and_then(|meta| meta.modified())
         .map_err(|e| {
@@ -88,6 +82,38 @@ fn find_gateway_bin() -> anyhow::Result<PathBuf> {
                 bin.display()
             )
         })?;
+    let newest = newest_source()?;
+    if let Some((modified, source)) = newest {
+        if modified > built {
+            let lag = modified.duration_since(built).unwrap_or_default();
+            bail!(
+                "gateway binary {} is stale: {} is {:.1} s newer: run `make build` \
+                 (if it is up to date and cargo rebuilt nothing, touch gateway/src/main.rs)",
+                bin.display(),
+                source.display(),
+                lag.as_secs_f64()
+            );
+        }
+    }
+    Ok(bin)
+}
+
+/// Where cargo puts what it builds: `$CARGO_TARGET_DIR` (relative paths taken from the
+/// workspace root) or `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    let workspace = workspace_dir();
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) if Path::new(&dir).is_absolute() => PathBuf::from(dir),
+        Some(dir) => workspace.join(dir),
+        None => workspace.join("target"),
+    }
+}
+
+/// The newest file a gateway build depends on (`gateway/src`, `gateway/Cargo.toml`,
+/// `gateway/build.rs`, `migrations/`) with its mtime: a binary older than it is stale.
+/// `None` when none of them exists.
+pub fn newest_source() -> anyhow::Result<Option<(SystemTime, PathBuf)>> {
+    let workspace = workspace_dir();
     let mut sources = Vec::new();
     let gateway = workspace.join("gateway");
     collect_files(&gateway.join("src"), &mut sources)?;
@@ -103,27 +129,11 @@ fn find_gateway_bin() -> anyhow::Result<PathBuf> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(e).with_context(|| format!("stat {}", source.display())),
         };
-        let newer = match &newest {
-            Some((time, _)) => modified > *time,
-            None => true,
-        };
-        if newer {
+        if newest.as_ref().is_none_or(|(time, _)| modified > *time) {
             newest = Some((modified, source));
         }
     }
-    if let Some((modified, source)) = newest {
-        if modified > built {
-            let lag = modified.duration_since(built).unwrap_or_default();
-            bail!(
-                "gateway binary {} is stale: {} is {:.1} s newer: run `make build` \
-                 (if it is up to date and cargo rebuilt nothing, touch gateway/src/main.rs)",
-                bin.display(),
-                source.display(),
-                lag.as_secs_f64()
-            );
-        }
-    }
-    Ok(bin)
+    Ok(newest)
 }
 
 /// Every file below `dir` (recursively), skipping hidden names and editor backups.

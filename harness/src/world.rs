@@ -2,8 +2,9 @@
 //! admin and database look-ups scenarios need (users, devices, conversations, event
 //! counts, cursors, heads).
 //!
-//! Owns: the pairing of one `pg::Cluster` with the current `gateway::Gateway`, their
-//! drop order (gateway first), a cached check pool, the run's history (`history.jsonl` in
+//! Owns: the pairing of one `pg::Cluster` with its gateways (the first, `gw`, and any
+//! further ones on the same database, issue 12: [`World::start_gateway`]), their drop
+//! order (gateways first), a cached check pool, the run's history (`history.jsonl` in
 //! the cluster's work dir: every nemesis action taken through the world is recorded
 //! there), the cursor audit the checker reads, and the final read that the checker judges
 //! ([`World::judge`]). Must not: speak the WebSocket protocol (`crate::client`).
@@ -49,8 +50,11 @@ CREATE TRIGGER imfault_cursor_audit AFTER INSERT OR UPDATE ON device_cursors
 /// A migrated cluster and a gateway serving it. Fields drop in declaration order: the
 /// gateway is killed before the database goes away.
 pub struct World {
-    /// The current gateway; `None` only if a test took it out.
+    /// The current gateway (gateway 0); `None` only if a test took it out.
     pub gw: Option<Gateway>,
+    /// Further gateway processes on the same database (gateways 1, 2, …), each with the
+    /// options it was started with ([`World::start_gateway`]).
+    more: Vec<(Gateway, GatewayOpts)>,
     /// The standby and the proxies of a replicated world (dropped before the primary).
     pub failover: Option<Failover>,
     /// The gateway's own path to the database ([`WorldOpts::db_proxy`]): a controlled
@@ -168,14 +172,12 @@ impl World {
         } else {
             None
         };
-        let gw_db_url = match &db_proxy {
-            Some(p) => proxied_url(p),
-            None => db_url.clone(),
-        };
+        let gw_db_url = gateway_db_url(&db_proxy, &db_url);
         let gw = Gateway::start(&gw_db_url, &opts, &pg.log_dir()).await?;
-        record_gateway_start(&hist, &opts);
+        record_gateway_start(&hist, 0, &opts);
         Ok(World {
             gw: Some(gw),
+            more: Vec::new(),
             failover,
             db_proxy,
             db_url,
@@ -253,10 +255,19 @@ impl World {
         &mut self,
         within: Duration,
     ) -> anyhow::Result<std::process::ExitStatus> {
-        let status = self.gw_mut().wait_exit(within).await?;
+        self.wait_gateway_exit_at(0, within).await
+    }
+
+    /// Waits for gateway `i` to exit (a halt at a fault point) and records it.
+    pub async fn wait_gateway_exit_at(
+        &mut self,
+        i: usize,
+        within: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        let status = self.gw_at_mut(i).wait_exit(within).await?;
         self.hist.nemesis_instant(
             "gateway-exit",
-            json!({"status": self.gw().exit_code(), "raw": status.to_string()}),
+            json!({"gateway": i, "status": self.gw_at(i).exit_code(), "raw": status.to_string()}),
         );
         Ok(status)
     }
@@ -301,25 +312,65 @@ impl World {
     /// Kills the current gateway (if it still runs) and starts a new one with `opts` on
     /// the same cluster.
     pub async fn restart_gateway(&mut self, opts: GatewayOpts) -> anyhow::Result<()> {
+        self.restart_gateway_at(0, opts).await
+    }
+
+    /// Starts one more gateway process with `opts` on the same database (issue 12: several
+    /// gateways on one PostgreSQL); returns its index for the `*_at` methods (1, 2, …).
+    pub async fn start_gateway(&mut self, opts: GatewayOpts) -> anyhow::Result<usize> {
         if opts.fault.is_some() {
             tokio::task::spawn_blocking(gateway::require_faults)
                 .await
                 .context("join the faults check")??;
         }
-        if let Some(mut old) = self.gw.take() {
-            if old.try_exit_status().is_none() {
-                let id = self.hist.nemesis_start("gateway-kill", json!({}));
-                old.kill();
-                self.hist.nemesis_end("gateway-kill", id, json!({}));
-            }
+        let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url);
+        let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
+        let i = self.more.len() + 1;
+        record_gateway_start(&self.hist, i, &opts);
+        self.more.push((gw, opts));
+        Ok(i)
+    }
+
+    /// How many gateways the world holds (the first one included).
+    pub fn gateway_count(&self) -> usize {
+        1 + self.more.len()
+    }
+
+    /// SIGKILLs gateway `i` if it still runs, recorded as a nemesis action.
+    pub fn kill_gateway_at(&mut self, i: usize) {
+        if self.gw_at_mut(i).try_exit_status().is_none() {
+            let id = self
+                .hist
+                .nemesis_start("gateway-kill", json!({"gateway": i}));
+            self.gw_at_mut(i).kill();
+            self.hist
+                .nemesis_end("gateway-kill", id, json!({"gateway": i}));
         }
-        let gw_db_url = match &self.db_proxy {
-            Some(p) => proxied_url(p),
-            None => self.db_url.clone(),
-        };
-        self.gw = Some(Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?);
-        record_gateway_start(&self.hist, &opts);
-        self.opts = opts;
+    }
+
+    /// Kills gateway `i` (if it still runs) and starts a new one with `opts` in its place,
+    /// on the same database; index `i` then names the new process.
+    pub async fn restart_gateway_at(&mut self, i: usize, opts: GatewayOpts) -> anyhow::Result<()> {
+        if opts.fault.is_some() {
+            tokio::task::spawn_blocking(gateway::require_faults)
+                .await
+                .context("join the faults check")??;
+        }
+        if i == 0 && self.gw.is_none() {
+            // A test took gateway 0 out: nothing to kill.
+        } else {
+            self.kill_gateway_at(i);
+        }
+        let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url);
+        let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
+        record_gateway_start(&self.hist, i, &opts);
+        if i == 0 {
+            self.gw = Some(gw);
+            self.opts = opts;
+        } else {
+            // The old process was killed and reaped above; dropping it does nothing more.
+            self.more[i - 1] = (gw, opts);
+        }
         Ok(())
     }
 
@@ -335,6 +386,28 @@ impl World {
         self.gw
             .as_mut()
             .expect("World has no gateway (taken out of World::gw)")
+    }
+
+    /// Gateway `i`: 0 is [`World::gw`], 1.. the ones [`World::start_gateway`] started.
+    /// Panics on an index the world never handed out.
+    pub fn gw_at(&self, i: usize) -> &Gateway {
+        match i {
+            0 => self.gw(),
+            _ => &self.more.get(i - 1).expect("no such gateway").0,
+        }
+    }
+
+    /// Gateway `i`, mutably (see [`World::gw_at`]).
+    pub fn gw_at_mut(&mut self, i: usize) -> &mut Gateway {
+        match i {
+            0 => self.gw_mut(),
+            _ => &mut self.more.get_mut(i - 1).expect("no such gateway").0,
+        }
+    }
+
+    /// Gateway `i`'s `ws://ADDR/ws`.
+    pub fn ws_url_at(&self, i: usize) -> String {
+        self.gw_at(i).ws_url()
     }
 
     /// The options the current gateway was started with.
@@ -456,10 +529,14 @@ fn url_at(port: u16) -> String {
     format!("postgres://postgres@127.0.0.1:{port}/postgres")
 }
 
-/// The gateway's URL through the database proxy, named `im-gateway` in
-/// `pg_stat_activity` (so a nemesis can terminate the gateway's backends, not the harness's).
-fn proxied_url(p: &Proxy) -> String {
-    format!("{}?application_name=im-gateway", url_at(p.addr().port()))
+/// Where the gateways connect: through the database proxy when there is one, named
+/// `im-gateway` in `pg_stat_activity` (so a nemesis can terminate the gateway's backends,
+/// not the harness's), else the world's database address.
+fn gateway_db_url(proxy: &Option<Proxy>, db_url: &str) -> String {
+    match proxy {
+        Some(p) => format!("{}?application_name=im-gateway", url_at(p.addr().port())),
+        None => db_url.to_string(),
+    }
 }
 
 /// The port of a `postgres://…@HOST:PORT/…` URL.
@@ -534,10 +611,11 @@ async fn start_standby(pg: &Cluster, r: Replication) -> anyhow::Result<Failover>
     })
 }
 
-fn record_gateway_start(hist: &History, opts: &GatewayOpts) {
+fn record_gateway_start(hist: &History, i: usize, opts: &GatewayOpts) {
     hist.nemesis_instant(
         "gateway-start",
-        json!({"fault": opts.fault, "sweep_ms": opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT),
+        json!({"gateway": i, "fault": opts.fault,
+               "sweep_ms": opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT),
                "bug": gateway::gateway_bug()}),
     );
 }
@@ -574,7 +652,12 @@ impl World {
     pub async fn judge(&self) -> anyhow::Result<Judgement> {
         let hist = &self.hist;
         hist.wait_probes(Duration::from_secs(3)).await;
-        let sweep_ms = self.opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT);
+        // With several gateways, the slowest sweep bounds the repair.
+        let sweep_ms = std::iter::once(&self.opts)
+            .chain(self.more.iter().map(|(_, o)| o))
+            .map(|o| o.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT))
+            .max()
+            .unwrap_or(SWEEP_MS_DEFAULT);
         let bound_ms = sweep_ms + 1000;
         let entries = hist.entries();
         let live = live_devices(&entries);
@@ -812,9 +895,10 @@ impl World {
             .context("install the cursor audit")?;
         hist.set_probe_pool(pool_at(&db_url).await?);
         let gw = Gateway::start(&db_url, &opts, &pg.log_dir()).await?;
-        record_gateway_start(&hist, &opts);
+        record_gateway_start(&hist, 0, &opts);
         Ok(World {
             gw: Some(gw),
+            more: Vec::new(),
             failover: None,
             db_proxy: None,
             db_url,

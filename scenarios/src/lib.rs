@@ -718,6 +718,12 @@ pub const IM06_CHECKS: &[CheckInfo] = &[
         invariants: &["D6", "D2", "P1"],
         what: "A pg_auto_failover formation under load loses its primary node (every process SIGKILLed): its monitor detects it and promotes the secondary, the address follows the monitor, and the gateway recovers on its own; acknowledged messages lost are counted against the replication mode pg_auto_failover set up (synchronous: none).",
     },
+    CheckInfo {
+        id: "06-two-gateways",
+        test: "im06_two_gateways",
+        invariants: &["D1", "D2", "D5", "P1"],
+        what: "Two gateways on one database: pushes cross between them by push, a resend through the other gateway is a dup, and one gateway halted at each send point while the other keeps serving; its devices move to the survivor, replay and catch up, with every acknowledged send one row.",
+    },
 ];
 
 /// What the design note says was not run, and why it is not run here either.

@@ -1713,3 +1713,324 @@ async fn im06_failover_pg_auto_failover() {
     .await;
     c.finish(r);
 }
+
+// ---------------------------------------------------------------------------------------
+// Issue 12, item 4: two gateways on one database.
+
+/// What one device's sequential sends had acknowledged, with when (for "during and after").
+#[derive(Default)]
+struct Traffic {
+    /// (cmid, seq, acknowledged at).
+    acked: std::sync::Mutex<Vec<(String, i64, Instant)>>,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Traffic {
+    /// Sends `<prefix>-<n>` through `sender` one after another until `stop`; a failed send
+    /// ends nothing (it stays in the outbox and the next one is tried): the gateway serving
+    /// this sender must keep serving, and a failure shows up as too few acknowledged.
+    async fn run(&self, sender: &Client, prefix: &str) {
+        let mut n = 0;
+        while !self.stop.load(std::sync::atomic::Ordering::SeqCst) && n < 5000 {
+            let cmid = format!("{prefix}-{n}");
+            n += 1;
+            if let Ok(r) = sender.send("c1", &cmid, "keep serving", T).await {
+                let seq = r["seq"].as_i64().unwrap_or(-1);
+                self.acked.lock().unwrap().push((cmid, seq, Instant::now()));
+            }
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.acked.lock().unwrap().len()
+    }
+
+    /// Waits (10 s at most) until `n` sends are acknowledged.
+    async fn wait_count(&self, n: usize) -> anyhow::Result<()> {
+        wait_until(&format!("{n} sends acknowledged"), T, async || {
+            let k = self.count();
+            poll(k >= n, k).await
+        })
+        .await
+    }
+}
+
+/// Connects `client` to gateway `i` of `w` and subscribes (a device moving gateways).
+async fn move_to(w: &World, i: usize, client: &mut Client) -> anyhow::Result<()> {
+    let url = w.ws_url_at(i);
+    client
+        .connect(&url)
+        .await
+        .map_err(|e| anyhow::anyhow!("connect {} to gateway {i}: {e}", client.device()))?;
+    client
+        .sub()
+        .await
+        .map_err(|e| anyhow::anyhow!("sub {} on gateway {i}: {e}", client.device()))?;
+    Ok(())
+}
+
+/// Sends `n` messages through `sender` and waits until every receiver stores each one;
+/// returns the worst time from the `sent` reply to the last receiver's store, ms.
+async fn crossing(
+    sender: &Client,
+    receivers: &[&Client],
+    prefix: &str,
+    n: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let mut took = Vec::new();
+    for k in 0..n {
+        let r = sender
+            .send("c1", &format!("{prefix}-{k}"), "across", T)
+            .await
+            .map_err(|e| anyhow::anyhow!("send {prefix}-{k}: {e}"))?;
+        let seq = r["seq"].as_i64().unwrap_or(-1);
+        let t0 = Instant::now();
+        for rc in receivers {
+            rc.wait_cursor("c1", seq, T).await?;
+        }
+        took.push(ms(t0.elapsed()));
+    }
+    Ok(took)
+}
+
+/// Issue 12, two gateways on one database (D1, D2, D5, P1): devices of one conversation
+/// spread over gateway A (`a1`, `k1`) and gateway B (`b1`, `d1`). Pushes cross between the
+/// gateways within a sweep interval and without a sync (so by push); a resend of a cmid
+/// through the other gateway is a dup with the original seq, one row. Then, for each send
+/// point, B restarts with `IM_FAULT=<point>:halt` (A has none) and halts on `b1`'s send while
+/// `a1` keeps sending to `k1` through A: A acknowledges sends and pushes them during and after
+/// the crash; `b1` and `d1` reconnect to A, `b1` replays its outbox (one row, dup only when the
+/// crash was after COMMIT) and `d1` catches up. Every acknowledged send is one row with its
+/// seq, and the history checker judges the whole run.
+#[tokio::test]
+async fn im06_two_gateways() {
+    let mut c = Check::new(
+        "06-two-gateways",
+        "crash",
+        Some("gateway B only: send.before_insert:halt, send.before_commit:halt, api.after_send_commit:halt"),
+    );
+    let r = two_gateways(&mut c).await;
+    c.finish(r);
+}
+
+async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
+    const A: usize = 0;
+    let sweep_ms = 1000u64;
+    let mut w = start(c, GatewayOpts::default()).await?;
+    let b_gw = w.start_gateway(GatewayOpts::default()).await?;
+    c.expect("gateways", 2, w.gateway_count());
+    let mut tokens = Vec::new();
+    for (user, device) in [
+        ("alice", "a1"),
+        ("bob", "b1"),
+        ("carol", "k1"),
+        ("dave", "d1"),
+    ] {
+        w.add_user(user).await?;
+        tokens.push(w.add_device(device, user).await?);
+    }
+    w.add_conv("c1", &["alice", "bob", "carol", "dave"]).await?;
+    let new = |device: &str, token: &str| Client::create(&w.state_path(device), device, token, 1);
+    let mut a1 = new("a1", &tokens[0])?;
+    let mut b1 = new("b1", &tokens[1])?;
+    let mut k1 = new("k1", &tokens[2])?;
+    let mut d1 = new("d1", &tokens[3])?;
+    move_to(&w, A, &mut a1).await?;
+    move_to(&w, A, &mut k1).await?;
+    move_to(&w, b_gw, &mut b1).await?;
+    move_to(&w, b_gw, &mut d1).await?;
+
+    // Pushes cross: A -> B and B -> A, each within a sweep interval and with no sync.
+    let a_to_b = crossing(&a1, &[&b1, &d1], "a-cross", 5).await?;
+    let b_to_a = crossing(&b1, &[&a1, &k1], "b-cross", 5).await?;
+    c.observe("cross_ms_a_to_b", &a_to_b);
+    c.observe("cross_ms_b_to_a", &b_to_a);
+    let worst = a_to_b.iter().chain(&b_to_a).copied().fold(0.0, f64::max);
+    c.expect_lt("cross_ms_max (under the sweep interval)", sweep_ms, worst);
+    for (name, dev) in [("b1", &b1), ("d1", &d1), ("a1", &a1), ("k1", &k1)] {
+        c.expect(
+            &format!("{name}_events_synced_while_crossing"),
+            0,
+            dev.stats().events_synced,
+        );
+    }
+    c.expect_ge("d1_pushes_applied_from_a", 5, d1.stats().pushes_applied);
+    c.expect_ge("k1_pushes_applied_from_b", 5, k1.stats().pushes_applied);
+
+    // A resend through the other gateway is a dup: a1 sends on A, then resends on B.
+    let first = a1
+        .send("c1", "dup-across", "once", T)
+        .await
+        .map_err(|e| anyhow::anyhow!("first dup-across: {e}"))?;
+    move_to(&w, b_gw, &mut a1).await?;
+    let again = a1
+        .send("c1", "dup-across", "once", T)
+        .await
+        .map_err(|e| anyhow::anyhow!("resend dup-across through B: {e}"))?;
+    c.expect(
+        "resend_other_gateway_dup",
+        Some(true),
+        again["dup"].as_bool(),
+    );
+    c.expect(
+        "resend_other_gateway_seq",
+        first["seq"].as_i64(),
+        again["seq"].as_i64(),
+    );
+    c.expect(
+        "resend_other_gateway_mid",
+        first["mid"].clone(),
+        again["mid"].clone(),
+    );
+    c.expect(
+        "resend_other_gateway_rows",
+        1,
+        cmid_rows(&w, "dup-across").await?,
+    );
+    move_to(&w, A, &mut a1).await?;
+
+    // One gateway crashed at each send point while the other keeps serving.
+    let mut acked_all: Vec<(String, i64)> = Vec::new();
+    let b1_state = b1.state_path().to_path_buf();
+    for (point, rows_after_crash, dup) in [
+        ("send.before_insert", 0, false),
+        ("send.before_commit", 0, false),
+        ("api.after_send_commit", 1, true),
+    ] {
+        w.restart_gateway_at(
+            b_gw,
+            GatewayOpts {
+                fault: Some(format!("{point}:halt")),
+                ..Default::default()
+            },
+        )
+        .await?;
+        move_to(&w, b_gw, &mut b1).await?;
+        move_to(&w, b_gw, &mut d1).await?;
+        let k1_pushes_before = k1.stats().pushes_received;
+        let traffic = Traffic::default();
+        let cmid = format!("crash-{point}");
+        let prefix = format!("a-{point}");
+        let (_, crash) = tokio::join!(traffic.run(&a1, &prefix), async {
+            let r = async {
+                traffic.wait_count(3).await?;
+                let before = traffic.count();
+                let reply = b1.send("c1", &cmid, "through the crash", T).await;
+                let status = w.wait_gateway_exit_at(b_gw, T).await?;
+                let crashed_at = Instant::now();
+                let during = traffic.count() - before;
+                // The survivor keeps serving after the crash too.
+                traffic.wait_count(traffic.count() + 5).await?;
+                anyhow::Ok((reply, status, crashed_at, during))
+            }
+            .await;
+            traffic
+                .stop
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            r
+        });
+        let (reply, _status, crashed_at, during) = crash?;
+        let acked: Vec<(String, i64, Instant)> = traffic.acked.lock().unwrap().clone();
+        let after = acked.iter().filter(|(_, _, t)| *t > crashed_at).count();
+        c.expect(
+            &format!("{point}.b_exit_status"),
+            137,
+            w.gw_at(b_gw).exit_code(),
+        );
+        c.expect(
+            &format!("{point}.b_fault_line"),
+            true,
+            w.gw_at(b_gw)
+                .log_text()
+                .contains(&format!("fault fired: point={point} action=halt hit=1")),
+        );
+        c.expect(
+            &format!("{point}.b1_first_reply"),
+            "none (connection lost)",
+            first_reply(&reply),
+        );
+        c.expect(
+            &format!("{point}.rows_after_crash"),
+            rows_after_crash,
+            cmid_rows(&w, &cmid).await?,
+        );
+        c.observe(&format!("{point}.a_acked_while_b_halted"), during);
+        c.expect_ge(&format!("{point}.a_acked_after_crash"), 5, after);
+        // Every send A acknowledged in the phase reached k1 (on A), each by a push.
+        let top = acked.iter().map(|(_, s, _)| *s).max().unwrap_or(0);
+        c.expect(
+            &format!("{point}.k1_holds_a_sends"),
+            true,
+            k1.wait_cursor("c1", top, T).await.is_ok(),
+        );
+        c.expect_ge(
+            &format!("{point}.k1_pushes_received"),
+            acked.len(),
+            k1.stats().pushes_received - k1_pushes_before,
+        );
+        acked_all.extend(acked.into_iter().map(|(m, s, _)| (m, s)));
+
+        // B's devices move to the survivor: b1 restarts from its state file and replays.
+        b1.crash().await;
+        b1 = Client::load(&b1_state)?;
+        move_to(&w, A, &mut b1).await?;
+        let replies = b1.replay_outbox(T).await;
+        c.expect(&format!("{point}.b1_replayed"), 1, replies.len());
+        let replayed = replies
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("{point}: nothing to replay"))?
+            .map_err(|e| anyhow::anyhow!("{point}: replay through A failed: {e}"))?;
+        c.expect(
+            &format!("{point}.b1_replay_dup"),
+            Some(dup),
+            replayed["dup"].as_bool(),
+        );
+        c.expect(
+            &format!("{point}.rows_after_replay"),
+            1,
+            cmid_rows(&w, &cmid).await?,
+        );
+        c.expect(
+            &format!("{point}.b1_outbox_empty"),
+            true,
+            b1.outbox().is_empty(),
+        );
+        acked_all.push((cmid.clone(), replayed["seq"].as_i64().unwrap_or(-1)));
+        move_to(&w, A, &mut d1).await?;
+        let head = w.head("c1").await?;
+        c.expect(
+            &format!("{point}.d1_caught_up_on_a"),
+            true,
+            d1.wait_cursor("c1", head, T).await.is_ok(),
+        );
+    }
+
+    // B back without faults: its devices return and pushes cross again.
+    w.restart_gateway_at(b_gw, GatewayOpts::default()).await?;
+    move_to(&w, b_gw, &mut b1).await?;
+    move_to(&w, b_gw, &mut d1).await?;
+    let after = crossing(&a1, &[&b1, &d1], "a-after", 2).await?;
+    let back = crossing(&b1, &[&a1, &k1], "b-after", 2).await?;
+    c.observe(
+        "cross_ms_after_crashes",
+        after.iter().chain(&back).collect::<Vec<_>>(),
+    );
+
+    let found = acked_after(&w, &acked_all).await?;
+    c.observe("acknowledged_during_crash_phases", acked_all.len());
+    c.expect("acknowledged_missing", Vec::<String>::new(), found.missing);
+    c.expect("acknowledged_twice", 0, found.twice);
+    c.expect("acknowledged_with_other_seq", 0, found.other_seq);
+    invariants(c, &w).await
+}
+
+/// Rows of `events` with this cmid.
+async fn cmid_rows(w: &World, cmid: &str) -> anyhow::Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM events WHERE cmid = $1")
+            .bind(cmid)
+            .fetch_one(&w.pool().await?)
+            .await?,
+    )
+}
