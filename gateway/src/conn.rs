@@ -455,9 +455,10 @@ impl Session {
                 // `None` but for the deliberate bugs that act before COMMIT.
                 let early = self.uncommitted_hook(rid);
                 let hook = early.as_ref().map(|(h, _)| h.clone());
+                let notifier = st.notifier.clone();
                 let r = st
                     .db(move |pool| async move {
-                        store::send(&pool, &w, &c, &cmid, &body, hook.as_deref()).await
+                        store::send(&pool, &w, &c, &cmid, &body, hook.as_deref(), &notifier).await
                     })
                     .await;
                 if early.is_some_and(|(_, replied)| replied.load(Ordering::Acquire)) {
