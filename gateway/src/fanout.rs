@@ -220,9 +220,6 @@ const ORDER_CONVS_MAX: usize = 65_536;
 /// the fan-out) gets its newest events pushed and the rest by the sweep's hint (D5).
 const RANGE_EVENTS_MAX: i64 = 1024;
 
-/// Most notifications one fan-out read covers.
-const DELIVER_BATCH_MAX: usize = 8192;
-
 /// P1 for pushes, paired with the send transaction: within one LISTEN session, fan-out
 /// pushes the events of one conversation in strictly increasing seq order, each at most
 /// once. It remembers the last seq pushed per conversation; a notification at or below it
@@ -309,6 +306,8 @@ impl Order {
 /// Reads each batch of notified events with their audiences and offers them to the
 /// audiences' connections.
 async fn deliver(state: Arc<State>, mut rx: mpsc::Receiver<Notified>) {
+    // IM_FANOUT_BATCH_MAX: most notifications one read covers.
+    let batch_max = state.cfg.fanout_inflight_max.max(1);
     let mut order = Order::new();
     let mut notified: Vec<(String, i64)> = Vec::new();
     loop {
@@ -328,7 +327,7 @@ async fn deliver(state: Arc<State>, mut rx: mpsc::Receiver<Notified>) {
                 }
                 Notified::Event(conv, seq) => notified.push((conv, seq)),
             }
-            if notified.len() < DELIVER_BATCH_MAX {
+            if notified.len() < batch_max {
                 next = rx.try_recv().ok();
             }
         }
@@ -346,6 +345,14 @@ async fn deliver(state: Arc<State>, mut rx: mpsc::Receiver<Notified>) {
 async fn deliver_batch(state: &State, order: &mut Order, notified: &[(String, i64)]) {
     let ranges = order.ranges(notified);
     if ranges.is_empty() {
+        return;
+    }
+    if state.hub.none_subscribed() {
+        // Nobody to push to: nothing to read. A connection that subscribes later gets these
+        // events from its `sub` (head above its cursor, it syncs).
+        for r in &ranges {
+            order.read(r);
+        }
         return;
     }
     let read = tokio::time::timeout(
