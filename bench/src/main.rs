@@ -896,7 +896,7 @@ mod tests {
         assert_eq!(get("push.cursor_writes_at_chapter02_load"), "MET");
         let (met, missed) = findings::targets_met(&t);
         assert_eq!(met, "FAIL");
-        assert!(missed.contains(&"push.p99_at_chapter02_load: 3697.5 > 100 ms".to_string()));
+        assert!(missed.contains(&"push.p99_at_chapter02_load: 3697.5 > 50 ms".to_string()));
         // No step at the chapter-02 load (quick mode): NOT_RUN, never PASS.
         r.fanout.data.as_mut().expect("fanout").steps[0].multiplier = 0.25;
         let t: Vec<Target> = findings::targets(&r)
