@@ -1,13 +1,16 @@
 //! pgbench as the send path's ceiling: the same transaction shape as `store::send` (UPDATE …
 //! RETURNING for the seq, INSERT … ON CONFLICT DO NOTHING RETURNING mid, commit), (a) without
 //! and (b) with `pg_notify` inside, on the same cluster, prepared statements, one connection
-//! and thread per client. Latencies come from pgbench's per-transaction log.
+//! and thread per client. Latencies come from pgbench's per-transaction log. (a) is the
+//! target's baseline (issue 12: the gateway at >= 0.8 of it); (b) is the gateway's shape
+//! before issue 12 (NOTIFY in the transaction, its lock held through the commit flush), kept
+//! as the measure of what that lock costs.
 
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
 
-/// The custom script. `notify` adds the gateway's `pg_notify('im_events', conv || ':' || seq)`
-/// to the INSERT statement, exactly where the gateway has it.
+/// The custom script. `notify` adds `pg_notify('im_events', conv || ':' || seq)` to the
+/// INSERT statement, where the gateway had it before its NOTIFY moved after the commit.
 pub fn script(convs: usize, body: &str, notify: bool) -> String {
     let tag = if notify { "pb" } else { "pa" };
     let select = if notify {

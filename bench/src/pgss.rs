@@ -65,6 +65,8 @@ pub fn label(q: &str) -> &'static str {
         "event_insert_notify"
     } else if has("INSERT INTO events") {
         "event_insert"
+    } else if has("count(pg_notify(") {
+        "notify"
     } else if has("FROM events e JOIN conversations c") {
         "dup_lookup"
     } else if has("INSERT INTO device_cursors") {
@@ -147,6 +149,10 @@ mod tests {
         assert_eq!(
             super::label("WITH ins AS (INSERT INTO events (a) VALUES ($1)) SELECT ins.mid, pg_notify($7, $1)"),
             "event_insert_notify"
+        );
+        assert_eq!(
+            super::label("SELECT count(pg_notify($1, p)) FROM unnest($2::text[]) AS p"),
+            "notify"
         );
     }
 }

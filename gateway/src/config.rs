@@ -15,7 +15,7 @@ pub struct Config {
     pub sweep_interval_ms: u64,
     /// `IM_DB_TIMEOUT_MS`: a request whose database work takes longer answers UNAVAILABLE.
     pub db_timeout_ms: u64,
-    /// `IM_DB_POOL_MAX`: connections for requests, fan-out reads and the sweep (the pool has
+    /// `IM_DB_POOL_MAX`: connections for requests and the sweep (fan-out has its own) (the pool has
     /// one more, for the LISTEN connection).
     pub db_pool_max: u32,
     /// `IM_MAX_CONNECTIONS`: WebSocket connections served at once (handshake finished); more
@@ -48,7 +48,7 @@ pub struct Config {
     pub sync_page_max_bytes: usize,
     /// `IM_CONN_INFLIGHT_MAX`: requests of one connection served at once.
     pub conn_inflight_max: usize,
-    /// `IM_FANOUT_BATCH_MAX`: notifications whose event reads may be in flight at once.
+    /// `IM_FANOUT_BATCH_MAX`: most notifications one fan-out read covers (one query).
     pub fanout_inflight_max: usize,
     /// `IM_HELLO_TIMEOUT_MS`: a connection that has not said a good `hello` by then is closed.
     pub hello_timeout_ms: u64,
@@ -98,7 +98,7 @@ pub const ENV: &[EnvVar] = &[
     v("IM_FAULT", "", "fault points to arm: point:action[:skip[:count]][,...] (see `im-gateway faults`)"),
     v("IM_FAULT_CONTROL", "", "faults build: a Unix socket path where fault points are armed and disarmed while serve runs (arm SPEC | disarm POINT|all | list)"),
     v("IM_BUG", "", "deliberate bug to activate, controls build only (see `im-gateway bugs`)"),
-    v("IM_DB_POOL_MAX", "16", "database connections for requests, fan-out and sweep (+1 for LISTEN)"),
+    v("IM_DB_POOL_MAX", "16", "database connections for requests and sweep (+1 for LISTEN; fan-out has 2 of its own)"),
     v("IM_MAX_CONNECTIONS", "10000", "WebSocket connections served at once; more get 503"),
     v("IM_HANDSHAKES_MAX", "1024", "upgrade handshakes in progress at once"),
     v("IM_HANDSHAKE_TIMEOUT_MS", "3000", "an upgrade request not complete by then is dropped"),
@@ -111,7 +111,7 @@ pub const ENV: &[EnvVar] = &[
     v("IM_SYNC_LIMIT_MAX", "500", "largest sync page; a larger limit is clamped"),
     v("IM_SYNC_PAGE_MAX_BYTES", "1048576", "a sync page also ends (complete:false) past this much JSON"),
     v("IM_CONN_INFLIGHT_MAX", "8", "requests of one connection served at once"),
-    v("IM_FANOUT_BATCH_MAX", "16", "notifications whose event reads may be in flight at once"),
+    v("IM_FANOUT_BATCH_MAX", "256", "most notifications one fan-out read covers (one query)"),
     v("IM_HELLO_TIMEOUT_MS", "10000", "a connection without a good hello by then is closed"),
     v("IM_HELLO_FAILS_PER_ADDR_PER_MIN", "30", "failed hellos one source address may make per minute"),
     v("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", "10", "failed hellos per device id per minute"),
@@ -221,7 +221,7 @@ impl Config {
             sync_limit_max: num("IM_SYNC_LIMIT_MAX", 1, 10_000)?,
             sync_page_max_bytes: num("IM_SYNC_PAGE_MAX_BYTES", 1024, 64 << 20)?,
             conn_inflight_max: num("IM_CONN_INFLIGHT_MAX", 1, 1024)?,
-            fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 1, 1024)?,
+            fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 1, 65_536)?,
             hello_timeout_ms: num("IM_HELLO_TIMEOUT_MS", 10, 3_600_000)?,
             hello_fails_per_addr_per_min: num("IM_HELLO_FAILS_PER_ADDR_PER_MIN", 1, 1_000_000)?,
             hello_fails_per_device_per_min: num("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", 1, 1_000_000)?,

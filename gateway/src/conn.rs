@@ -171,6 +171,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
                         who: handle.who.clone(),
                         handle,
                         sub_lock: tokio::sync::Mutex::new(()),
+                        members: Members::default(),
                     }))
                 }
                 Ok(None) => {}
@@ -371,6 +372,41 @@ struct Session {
     handle: Arc<ConnHandle>,
     /// Serialises `sub` requests, so a failing one cannot undo a succeeding one.
     sub_lock: tokio::sync::Mutex<()>,
+    /// Conversations this connection's user sent to successfully (see [`Members`]).
+    members: Members,
+}
+
+/// Most conversations a connection remembers as ones its user is a member of.
+const MEMBERS_MAX: usize = 1024;
+
+/// The conversations a connection's user was last seen a member of (a send committed):
+/// their sends skip `store::send`'s membership read before the transaction. Only a hint:
+/// the INSERT's membership test, after the row lock (S1), decides; a NOT_MEMBER or
+/// STALE_INSTALL answer forgets the conversation, so a user who left queues on the
+/// conversation's row lock at most once, and an outsider never does.
+#[derive(Default)]
+struct Members(std::sync::Mutex<std::collections::HashSet<String>>);
+
+impl Members {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn known(&self, conv: &str) -> bool {
+        self.lock().contains(conv)
+    }
+
+    fn seen(&self, conv: &str) {
+        let mut m = self.lock();
+        if m.len() >= MEMBERS_MAX {
+            m.clear();
+        }
+        m.insert(conv.to_string());
+    }
+
+    fn forget(&self, conv: &str) {
+        self.lock().remove(conv);
+    }
 }
 
 impl Session {
@@ -455,11 +491,25 @@ impl Session {
                 // `None` but for the deliberate bugs that act before COMMIT.
                 let early = self.uncommitted_hook(rid);
                 let hook = early.as_ref().map(|(h, _)| h.clone());
+                let notifier = st.notifier.clone();
+                let member = self.members.known(&conv);
                 let r = st
                     .db(move |pool| async move {
-                        store::send(&pool, &w, &c, &cmid, &body, hook.as_deref()).await
+                        let ctx = store::SendCtx {
+                            on_uncommitted: hook.as_deref(),
+                            notifier: &notifier,
+                            known_member: member,
+                        };
+                        store::send(&pool, &w, &c, &cmid, &body, ctx).await
                     })
                     .await;
+                match &r {
+                    Ok(SendOutcome::Reply(s)) if !s.dup => self.members.seen(&conv),
+                    Err(WireError::NotMember | WireError::StaleInstall) => {
+                        self.members.forget(&conv)
+                    }
+                    _ => {}
+                }
                 if early.is_some_and(|(_, replied)| replied.load(Ordering::Acquire)) {
                     // `reply-before-commit`: the reply already left; nothing more is said.
                     return;

@@ -1,13 +1,28 @@
-//! Fan-out: one dedicated LISTEN connection on `im_events`. A notification carries only
-//! `conv:seq`; for each one the gateway reads the event and its audience once (one query,
-//! not one per recipient) and offers the push to every subscribed connection of every user
-//! who may see it now (S1). Reads run a few at a time but pushes leave in notification order.
+//! Fan-out: the notifier, one dedicated LISTEN connection on `im_events`, and the delivery
+//! task.
+//!
+//! The notifier ([`notify_loop`]) gets every `(conv, seq)` the send path committed, after
+//! COMMIT returned (`store::send`), and NOTIFYs them in a statement of its own: whatever
+//! arrived while the previous NOTIFY ran goes in the next one, as `conv:seq` lines. No send
+//! transaction holds NOTIFY's cluster-wide lock through its commit flush any more, and one
+//! NOTIFY carries as many commits as the load brings. A notification that never happens (a
+//! crash between COMMIT and the notifier, a NOTIFY that failed) is repaired by the sweep (D5).
+//!
+//! A notification carries only `conv:seq`. The delivery task ([`deliver`]) takes every
+//! notification waiting, turns them into one range per conversation (from the last seq it
+//! pushed in this LISTEN session to the highest notified: every seq below a committed one
+//! is committed, P1), reads all ranges and their audiences in one query on the fan-out's
+//! own connections (`State::fanout_pool`, never queued behind requests), and offers each
+//! event to the subscribed connections of the users who may see it now (S1), in seq order
+//! per conversation. A notification at or below what was pushed already (another gateway's
+//! or a late one of this gateway) reads nothing; one that comes before the ones below it
+//! pulls them in with its range, so notifications arriving out of order cost no push.
 //!
 //! The same connection listens on `im_admin` (`store::ADMIN_CHANNEL`), where a trigger
 //! (migration 0002) announces every reinstall or removal of a device in the transaction
 //! that commits it: the gateway then closes that device's connections whose install is no
 //! longer current (`Hub::revoke_stale`). Fan-out itself reads the audience's current
-//! installs in the same query as the event, so nothing reaches a stale install between the
+//! installs in the same query as the events, so nothing reaches a stale install between the
 //! commit and the notification.
 //!
 //! Notifications sent while the LISTEN connection is down are gone for good (and sqlx's
@@ -17,7 +32,6 @@
 use crate::bugs;
 use crate::state::State;
 use crate::store;
-use futures_util::StreamExt;
 use sqlx::postgres::PgListener;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,9 +48,53 @@ pub async fn listen(pool: &sqlx::PgPool) -> Result<PgListener, sqlx::Error> {
     Ok(l)
 }
 
-fn parse_payload(p: &str) -> Option<(String, i64)> {
+fn parse_line(p: &str) -> Option<(String, i64)> {
     let (conv, seq) = p.rsplit_once(':')?;
     Some((conv.to_string(), seq.parse().ok()?))
+}
+
+/// Most committed pairs one NOTIFY statement carries (in payloads of at most 7000 bytes).
+const NOTIFY_BATCH_MAX: usize = 4096;
+
+/// The notifier: NOTIFYs every `(conv, seq)` the send path committed, batched (whatever
+/// arrived while the previous NOTIFY ran), on the fan-out's own connections. Ends when every
+/// [`store::Notifier`] is gone or at shutdown, after notifying what it already has.
+pub async fn notify_loop(state: Arc<State>, mut rx: store::NotifierRx) {
+    let mut batch: Vec<(String, i64)> = Vec::new();
+    loop {
+        let first = tokio::select! {
+            // At shutdown, notify what already committed (the sweep would repair it anyway).
+            _ = state.cancel.cancelled() => rx.try_recv().ok(),
+            x = rx.recv() => x,
+        };
+        let Some(first) = first else { return };
+        batch.push(first);
+        while batch.len() < NOTIFY_BATCH_MAX {
+            match rx.try_recv() {
+                Ok(x) => batch.push(x),
+                Err(_) => break,
+            }
+        }
+        let payloads = store::payloads(&batch);
+        let sent = tokio::time::timeout(
+            state.cfg.db_timeout(),
+            store::notify(&state.fanout_pool, &payloads),
+        )
+        .await;
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(
+                events = batch.len(),
+                error = %e,
+                "NOTIFY failed; the sweep will hint"
+            ),
+            Err(_) => tracing::warn!(
+                events = batch.len(),
+                "NOTIFY timed out; the sweep will hint"
+            ),
+        }
+        batch.clear();
+    }
 }
 
 /// What the listener hands to the delivery task, in the order it got it.
@@ -49,7 +107,7 @@ enum Notified {
 }
 
 pub async fn run(state: Arc<State>, first: PgListener) {
-    let (tx, rx) = mpsc::channel::<Notified>(4096);
+    let (tx, rx) = mpsc::channel::<Notified>(65_536);
     state.tracker.spawn(deliver(state.clone(), rx));
     let mut listener = Some(first);
     let mut backoff = Duration::from_millis(50);
@@ -103,14 +161,18 @@ pub async fn run(state: Arc<State>, first: PgListener) {
                         ),
                     }
                 }
-                Ok(Some(n)) => match parse_payload(n.payload()) {
-                    Some((conv, seq)) => {
-                        if tx.send(Notified::Event(conv, seq)).await.is_err() {
-                            return;
+                Ok(Some(n)) => {
+                    for line in n.payload().lines() {
+                        match parse_line(line) {
+                            Some((conv, seq)) => {
+                                if tx.send(Notified::Event(conv, seq)).await.is_err() {
+                                    return;
+                                }
+                            }
+                            None => tracing::warn!(line, "malformed notification ignored"),
                         }
                     }
-                    None => tracing::warn!(payload = n.payload(), "malformed notification ignored"),
-                },
+                }
                 Ok(None) => {
                     tracing::warn!("LISTEN connection lost: notifications in between are gone");
                     break;
@@ -150,22 +212,28 @@ async fn revoke(state: &State, device: &str) {
     }
 }
 
-/// Most conversations [`Order`] remembers; past it, it starts over (the check gets weaker
-/// for a moment, never wrong).
+/// Most conversations [`Order`] remembers; past it, it starts over (as a new session
+/// would: the check gets weaker for a moment, never wrong).
 const ORDER_CONVS_MAX: usize = 65_536;
 
-/// P1, paired with the send transaction: within one LISTEN session, the notifications of
-/// one conversation come in strictly increasing seq order. The seq is taken under the
-/// conversation's row lock, held until COMMIT, and PostgreSQL delivers notifications in
-/// commit order; the `(conv_id, seq)` primary key forbids a seq twice. Every connection's
-/// queue gets a subsequence of this stream, so the pushes of one conversation in one queue
-/// are strictly increasing too, while the queue as a whole may carry a seq again: a sync
-/// page after a hint re-delivers pushed events, and a reconnect subscribes afresh.
+/// Most events one range reads: a conversation further behind than this (a long stall of
+/// the fan-out) gets its newest events pushed and the rest by the sweep's hint (D5).
+const RANGE_EVENTS_MAX: i64 = 1024;
+
+/// P1 for pushes, paired with the send transaction: within one LISTEN session, fan-out
+/// pushes the events of one conversation in strictly increasing seq order, each at most
+/// once. It remembers the last seq pushed per conversation; a notification at or below it
+/// reads nothing, one above it reads the range from it ([`Order::ranges`]), and every event
+/// pushed must be above it ([`Order::pushed`], a panic, which ends the process, if not).
+/// Every connection's queue gets a subsequence of this stream, so the pushes of one
+/// conversation in one queue are strictly increasing too, while the queue as a whole may
+/// carry a seq again: a sync page after a hint re-delivers pushed events, and a reconnect
+/// subscribes afresh.
 ///
 /// Not checked across sessions (notifications lost with a LISTEN connection are gone, and
 /// a promoted standby may hand out a seq the old primary notified but never replicated),
-/// nor under the `seq-gap` bug, whose seq is taken outside the row lock so commits, and
-/// their notifications, may come out of order.
+/// nor under the `seq-gap` bug, whose seq is taken outside the row lock: there a notified
+/// seq does not mean the ones below it committed.
 struct Order {
     last: HashMap<String, i64>,
     checked: bool,
@@ -183,18 +251,42 @@ impl Order {
         self.last.clear();
     }
 
-    /// Records `conv:seq` as notified; a panic (which ends the process) if it is not above
-    /// the last seq notified for `conv` in this session.
-    fn notified(&mut self, conv: &str, seq: i64) {
-        if !self.checked {
-            return;
+    /// One range per conversation for these notifications: from the last seq pushed (if
+    /// any; else from just below the lowest notified) to the highest notified, at most
+    /// [`RANGE_EVENTS_MAX`] events. Notifications at or below the last push give none.
+    fn ranges(&self, notified: &[(String, i64)]) -> Vec<store::Range> {
+        let mut by: HashMap<&str, (i64, i64)> = HashMap::new();
+        for (conv, seq) in notified {
+            let last = self.last.get(conv.as_str()).copied();
+            if last.is_some_and(|l| *seq <= l) {
+                continue;
+            }
+            let from = last.unwrap_or(seq - 1);
+            let e = by.entry(conv.as_str()).or_insert((from, *seq));
+            e.0 = e.0.min(from);
+            e.1 = e.1.max(*seq);
         }
+        let mut out: Vec<store::Range> = by
+            .into_iter()
+            .map(|(conv, (after, upto))| store::Range {
+                conv: conv.to_string(),
+                after: after.max(upto - RANGE_EVENTS_MAX),
+                upto,
+            })
+            .collect();
+        out.sort_by(|a, b| a.conv.cmp(&b.conv));
+        out
+    }
+
+    /// Records `conv:seq` as pushed; a panic (which ends the process) if it is not above
+    /// the last seq pushed for `conv` in this session.
+    fn pushed(&mut self, conv: &str, seq: i64) {
         if let Some(last) = self.last.get_mut(conv) {
             assert!(
-                seq > *last,
-                "P1 broken: notification {conv}:{seq} after {conv}:{last} in one LISTEN session"
+                !self.checked || seq > *last,
+                "P1 broken: push {conv}:{seq} after {conv}:{last} in one LISTEN session"
             );
-            *last = seq;
+            *last = (*last).max(seq);
             return;
         }
         if self.last.len() >= ORDER_CONVS_MAX {
@@ -202,89 +294,185 @@ impl Order {
         }
         self.last.insert(conv.to_string(), seq);
     }
+
+    /// A range was read: nothing of it is read again in this session (an event missing
+    /// from it, which only a promoted standby could cause, is left to the sweep).
+    fn read(&mut self, r: &store::Range) {
+        let e = self.last.entry(r.conv.clone()).or_insert(r.upto);
+        *e = (*e).max(r.upto);
+    }
 }
 
-/// Reads each notified event with its audience and offers it to the audience's connections.
-async fn deliver(state: Arc<State>, rx: mpsc::Receiver<Notified>) {
-    let inflight = state.cfg.fanout_inflight_max;
-    let reads =
-        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) })
-            .map(|item| {
-                let pool = state.pool.clone();
-                async move {
-                    match item {
-                        Notified::NewSession => None,
-                        Notified::Event(conv, seq) => {
-                            let r = store::event_with_audience(&pool, &conv, seq).await;
-                            Some((conv, seq, r))
-                        }
-                    }
-                }
-            })
-            .buffered(inflight);
-    tokio::pin!(reads);
+/// Reads each batch of notified events with their audiences and offers them to the
+/// audiences' connections.
+async fn deliver(state: Arc<State>, mut rx: mpsc::Receiver<Notified>) {
+    // IM_FANOUT_BATCH_MAX: most notifications one read covers.
+    let batch_max = state.cfg.fanout_inflight_max.max(1);
     let mut order = Order::new();
+    let mut notified: Vec<(String, i64)> = Vec::new();
     loop {
-        let next = tokio::select! {
+        let first = tokio::select! {
             _ = state.cancel.cancelled() => return,
-            n = reads.next() => n,
+            n = rx.recv() => n,
         };
-        let Some(next) = next else { return };
-        let Some((conv, seq, r)) = next else {
-            order.new_session();
-            continue;
-        };
-        order.notified(&conv, seq);
-        match r {
-            Ok(Some((ev, audience))) => {
-                let frame = crate::protocol::event_frame(&ev);
-                for c in state.hub.conns_of(&audience.users) {
-                    // Only current installs (read with the audience): a stale one gets nothing.
-                    if audience.installs.contains(&c.install_key()) {
-                        c.push(&ev, &frame);
-                    }
+        let Some(first) = first else { return };
+        let mut next = Some(first);
+        // Everything waiting, up to the first new session (handled after this batch).
+        let mut new_session = false;
+        while let Some(n) = next.take() {
+            match n {
+                Notified::NewSession => {
+                    new_session = true;
+                    break;
                 }
+                Notified::Event(conv, seq) => notified.push((conv, seq)),
             }
-            Ok(None) => tracing::warn!(conv, seq, "notified event not found"),
-            // The sweep repairs whatever this push would have delivered.
-            Err(e) => {
-                tracing::warn!(conv, seq, error = %e, "fan-out read failed; the sweep will hint")
+            if notified.len() < batch_max {
+                next = rx.try_recv().ok();
             }
         }
+        if !notified.is_empty() {
+            deliver_batch(&state, &mut order, &notified).await;
+            notified.clear();
+        }
+        if new_session {
+            order.new_session();
+        }
+    }
+}
+
+/// One fan-out read for a batch of notifications, then the pushes in (conv, seq) order.
+async fn deliver_batch(state: &State, order: &mut Order, notified: &[(String, i64)]) {
+    let ranges = order.ranges(notified);
+    if ranges.is_empty() {
+        return;
+    }
+    if state.hub.none_subscribed() {
+        // Nobody to push to: nothing to read. A connection that subscribes later gets these
+        // events from its `sub` (head above its cursor, it syncs).
+        for r in &ranges {
+            order.read(r);
+        }
+        return;
+    }
+    let read = tokio::time::timeout(
+        state.cfg.db_timeout(),
+        store::events_with_audience(&state.fanout_pool, &ranges),
+    )
+    .await;
+    let events = match read {
+        Ok(Ok(events)) => events,
+        // Nothing recorded as read: a later notification of the same conversation reads
+        // these again, and the sweep repairs whatever no later read covers.
+        Ok(Err(e)) => {
+            tracing::warn!(ranges = ranges.len(), error = %e, "fan-out read failed; the sweep will hint");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(
+                ranges = ranges.len(),
+                "fan-out read timed out; the sweep will hint"
+            );
+            return;
+        }
+    };
+    for (ev, audience) in &events {
+        order.pushed(&ev.conv, ev.seq);
+        let frame = crate::protocol::event_frame(ev);
+        for c in state.hub.conns_of(&audience.users) {
+            // Only current installs (read with the audience): a stale one gets nothing.
+            if audience.installs.contains(&c.install_key()) {
+                c.push(ev, &frame);
+            }
+        }
+    }
+    for r in &ranges {
+        order.read(r);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Order;
+    use super::{Order, RANGE_EVENTS_MAX};
+    use crate::store::Range;
 
-    /// The P1 order check accepts increasing seqs per conversation (gaps included: a
+    fn n(pairs: &[(&str, i64)]) -> Vec<(String, i64)> {
+        pairs.iter().map(|(c, s)| (c.to_string(), *s)).collect()
+    }
+
+    fn r(conv: &str, after: i64, upto: i64) -> Range {
+        Range {
+            conv: conv.into(),
+            after,
+            upto,
+        }
+    }
+
+    /// The P1 push check accepts increasing seqs per conversation (gaps included: a
     /// notification lost with nothing else is not a reorder), conversations interleaved,
     /// and anything after a new session.
     #[test]
     fn order_accepts_increasing_seqs_per_conversation() {
         let mut o = Order::new();
         for (conv, seq) in [("a", 1), ("b", 7), ("a", 2), ("a", 5), ("b", 8)] {
-            o.notified(conv, seq);
+            o.pushed(conv, seq);
         }
         o.new_session();
-        o.notified("a", 1);
+        o.pushed("a", 1);
     }
 
     #[test]
-    #[should_panic(expected = "P1 broken: notification a:2 after a:2")]
+    #[should_panic(expected = "P1 broken: push a:2 after a:2")]
     fn order_refuses_a_seq_twice() {
         let mut o = Order::new();
-        o.notified("a", 1);
-        o.notified("a", 2);
-        o.notified("a", 2);
+        o.pushed("a", 1);
+        o.pushed("a", 2);
+        o.pushed("a", 2);
+    }
+
+    /// Notifications become one range per conversation: from the last push (or below the
+    /// lowest notified on first sight) to the highest notified; at or below the last push
+    /// nothing; out of order, the higher one pulls the lower ones in and the late lower
+    /// one reads nothing.
+    #[test]
+    fn ranges_cover_each_conversation_once_from_the_last_push() {
+        let mut o = Order::new();
+        let got = o.ranges(&n(&[("a", 5), ("b", 2), ("a", 7), ("a", 6)]));
+        assert_eq!(got, vec![r("a", 4, 7), r("b", 1, 2)]);
+        for x in &got {
+            o.read(x);
+        }
+        // Late, lower, or equal notifications read nothing; a higher one reads the gap.
+        assert_eq!(o.ranges(&n(&[("a", 6), ("a", 7), ("b", 1)])), vec![]);
+        assert_eq!(o.ranges(&n(&[("a", 9), ("a", 8)])), vec![r("a", 7, 9)]);
+        // Out of order across batches: 11 before 10 pulls 10 in; 10 then reads nothing.
+        o.read(&r("a", 7, 9));
+        let got = o.ranges(&n(&[("a", 11)]));
+        assert_eq!(got, vec![r("a", 9, 11)]);
+        o.read(&got[0]);
+        assert_eq!(o.ranges(&n(&[("a", 10)])), vec![]);
+        // A conversation far behind reads only its newest RANGE_EVENTS_MAX events.
+        let far = 11 + RANGE_EVENTS_MAX + 500;
+        assert_eq!(
+            o.ranges(&n(&[("a", far)])),
+            vec![r("a", far - RANGE_EVENTS_MAX, far)]
+        );
+    }
+
+    /// A failed read records nothing: the next notification reads the range again.
+    #[test]
+    fn unread_ranges_are_read_again() {
+        let mut o = Order::new();
+        assert_eq!(o.ranges(&n(&[("a", 3)])), vec![r("a", 2, 3)]);
+        o.pushed("a", 1);
+        assert_eq!(o.ranges(&n(&[("a", 4)])), vec![r("a", 1, 4)]);
     }
 
     #[test]
-    fn payload_is_conv_colon_seq() {
-        assert_eq!(super::parse_payload("c-ab:7"), Some(("c-ab".into(), 7)));
-        assert_eq!(super::parse_payload("a:b:12"), Some(("a:b".into(), 12)));
-        assert_eq!(super::parse_payload("nope"), None);
-        assert_eq!(super::parse_payload("c:x"), None);
+    fn payload_lines_are_conv_colon_seq() {
+        assert_eq!(super::parse_line("c-ab:7"), Some(("c-ab".into(), 7)));
+        assert_eq!(super::parse_line("a:b:12"), Some(("a:b".into(), 12)));
+        assert_eq!(super::parse_line("nope"), None);
+        assert_eq!(super::parse_line("c:x"), None);
     }
 }

@@ -14,8 +14,12 @@ use std::ops::ControlFlow;
 pub mod points {
     /// In the send transaction, after the seq was taken, before the INSERT.
     pub const SEND_BEFORE_INSERT: &str = "send.before_insert";
-    /// After the INSERT and `pg_notify`, before COMMIT.
+    /// After the INSERT, before COMMIT.
     pub const SEND_BEFORE_COMMIT: &str = "send.before_commit";
+    /// After COMMIT returned, before the committed `conv:seq` is handed to the notifier:
+    /// `halt` leaves a durable message nobody is notified of (the sweep repairs it, D5);
+    /// `drop`/`error` skip that one notification and the reply still goes.
+    pub const SEND_AFTER_COMMIT_BEFORE_NOTIFY: &str = "send.after_commit_before_notify";
     /// After COMMIT returned, before the `sent` reply is queued.
     pub const API_AFTER_SEND_COMMIT: &str = "api.after_send_commit";
     /// The `sent` frame, as it is about to be written to the socket.
@@ -31,6 +35,7 @@ pub mod points {
     pub const ALL: &[&str] = &[
         SEND_BEFORE_INSERT,
         SEND_BEFORE_COMMIT,
+        SEND_AFTER_COMMIT_BEFORE_NOTIFY,
         API_AFTER_SEND_COMMIT,
         GW_REPLY_SEND,
         GW_REPLY_ACK,
@@ -50,7 +55,12 @@ pub const POINT_DOCS: &[(&str, &str, &str)] = &[
     (
         points::SEND_BEFORE_COMMIT,
         "store::send (send transaction)",
-        "after the INSERT and pg_notify, before COMMIT",
+        "after the INSERT, before COMMIT",
+    ),
+    (
+        points::SEND_AFTER_COMMIT_BEFORE_NOTIFY,
+        "store::send (after the send transaction)",
+        "after COMMIT returned, before the notifier is told (drop/error: no notification, the reply still goes)",
     ),
     (
         points::API_AFTER_SEND_COMMIT,

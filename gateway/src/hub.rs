@@ -459,6 +459,14 @@ impl Hub {
             .collect()
     }
 
+    /// Whether no connection is subscribed (fan-out then has nobody to read for).
+    pub fn none_subscribed(&self) -> bool {
+        self.by_user
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+
     /// Every subscribed connection (for the sweep).
     pub fn all(&self) -> Vec<Arc<ConnHandle>> {
         let m = self.by_user.read().unwrap_or_else(|p| p.into_inner());

@@ -13,8 +13,8 @@
 use crate::config::Config;
 use crate::hub::Hub;
 use crate::limits::{AddrCounts, HelloThrottle};
-use crate::state::State;
-use crate::{conn, fanout, sweep};
+use crate::state::{State, FANOUT_POOL_MAX};
+use crate::{conn, fanout, store, sweep};
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -65,8 +65,18 @@ pub async fn serve(
     pg_listener: PgListener,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
+    let fanout_pool = store::connect(
+        &cfg.database_url,
+        FANOUT_POOL_MAX,
+        cfg.db_timeout(),
+        Some(cfg.db_timeout()),
+    )
+    .await?;
+    let (notifier, notifier_rx) = store::Notifier::new();
     let state = Arc::new(State {
         pool,
+        fanout_pool,
+        notifier,
         hub: Hub::default(),
         tracker: TaskTracker::new(),
         cancel: cancel.clone(),
@@ -77,6 +87,9 @@ pub async fn serve(
         ),
         cfg,
     });
+    state
+        .tracker
+        .spawn(fanout::notify_loop(state.clone(), notifier_rx));
     state.tracker.spawn(fanout::run(state.clone(), pg_listener));
     state.tracker.spawn(sweep::run(state.clone()));
 
@@ -195,6 +208,12 @@ pub async fn serve(
         .is_err()
     {
         tracing::warn!("database pool did not close within the grace period");
+    }
+    if tokio::time::timeout(grace, state.fanout_pool.close())
+        .await
+        .is_err()
+    {
+        tracing::warn!("fan-out pool did not close within the grace period");
     }
     tracing::info!("stopped");
     Ok(())

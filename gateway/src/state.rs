@@ -9,6 +9,7 @@ use crate::config::Config;
 use crate::error::WireError;
 use crate::hub::Hub;
 use crate::limits::HelloThrottle;
+use crate::store::Notifier;
 use sqlx::PgPool;
 use std::future::Future;
 use tokio::sync::Notify;
@@ -30,7 +31,15 @@ pub struct State {
     pub sweep_now: Notify,
     /// Failed hellos per source address and per device id.
     pub hello_throttle: HelloThrottle,
+    /// The fan-out's own connections (the notifier's NOTIFYs and the fan-out reads,
+    /// [`FANOUT_POOL_MAX`]): they never queue behind requests for `pool`.
+    pub fanout_pool: PgPool,
+    /// Where the send path hands every committed `(conv, seq)` (after COMMIT returned).
+    pub notifier: Notifier,
 }
+
+/// Connections of [`State::fanout_pool`]: one for the notifier, one for fan-out reads.
+pub const FANOUT_POOL_MAX: u32 = 2;
 
 impl State {
     /// Runs database work for a request with the `IM_DB_TIMEOUT_MS` deadline. The work runs

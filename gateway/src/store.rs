@@ -23,8 +23,70 @@ pub struct Principal {
     pub epoch: i64,
 }
 
-/// The NOTIFY channel of the send transaction (SPEC 3).
+/// The NOTIFY channel of committed events (SPEC 3): the notifier ([`Notifier`]) sends
+/// `conv:seq` lines on it after the send transaction committed.
 pub const CHANNEL: &str = "im_events";
+
+/// Most bytes of one notification payload (PostgreSQL refuses 8000 and more).
+const PAYLOAD_MAX_BYTES: usize = 7_000;
+
+/// The send path's handle on the notifier task (`fanout::notify_loop`): [`send`] hands it
+/// every `(conv, seq)` it committed, only after COMMIT returned, and never waits. The
+/// notifier sends them as NOTIFYs in their own statement, batched: no send transaction
+/// holds NOTIFY's cluster-wide lock through its commit any more.
+#[derive(Clone, Debug)]
+pub struct Notifier {
+    tx: tokio::sync::mpsc::UnboundedSender<(String, i64)>,
+}
+
+/// The notifier task's side of [`Notifier`].
+pub type NotifierRx = tokio::sync::mpsc::UnboundedReceiver<(String, i64)>;
+
+impl Notifier {
+    pub fn new() -> (Notifier, NotifierRx) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (Notifier { tx }, rx)
+    }
+
+    /// `conv:seq` committed: to be notified. If the notifier is gone (shutdown), nothing
+    /// is: the sweep repairs a notification that never happens (D5).
+    pub fn committed(&self, conv: &str, seq: i64) {
+        let _ = self.tx.send((conv.to_string(), seq));
+    }
+}
+
+/// Splits committed `(conv, seq)` pairs into notification payloads: `conv:seq` lines
+/// (ids are `A-Za-z0-9._-` only, `protocol`, and the database CHECKs agree: never a newline), each payload at most
+/// [`PAYLOAD_MAX_BYTES`].
+pub fn payloads(pairs: &[(String, i64)]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for (conv, seq) in pairs {
+        let line = format!("{conv}:{seq}");
+        if !cur.is_empty() && cur.len() + 1 + line.len() > PAYLOAD_MAX_BYTES {
+            out.push(std::mem::take(&mut cur));
+        }
+        if !cur.is_empty() {
+            cur.push('\n');
+        }
+        cur.push_str(&line);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Sends the payloads on [`CHANNEL`], one statement (autocommitted: no row is written, so
+/// its commit waits for no WAL flush).
+pub async fn notify(pool: &PgPool, payloads: &[String]) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT count(pg_notify($1, p)) FROM unnest($2::text[]) AS p")
+        .bind(CHANNEL)
+        .bind(payloads)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
 
 /// The NOTIFY channel of install changes: `device:ID`, sent by a trigger on `devices`
 /// (migration 0002) whenever an install epoch changes or a device is removed.
@@ -270,10 +332,10 @@ const SEND_INSERT_SQL: &str = "WITH ins AS (
                      WHERE EXISTS (SELECT 1 FROM memberships
                                    WHERE conv_id = $1 AND user_id = $3 AND to_seq IS NULL)
                        AND EXISTS (SELECT 1 FROM devices
-                                   WHERE device_id = $4 AND install_epoch = $8)
+                                   WHERE device_id = $4 AND install_epoch = $7)
                      ON CONFLICT (sender_user, cmid) DO NOTHING
                      RETURNING mid)
-                 SELECT ins.mid, pg_notify($7, $1 || ':' || $2::text) FROM ins";
+                 SELECT ins.mid FROM ins";
 
 /// What the `no-dedup` bug removes from [`SEND_INSERT_SQL`] (with the constraint gone, the
 /// `ON CONFLICT` would be an error).
@@ -320,10 +382,15 @@ async fn not_inserted(
 /// The send transaction of SPEC 3, in four round trips: BEGIN; `UPDATE conversations …
 /// RETURNING` (takes the seq and the conversation row lock); one statement that inserts the
 /// event only if the sender has an open membership period and only if `(sender_user, cmid)`
-/// is new, and calls `pg_notify`; COMMIT.
+/// is new; COMMIT. Then, after COMMIT returned and outside the transaction, the committed
+/// `(conv, seq)` goes to the `notifier`, which NOTIFYs it in a statement of its own
+/// (batched with others): NOTIFY's cluster-wide lock is no longer held through the send's
+/// commit flush. A notification that never happens (a crash at
+/// `send.after_commit_before_notify`, a NOTIFY that failed) is repaired by the sweep (D5).
 ///
 /// D1: the caller replies only with what this returns, and this returns only after COMMIT
-/// returned. D2: `(sender_user, cmid)` is unique; a resend, or a concurrent duplicate that
+/// returned. No push before its commit: fan-out pushes only what a notification names, and
+/// the notification is sent only after COMMIT returned. D2: `(sender_user, cmid)` is unique; a resend, or a concurrent duplicate that
 /// loses the unique race (its INSERT does nothing), rolls back and answers `dup:true` with
 /// the winner's seq and mid. P1: the seq comes from `UPDATE conversations … RETURNING` in the
 /// same transaction, so a rollback gives it back and the row lock orders commits per
@@ -333,26 +400,45 @@ async fn not_inserted(
 /// Membership is read once before the transaction, without any lock: a user with no open
 /// period is answered (NOT_MEMBER, STALE_INSTALL or the earlier send's `dup`) without ever
 /// queueing on the conversation's row lock, so outsiders cannot slow a conversation's
-/// members. The check after the lock (in the INSERT) stays: it is the one S1 relies on.
+/// members. The check after the lock (in the INSERT) stays: it is the one S1 relies on. A
+/// connection whose user's send to the conversation committed before skips that read
+/// (`SendCtx::known_member`, one round trip less) until a NOT_MEMBER forgets it.
 ///
-/// `on_uncommitted` is `None` except for the deliberate bugs (`bugs`) that break D1.
+/// What [`send`] needs besides the message.
+pub struct SendCtx<'a> {
+    /// `None` except for the deliberate bugs (`bugs`) that break D1.
+    pub on_uncommitted: Option<&'a UncommittedHook>,
+    /// Told every committed `(conv, seq)`, after COMMIT returned.
+    pub notifier: &'a Notifier,
+    /// The connection saw this user's send to this conversation commit before: the
+    /// membership read before the transaction is skipped (only a hint: the INSERT's test
+    /// after the row lock decides, S1).
+    pub known_member: bool,
+}
+
 pub async fn send(
     pool: &PgPool,
     who: &Principal,
     conv: &str,
     cmid: &str,
     body: &str,
-    on_uncommitted: Option<&UncommittedHook>,
+    ctx: SendCtx<'_>,
 ) -> Result<SendOutcome, WireError> {
-    let member: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM memberships
-                        WHERE conv_id = $1 AND user_id = $2 AND to_seq IS NULL)",
-    )
-    .bind(conv)
-    .bind(&who.user)
-    .fetch_one(pool)
-    .await
-    .map_err(db("send.member"))?;
+    let SendCtx {
+        on_uncommitted,
+        notifier,
+        known_member,
+    } = ctx;
+    let member = known_member
+        || sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM memberships
+                            WHERE conv_id = $1 AND user_id = $2 AND to_seq IS NULL)",
+        )
+        .bind(conv)
+        .bind(&who.user)
+        .fetch_one(pool)
+        .await
+        .map_err(db("send.member"))?;
     if !member {
         return not_inserted(pool, who, conv, cmid, body).await;
     }
@@ -401,7 +487,6 @@ pub async fn send(
                 .bind(&who.device)
                 .bind(cmid)
                 .bind(body)
-                .bind(CHANNEL)
                 .bind(who.epoch)
                 .fetch_optional(&mut *tx)
                 .await
@@ -437,11 +522,13 @@ pub async fn send(
         hook(&sent, &event_from(&row), &row.get::<Vec<String>, _>(8));
     }
     if bugs::active(bugs::COMMIT_AFTER_REPLY) {
+        let (notifier, conv) = (notifier.clone(), conv.to_string());
         tokio::spawn(async move {
             let point = faults::gate(points::SEND_BEFORE_COMMIT, (), ()).await;
             if point.is_continue() {
-                if let Err(e) = tx.commit().await {
-                    tracing::warn!(error = %e, "commit after the reply failed");
+                match tx.commit().await {
+                    Ok(()) => notifier.committed(&conv, seq),
+                    Err(e) => tracing::warn!(error = %e, "commit after the reply failed"),
                 }
             }
         });
@@ -457,6 +544,18 @@ pub async fn send(
         return r;
     }
     tx.commit().await.map_err(db("send.commit"))?;
+    // Committed: from here on the message is durable whatever happens to this process, and
+    // only now may anyone be told of it (no push before its commit).
+    let point = faults::gate(points::SEND_AFTER_COMMIT_BEFORE_NOTIFY, (), ()).await;
+    if point.is_continue() {
+        notifier.committed(conv, seq);
+    } else {
+        tracing::info!(
+            conv,
+            seq,
+            "notification skipped (fault); the sweep repairs it"
+        );
+    }
     Ok(SendOutcome::Reply(sent))
 }
 /// The ack statement (see [`ack`]).
@@ -701,17 +800,21 @@ const S1_LEAK_EDITS: &[(&str, &str)] = &[
     ("AND (m.to_seq IS NULL OR e.seq < m.to_seq)", ""),
 ];
 
-fn event_with_audience_sql() -> String {
+fn events_with_audience_sql() -> String {
     format!(
         "SELECT {EVENT_COLUMNS}, a.users,
                 ARRAY(SELECT d.device_id || ':' || d.install_epoch FROM devices d
                       WHERE d.user_id = ANY (a.users))
-         FROM events e
+         FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS r(conv_id, after, upto)
+         CROSS JOIN LATERAL (
+             SELECT * FROM events e
+             WHERE e.conv_id = r.conv_id AND e.seq > r.after AND e.seq <= r.upto
+             OFFSET 0) e
          CROSS JOIN LATERAL (
              SELECT ARRAY(SELECT DISTINCT m.user_id FROM memberships m
                           WHERE m.conv_id = e.conv_id AND m.from_seq <= e.seq
                             AND (m.to_seq IS NULL OR e.seq < m.to_seq)) AS users) a
-         WHERE e.conv_id = $1 AND e.seq = $2"
+         ORDER BY e.conv_id, e.seq"
     )
 }
 
@@ -723,31 +826,51 @@ pub struct Audience {
     pub installs: std::collections::HashSet<String>,
 }
 
-/// Fan-out read: the event, every user who may see it now (S1), and their devices' current
-/// installs, in one query: a connection of an install made stale by a reinstall that
-/// committed before this read gets nothing, even before the reinstall's notification
-/// closed it.
-pub async fn event_with_audience(
+/// One range of a fan-out read: the events of `conv` with `after < seq <= upto`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Range {
+    pub conv: String,
+    pub after: i64,
+    pub upto: i64,
+}
+
+/// Fan-out read, one query for a whole batch of notifications: the events of every range,
+/// ordered by (conv, seq), each with every user who may see it now (S1) and their devices'
+/// current installs: a connection of an install made stale by a reinstall that committed
+/// before this read gets nothing, even before the reinstall's notification closed it.
+///
+/// A notified `conv:seq` is committed, and so is every lower seq of the conversation (P1:
+/// seqs are taken under the row lock held until COMMIT, and a rollback gives its seq
+/// back), so a range up to a notified seq reads only committed events. Each range is read
+/// on its own through the `(conv_id, seq)` key (`OFFSET 0` keeps the planner from joining
+/// the ranges with the whole table: a hash join over `events` took 170 ms a read).
+pub async fn events_with_audience(
     pool: &PgPool,
-    conv: &str,
-    seq: i64,
-) -> Result<Option<(Event, Audience)>, sqlx::Error> {
-    let mut sql = event_with_audience_sql();
+    ranges: &[Range],
+) -> Result<Vec<(Event, Audience)>, sqlx::Error> {
+    let mut sql = events_with_audience_sql();
     if bugs::active(bugs::S1_LEAK) {
         sql = bugs::rewrite(&sql, S1_LEAK_EDITS);
     }
-    let row = sqlx::query(&sql)
-        .bind(conv)
-        .bind(seq)
-        .fetch_optional(pool)
+    let convs: Vec<&str> = ranges.iter().map(|r| r.conv.as_str()).collect();
+    let after: Vec<i64> = ranges.iter().map(|r| r.after).collect();
+    let upto: Vec<i64> = ranges.iter().map(|r| r.upto).collect();
+    let rows = sqlx::query(&sql)
+        .bind(&convs)
+        .bind(&after)
+        .bind(&upto)
+        .fetch_all(pool)
         .await?;
-    Ok(row.map(|r| {
-        let audience = Audience {
-            users: r.get::<Vec<String>, _>(8),
-            installs: r.get::<Vec<String>, _>(9).into_iter().collect(),
-        };
-        (event_from(&r), audience)
-    }))
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let audience = Audience {
+                users: r.get::<Vec<String>, _>(8),
+                installs: r.get::<Vec<String>, _>(9).into_iter().collect(),
+            };
+            (event_from(r), audience)
+        })
+        .collect())
 }
 
 /// Sweep (D5): for the given subscribed `(device, user, epoch)` installs, every conversation
@@ -826,6 +949,21 @@ mod tests {
         }
     }
 
+    /// Notification payloads: `conv:seq` lines, in the order given, none over the limit,
+    /// every pair in exactly one payload.
+    #[test]
+    fn payloads_are_lines_within_the_limit() {
+        assert!(payloads(&[]).is_empty());
+        let p = payloads(&[("c1".into(), 7), ("c-2".into(), 1), ("c1".into(), 8)]);
+        assert_eq!(p, vec!["c1:7\nc-2:1\nc1:8".to_string()]);
+        let many: Vec<(String, i64)> = (0..2000).map(|i| (format!("conv-{i}"), i)).collect();
+        let p = payloads(&many);
+        assert!(p.len() > 1 && p.iter().all(|x| x.len() <= PAYLOAD_MAX_BYTES));
+        let back: Vec<String> = p.iter().flat_map(|x| x.lines()).map(String::from).collect();
+        let want: Vec<String> = many.iter().map(|(c, s)| format!("{c}:{s}")).collect();
+        assert_eq!(back, want);
+    }
+
     /// Every bug's rewrite still applies to the statement it edits (each fragment exactly
     /// once), in both builds, so an edit of the SQL cannot silently disarm a bug.
     #[test]
@@ -841,7 +979,7 @@ mod tests {
         assert!(
             !s.contains("GREATEST") && s.contains("SET delivered_seq = EXCLUDED.delivered_seq")
         );
-        let s = bugs::rewrite(&event_with_audience_sql(), S1_LEAK_EDITS);
+        let s = bugs::rewrite(&events_with_audience_sql(), S1_LEAK_EDITS);
         assert!(!s.contains("from_seq") && !s.contains("to_seq"), "{s}");
     }
 }

@@ -157,6 +157,130 @@ async fn im06_crash_api_after_send_commit() {
     .await;
 }
 
+/// Issue 12 (notification after the commit): the gateway halts after COMMIT returned and
+/// before the notifier was told (`send.after_commit_before_notify:halt`). The message is
+/// durable (1 row) though nobody was notified and nothing was pushed; the sender's replay
+/// through a restarted gateway answers dup:true with the original seq; the receiver, back
+/// on that gateway, gets it by sync within D5's bound. Then, receiver online, one more
+/// notification is skipped (`send.after_commit_before_notify:drop:0:1`): the sweep's hint
+/// makes the receiver sync and ack it within sweep interval + 1 s, with no push at all.
+#[tokio::test]
+async fn im06_crash_send_after_commit_before_notify() {
+    let point = "send.after_commit_before_notify";
+    let fault = format!("{point}:halt");
+    let mut c = Check::new(
+        "06-crash-send.after_commit_before_notify",
+        "crash",
+        Some(&fault),
+    );
+    let r = async {
+        let sweep_ms = 300u64;
+        let bound = Duration::from_millis(sweep_ms + 1000);
+        let mut w = start(
+            &mut c,
+            GatewayOpts {
+                fault: Some(fault.clone()),
+                sweep_ms: Some(sweep_ms),
+                ..Default::default()
+            },
+        )
+        .await?;
+        let (a, b) = alice_and_bob(&w).await?;
+        let (a_state, b_state) = (a.state_path().to_path_buf(), b.state_path().to_path_buf());
+        let r = a
+            .send(
+                "c1",
+                "cmid-notify-1",
+                "committed, never notified",
+                Duration::from_secs(5),
+            )
+            .await;
+        let status = w.wait_gateway_exit(T).await?;
+        c.observe("exit_status_raw", status.to_string());
+        c.expect("gateway_exit_status", 137, w.gw().exit_code());
+        c.expect("first_reply", "none (connection lost)", first_reply(&r));
+        let line = format!("fault fired: point={point} action=halt hit=1");
+        c.expect(
+            "fault_line_on_stderr",
+            true,
+            w.gw().log_text().contains(&line),
+        );
+        c.expect("rows_after_crash", 1, w.count_events("c1").await?);
+        let seq: i64 = sqlx::query_scalar("SELECT seq FROM events WHERE cmid = 'cmid-notify-1'")
+            .fetch_one(&w.pool().await?)
+            .await?;
+        c.expect("pushes_before_crash", 0, b.stats().pushes_received);
+        c.expect("outbox_after_crash", 1, a.outbox().len());
+        a.crash().await;
+        b.crash().await;
+
+        w.restart_gateway(GatewayOpts {
+            fault: Some(format!("{point}:drop:0:1")),
+            sweep_ms: Some(sweep_ms),
+            ..Default::default()
+        })
+        .await?;
+        let mut a = Client::load(&a_state)?;
+        a.connect(&w.ws_url())
+            .await
+            .map_err(|e| anyhow::anyhow!("reconnect a1: {e}"))?;
+        let replies = a.replay_outbox(T).await;
+        c.expect("replayed", 1, replies.len());
+        let reply = replies
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("no replay reply"))?
+            .map_err(|e| anyhow::anyhow!("replay failed: {e}"))?;
+        c.expect("resend_dup", Some(true), reply["dup"].as_bool());
+        c.expect("resend_seq", Some(seq), reply["seq"].as_i64());
+        c.expect("rows_after_resend", 1, w.count_events("c1").await?);
+        let mut b = Client::load(&b_state)?;
+        b.connect(&w.ws_url())
+            .await
+            .map_err(|e| anyhow::anyhow!("reconnect b1: {e}"))?;
+        let t0 = Instant::now();
+        b.sub().await.map_err(|e| anyhow::anyhow!("sub b1: {e}"))?;
+        let caught_up = b.wait_server_delivered("c1", seq, bound).await;
+        c.observe("reconnect_catch_up_ms", ms(t0.elapsed()));
+        c.expect("receiver_caught_up_within_bound", true, caught_up.is_ok());
+
+        // Receiver online: a notification skipped after the commit is repaired by the sweep.
+        let sent = a
+            .send("c1", "cmid-notify-2", "committed, notification dropped", T)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let t1 = Instant::now();
+        c.expect("second_send_dup", Some(false), sent["dup"].as_bool());
+        let seq2 = sent["seq"].as_i64().unwrap_or(-1);
+        c.expect("second_seq", seq + 1, seq2);
+        let repaired = b.wait_server_delivered("c1", seq2, bound).await;
+        let took = t1.elapsed();
+        c.expect("swept_within_bound", true, repaired.is_ok());
+        c.expect_le("sweep_repair_ms", ms(bound), ms(took));
+        c.observe("bound_ms", bound.as_millis() as u64);
+        c.observe("sweep_interval_ms", sweep_ms);
+        let dropped = format!("fault fired: point={point} action=drop hit=1");
+        c.expect(
+            "drop_fired_once",
+            true,
+            w.gw().log_text().contains(&dropped),
+        );
+        let s = b.stats();
+        c.expect("pushes_received", 0, s.pushes_received);
+        c.expect("events_synced", 2, s.events_synced);
+        c.expect_ge(
+            "sweep_hints_received",
+            1,
+            s.hints_received.get("sweep").copied().unwrap_or(0),
+        );
+        c.expect("stored_seqs", vec![seq, seq2], b.stored_seqs("c1"));
+        c.expect("delivered_seq", Some(seq2), w.cursor("b1", "c1").await?);
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
 /// 8.2: the gateway drops the first `sent` reply; the client times out after 1500 ms and
 /// resends the same cmid: dup:true with the original seq, one row, outbox empty.
 #[tokio::test]
