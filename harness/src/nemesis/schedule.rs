@@ -117,14 +117,22 @@ pub const KINDS: &[&str] = &[
 pub const CRASH_POINTS: &[&str] = &[
     "send.before_insert",
     "send.before_commit",
+    "send.after_commit_before_notify",
     "api.after_send_commit",
     "gw.reply.send",
     "gw.push",
     "gw.recv.ack",
 ];
 
-/// Frame points a drop, delay or error may be armed at (`gw-fault`).
-pub const FRAME_POINTS: &[&str] = &["gw.reply.send", "gw.reply.ack", "gw.push", "gw.recv.ack"];
+/// Points a drop, delay or error may be armed at (`gw-fault`): the frames, and the
+/// notification after a commit (a drop there is a NOTIFY that never happens).
+pub const FRAME_POINTS: &[&str] = &[
+    "gw.reply.send",
+    "gw.reply.ack",
+    "gw.push",
+    "gw.recv.ack",
+    "send.after_commit_before_notify",
+];
 
 /// One fault: what, on what, when, with what. `at_ms`/`end_ms` are offsets from the start
 /// of the workload; an instant fault has `end_ms == at_ms`.
