@@ -238,16 +238,24 @@ async fn deliver(state: Arc<State>, rx: mpsc::Receiver<Notified>) {
         match r {
             Ok(Some((ev, audience))) => {
                 let frame = crate::protocol::event_frame(&ev);
-                for c in state.hub.conns_of(&audience.users) {
-                    // Only current installs (read with the audience): a stale one gets nothing.
-                    if audience.installs.contains(&c.install_key()) {
-                        c.push(&ev, &frame);
-                    }
+                // Only current installs (read with the audience): a stale one gets nothing.
+                let to: Vec<_> = state
+                    .hub
+                    .conns_of(&audience.users)
+                    .into_iter()
+                    .filter(|c| audience.installs.contains(&c.install_key()))
+                    .collect();
+                // D5: recorded before it is queued; the sweep verifies what is not acked.
+                let installs = to.iter().map(|c| (c.who.device.as_str(), c.who.epoch));
+                state.changes.pushed(installs, &conv, seq);
+                for c in &to {
+                    c.push(&ev, &frame);
                 }
             }
             Ok(None) => tracing::warn!(conv, seq, "notified event not found"),
             // The sweep repairs whatever this push would have delivered.
             Err(e) => {
+                state.changes.read_failed(&conv);
                 tracing::warn!(conv, seq, error = %e, "fan-out read failed; the sweep will hint")
             }
         }

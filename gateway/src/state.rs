@@ -30,6 +30,8 @@ pub struct State {
     pub sweep_now: Notify,
     /// Failed hellos per source address and per device id.
     pub hello_throttle: HelloThrottle,
+    /// What fan-out pushed and acks merged since the last sweep: the sweep's candidates (D5).
+    pub changes: crate::changes::Changes,
 }
 
 impl State {

@@ -750,41 +750,124 @@ pub async fn event_with_audience(
     }))
 }
 
-/// Sweep (D5): for the given subscribed `(device, user, epoch)` installs, every conversation
-/// where the device's cursor is below the user's visible head, for installs that are still
-/// current (read in the same query, so a reinstall committed before it gets no hint). The
-/// head is the visible head (S1): after a `leave` it stops where the user's period ended, so
-/// no hint ever points past what the user could see. One query for all connections.
-pub async fn lagging(
+/// The tail every sweep query shares: from `pairs(device_id, epoch, user_id, conv_id)`
+/// (current installs only), the pairs whose cursor is below the user's visible head (S1),
+/// with that head. The visible head is `im_visible_head` asked set-based (one join and
+/// GROUP BY over the pairs' periods instead of one function call per pair): the largest
+/// period end not before the period's start, 0 when there is none. After a `leave` it stops
+/// where the user's period ended, so no hint ever points past what the user could see.
+const LAGGING_TAIL: &str = "
+     heads AS (
+         SELECT p.device_id, p.epoch, p.conv_id,
+                COALESCE(MAX(LEAST(c.next_seq - 1, COALESCE(m.to_seq - 1, c.next_seq - 1)))
+                         FILTER (WHERE m.from_seq <= LEAST(c.next_seq - 1, COALESCE(m.to_seq - 1, c.next_seq - 1))),
+                         0) AS vhead
+         FROM pairs p
+         JOIN memberships m ON m.conv_id = p.conv_id AND m.user_id = p.user_id
+         JOIN conversations c ON c.conv_id = p.conv_id
+         GROUP BY p.device_id, p.epoch, p.conv_id)
+SELECT h.device_id, h.epoch, h.conv_id, h.vhead FROM heads h
+LEFT JOIN device_cursors dc ON dc.device_id = h.device_id AND dc.conv_id = h.conv_id
+WHERE COALESCE(dc.delivered_seq, 0) < h.vhead";
+
+/// `pairs` of [`lagging_of_installs`]: every conversation of each current install's user.
+const INSTALLS_PAIRS: &str = "
+WITH subs AS (SELECT DISTINCT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(device_id, user_id, epoch)),
+     pairs AS (
+         SELECT DISTINCT s.device_id, s.epoch, s.user_id, m.conv_id
+         FROM subs s
+         JOIN devices d ON d.device_id = s.device_id AND d.install_epoch = s.epoch
+         JOIN memberships m ON m.user_id = s.user_id),";
+
+/// `pairs` of [`lagging_of_pairs`]: the given pairs, of current installs.
+const PAIRS_PAIRS: &str = "
+WITH pairs AS (
+         SELECT DISTINCT p.device_id, p.epoch, p.user_id, p.conv_id
+         FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS p(device_id, user_id, epoch, conv_id)
+         JOIN devices d ON d.device_id = p.device_id AND d.install_epoch = p.epoch),";
+
+/// `pairs` of [`lagging_in_convs`]: every current install of every member of the given
+/// conversations.
+const CONVS_PAIRS: &str = "
+WITH pairs AS (
+         SELECT DISTINCT d.device_id, d.install_epoch::bigint AS epoch, m.user_id, m.conv_id
+         FROM memberships m JOIN devices d ON d.user_id = m.user_id
+         WHERE m.conv_id = ANY ($1::text[])),";
+
+/// The SQL of a sweep query: `pairs` (one of the three above) and [`LAGGING_TAIL`].
+pub fn lagging_sql(pairs: &str) -> String {
+    format!("{pairs}{LAGGING_TAIL}")
+}
+
+/// The statements of the sweep (for the bench's EXPLAIN and `pg_stat_statements` labels).
+pub fn sweep_sql() -> [(&'static str, String); 3] {
+    [
+        ("installs", lagging_sql(INSTALLS_PAIRS)),
+        ("pairs", lagging_sql(PAIRS_PAIRS)),
+        ("convs", lagging_sql(CONVS_PAIRS)),
+    ]
+}
+
+/// One lagging pair as the sweep queries return it: device, install epoch, conversation,
+/// visible head.
+pub type LaggingRow = (String, i64, String, i64);
+
+fn lagging_rows(rows: Vec<sqlx::postgres::PgRow>) -> Vec<LaggingRow> {
+    rows.into_iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
+
+/// Sweep (D5), by install: for the given `(device, user, epoch)` installs (a page of the
+/// full pass, or newly subscribed ones), every conversation where the device's cursor is
+/// below the user's visible head, for installs that are still current (read in the same
+/// query, so a reinstall committed before it gets no hint).
+pub async fn lagging_of_installs(
     pool: &PgPool,
     devices: &[String],
     users: &[String],
     epochs: &[i64],
-) -> Result<Vec<(String, i64, String, i64)>, sqlx::Error> {
-    let rows = sqlx::query(
-        "WITH subs AS (SELECT DISTINCT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(device_id, user_id, epoch)),
-              cur AS (
-                  SELECT s.* FROM subs s
-                  JOIN devices d ON d.device_id = s.device_id AND d.install_epoch = s.epoch),
-              pairs AS (
-                  SELECT DISTINCT s.device_id, s.epoch, s.user_id, m.conv_id
-                  FROM cur s JOIN memberships m ON m.user_id = s.user_id),
-              heads AS (
-                  SELECT p.device_id, p.epoch, p.conv_id, im_visible_head(p.conv_id, p.user_id) AS vhead
-                  FROM pairs p)
-         SELECT h.device_id, h.epoch, h.conv_id, h.vhead FROM heads h
-         LEFT JOIN device_cursors dc ON dc.device_id = h.device_id AND dc.conv_id = h.conv_id
-         WHERE COALESCE(dc.delivered_seq, 0) < h.vhead",
-    )
-    .bind(devices)
-    .bind(users)
-    .bind(epochs)
-    .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect())
+) -> Result<Vec<LaggingRow>, sqlx::Error> {
+    let rows = sqlx::query(&lagging_sql(INSTALLS_PAIRS))
+        .bind(devices)
+        .bind(users)
+        .bind(epochs)
+        .fetch_all(pool)
+        .await?;
+    Ok(lagging_rows(rows))
+}
+
+/// Sweep (D5), by pair: of the given `(device, user, epoch, conv)` pairs (pushed and not
+/// acked since the last sweep), those still lagging, as [`lagging_of_installs`] decides.
+pub async fn lagging_of_pairs(
+    pool: &PgPool,
+    devices: &[String],
+    users: &[String],
+    epochs: &[i64],
+    convs: &[String],
+) -> Result<Vec<LaggingRow>, sqlx::Error> {
+    let rows = sqlx::query(&lagging_sql(PAIRS_PAIRS))
+        .bind(devices)
+        .bind(users)
+        .bind(epochs)
+        .bind(convs)
+        .fetch_all(pool)
+        .await?;
+    Ok(lagging_rows(rows))
+}
+
+/// Sweep (D5), by conversation: in the given conversations (whose notified event fan-out
+/// could not read), every lagging pair of every member's current install. The caller keeps
+/// the subscribed ones.
+pub async fn lagging_in_convs(
+    pool: &PgPool,
+    convs: &[String],
+) -> Result<Vec<LaggingRow>, sqlx::Error> {
+    let rows = sqlx::query(&lagging_sql(CONVS_PAIRS))
+        .bind(convs)
+        .fetch_all(pool)
+        .await?;
+    Ok(lagging_rows(rows))
 }
 
 #[cfg(test)]
