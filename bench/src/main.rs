@@ -89,7 +89,7 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
         fanout_p99_limit_ms: 100.0,
         fanout_diagnostic_env: vec!["IM_FANOUT_BATCH_MAX=1024".into()],
         ws_ceiling_s: 2.0,
-        sweep_devices: vec![1000, 10_000, 50_000],
+        sweep_devices: vec![1000, 10_000, 100_000],
         sweep_convs_per_device: 20,
         sweep_users_per_conversation: 10,
         sweep_lag_percents: vec![0.0, 1.0],
@@ -675,20 +675,20 @@ fn print_summary(r: &BenchResult, out: &std::path::Path) {
     }
     match &r.sweep.data {
         Some(sw) => {
-            println!(
-                "sweep query (simulated subscribed devices, {} conversations each):",
-                sw.convs_per_device
-            );
+            println!("sweep: {}", sw.simulated);
             for row in &sw.rows {
                 println!(
-                    "  {:>6} devices {:>3}% lagging: wall {:>9.1} ms, db {:>9} ms, explain {:>9} ms, {:.1} us/pair, {} rows",
+                    "  {:>6} devices {:>3}% lagging: regular sweep {:>7.1} ms wall, db {:>7} ms ({} candidates, {} hinted from memory); full pass {}",
                     row.devices,
                     row.lag_percent,
                     row.wall_ms_median,
                     row.db_exec_ms.map_or("n/a".into(), |v| format!("{v:.1}")),
-                    row.explain.as_ref().map_or("n/a".into(), |x| format!("{:.1}", x.execution_ms)),
-                    row.us_per_pair,
-                    row.rows_returned
+                    row.interval_candidates,
+                    row.hinted_from_memory,
+                    row.full_pass.as_ref().map_or("not run".into(), |f| format!(
+                        "{} pages, {:.0} ms wall, largest page {:.0} ms, {:.1} us/pair, found {} (missed {}, extra {})",
+                        f.pages, f.wall_ms, f.page_ms_max, f.us_per_pair, f.found, f.missed, f.extra
+                    )),
                 );
             }
         }

@@ -317,6 +317,9 @@ pub struct Sweep {
     pub growth: Vec<SweepGrowth>,
     pub gateway_sweep_interval_ms_default: u64,
     pub gateway_db_timeout_ms_default: u64,
+    /// `im_gateway::sweep::FULL_PASS_EVERY_INTERVALS`.
+    #[serde(default)]
+    pub full_pass_every_intervals: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -337,6 +340,30 @@ pub struct SweepRow {
     pub over_sweep_interval: bool,
     pub over_db_timeout: bool,
     pub provision_s: f64,
+    /// Candidate pairs the regular sweep asked about (`wall_ms`: that query).
+    #[serde(default)]
+    pub interval_candidates: u64,
+    /// Lagging pairs the regular sweep hints from memory (no query).
+    #[serde(default)]
+    pub hinted_from_memory: u64,
+    /// The paged full pass, where it ran.
+    #[serde(default)]
+    pub full_pass: Option<FullPassRow>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct FullPassRow {
+    pub pages: usize,
+    pub page_installs: usize,
+    pub wall_ms: f64,
+    pub page_ms_max: f64,
+    /// `pg_stat_statements` total of its lagging queries.
+    pub db_ms: Option<f64>,
+    pub found: u64,
+    /// Seeded lagging pairs not found / found but not seeded (both 0, else the part fails).
+    pub missed: u64,
+    pub extra: u64,
+    pub us_per_pair: f64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

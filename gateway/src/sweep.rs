@@ -314,22 +314,18 @@ impl Sweeper {
         let epochs: Vec<i64> = page.iter().map(|p| p.0 .1).collect();
         let users: Vec<String> = page.iter().map(|p| p.1.clone()).collect();
         let t = Instant::now();
-        // A reinstall notification lost with the LISTEN connection is found here.
-        let stale = db(
-            state,
-            "stale-install query",
-            store::stale_installs(&state.pool, &devices, &epochs),
+        let (stale, rows) = installs_page(
+            &state.pool,
+            state.cfg.db_timeout(),
+            &devices,
+            &users,
+            &epochs,
         )
         .await?;
+        // A reinstall notification lost with the LISTEN connection is found here.
         for (device, current) in stale {
             state.hub.revoke_stale(&device, current);
         }
-        let rows = db(
-            state,
-            "sweep query (installs)",
-            store::lagging_of_installs(&state.pool, &devices, &users, &epochs),
-        )
-        .await?;
         report.db += t.elapsed();
         self.apply_installs(page.iter().map(|p| &p.0), rows);
         Ok(())
@@ -415,6 +411,31 @@ impl Sweeper {
         v.sort();
         v
     }
+}
+
+/// One page of installs (at most [`PAGE_INSTALLS`]), as the full pass and a new
+/// subscription ask about it: the installs no longer current (with the current epoch,
+/// `None`: the device is gone), then every lagging pair of the current ones (D5). Each
+/// query has the `deadline` (`IM_DB_TIMEOUT_MS`). Public for the bench and the at-scale
+/// check, which run the full pass through this function.
+pub async fn installs_page(
+    pool: &sqlx::PgPool,
+    deadline: Duration,
+    devices: &[String],
+    users: &[String],
+    epochs: &[i64],
+) -> anyhow::Result<(Vec<(String, Option<i64>)>, Vec<LaggingRow>)> {
+    let within = |what: &'static str| move |_| anyhow::anyhow!("{what} exceeded IM_DB_TIMEOUT_MS");
+    let stale = tokio::time::timeout(deadline, store::stale_installs(pool, devices, epochs))
+        .await
+        .map_err(within("stale-install query"))??;
+    let rows = tokio::time::timeout(
+        deadline,
+        store::lagging_of_installs(pool, devices, users, epochs),
+    )
+    .await
+    .map_err(within("sweep query (installs)"))??;
+    Ok((stale, rows))
 }
 
 /// A sweep query with the `IM_DB_TIMEOUT_MS` deadline (read-only: dropping it there is
