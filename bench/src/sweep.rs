@@ -135,9 +135,9 @@ async fn explain(pool: &PgPool, c: &Candidates) -> anyhow::Result<Explain> {
         .context("store::sweep_sql has no `pairs` query")?;
     let row = sqlx::query(&format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"))
         .bind(&c.devices)
-        .bind(&c.users)
         .bind(&c.epochs)
         .bind(&c.convs)
+        .bind(&c.seqs)
         .fetch_one(pool)
         .await
         .context("EXPLAIN the sweep query")?;
@@ -169,21 +169,27 @@ async fn seeded(pool: &PgPool) -> anyhow::Result<BTreeSet<(String, String)>> {
     Ok(rows.into_iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
-/// One regular sweep's input: candidate pairs as `store::lagging_of_pairs` takes them.
+/// One regular sweep's input: candidate pairs as `store::lagging_of_pairs` takes them
+/// (pushed seq: the head), ordered as the gateway orders them.
 #[derive(Default)]
 struct Candidates {
     devices: Vec<String>,
-    users: Vec<String>,
     epochs: Vec<i64>,
     convs: Vec<String>,
+    seqs: Vec<i64>,
 }
 
 impl Candidates {
-    fn push(&mut self, device: usize, conv: usize) {
-        self.devices.push(format!("sw-d{device:07}"));
-        self.users.push(format!("sw-u{device:07}"));
-        self.epochs.push(1);
-        self.convs.push(format!("sw-c{conv:07}"));
+    fn from(mut pairs: Vec<(usize, usize)>) -> Candidates {
+        pairs.sort_unstable();
+        let mut c = Candidates::default();
+        for (device, conv) in pairs {
+            c.devices.push(format!("sw-d{device:07}"));
+            c.epochs.push(1);
+            c.convs.push(format!("sw-c{conv:07}"));
+            c.seqs.push(HEAD);
+        }
+        c
     }
 }
 
@@ -210,21 +216,21 @@ fn candidates(
     g: usize,
     seed: &mut u64,
 ) -> Candidates {
-    let mut c = Candidates::default();
+    let mut pairs = Vec::new();
     if lagging.is_empty() {
         for _ in 0..CANDIDATES.min(n * k) {
             let d = (next(seed) % n as u64) as usize;
             let conv = (d / g) * k + (next(seed) % k as u64) as usize;
-            c.push(d, conv);
+            pairs.push((d, conv));
         }
     } else {
         let all: Vec<&(String, String)> = lagging.iter().collect();
         for _ in 0..CANDIDATES.min(all.len()) {
             let (d, conv) = all[(next(seed) % all.len() as u64) as usize];
-            c.push(index(d), index(conv));
+            pairs.push((index(d), index(conv)));
         }
     }
-    c
+    Candidates::from(pairs)
 }
 
 /// One full pass over devices `0..n`, page by page as the gateway's sweep runs it (the
@@ -369,9 +375,9 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
                 let got = im_gateway::store::lagging_of_pairs(
                     &ctx.pool,
                     &cands.devices,
-                    &cands.users,
                     &cands.epochs,
                     &cands.convs,
+                    &cands.seqs,
                 )
                 .await
                 .context("store::lagging_of_pairs")?;

@@ -779,13 +779,6 @@ WITH subs AS (SELECT DISTINCT * FROM unnest($1::text[], $2::text[], $3::bigint[]
          JOIN devices d ON d.device_id = s.device_id AND d.install_epoch = s.epoch
          JOIN memberships m ON m.user_id = s.user_id),";
 
-/// `pairs` of [`lagging_of_pairs`]: the given pairs, of current installs.
-const PAIRS_PAIRS: &str = "
-WITH pairs AS (
-         SELECT DISTINCT p.device_id, p.epoch, p.user_id, p.conv_id
-         FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS p(device_id, user_id, epoch, conv_id)
-         JOIN devices d ON d.device_id = p.device_id AND d.install_epoch = p.epoch),";
-
 /// `pairs` of [`lagging_in_convs`]: every current install of every member of the given
 /// conversations.
 const CONVS_PAIRS: &str = "
@@ -799,11 +792,24 @@ pub fn lagging_sql(pairs: &str) -> String {
     format!("{pairs}{LAGGING_TAIL}")
 }
 
+/// [`lagging_of_pairs`]: of the given pushed pairs, those of current installs whose cursor
+/// is below the pushed seq. One probe of `devices` and one of `device_cursors` per pair: no
+/// visible head is computed, since a pushed seq was visible to the user when fan-out read
+/// its audience (S1), and a later `leave` ends the period at a head at or above it.
+const PUSHED_SQL: &str = "
+WITH pairs AS (SELECT device_id, epoch, conv_id, MAX(seq) AS seq
+               FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[]) AS p(device_id, epoch, conv_id, seq)
+               GROUP BY 1, 2, 3)
+SELECT p.device_id, p.epoch, p.conv_id, p.seq FROM pairs p
+JOIN devices d ON d.device_id = p.device_id AND d.install_epoch = p.epoch
+LEFT JOIN device_cursors dc ON dc.device_id = p.device_id AND dc.conv_id = p.conv_id
+WHERE COALESCE(dc.delivered_seq, 0) < p.seq";
+
 /// The statements of the sweep (for the bench's EXPLAIN and `pg_stat_statements` labels).
 pub fn sweep_sql() -> [(&'static str, String); 3] {
     [
         ("installs", lagging_sql(INSTALLS_PAIRS)),
-        ("pairs", lagging_sql(PAIRS_PAIRS)),
+        ("pairs", PUSHED_SQL.to_string()),
         ("convs", lagging_sql(CONVS_PAIRS)),
     ]
 }
@@ -837,20 +843,22 @@ pub async fn lagging_of_installs(
     Ok(lagging_rows(rows))
 }
 
-/// Sweep (D5), by pair: of the given `(device, user, epoch, conv)` pairs (pushed and not
-/// acked since the last sweep), those still lagging, as [`lagging_of_installs`] decides.
+/// Sweep (D5), by pair: of the given `(device, epoch, conv, seq)` pairs (fan-out pushed
+/// `seq` and no ack reached it since the last sweep), those still lagging: the install is
+/// current and its cursor is below the pushed seq, returned as the head to hint (see
+/// `PUSHED_SQL`). Ordered input (by device, conversation) reads the indexes in order.
 pub async fn lagging_of_pairs(
     pool: &PgPool,
     devices: &[String],
-    users: &[String],
     epochs: &[i64],
     convs: &[String],
+    seqs: &[i64],
 ) -> Result<Vec<LaggingRow>, sqlx::Error> {
-    let rows = sqlx::query(&lagging_sql(PAIRS_PAIRS))
+    let rows = sqlx::query(PUSHED_SQL)
         .bind(devices)
-        .bind(users)
         .bind(epochs)
         .bind(convs)
+        .bind(seqs)
         .fetch_all(pool)
         .await?;
     Ok(lagging_rows(rows))

@@ -31,7 +31,7 @@
 //! regular sweep keeps running every interval while a full pass is under way.
 
 use crate::bugs;
-use crate::changes::Drained;
+use crate::changes::{Drained, PairKey};
 use crate::hub::ConnHandle;
 use crate::protocol::HintWhy;
 use crate::state::State;
@@ -221,30 +221,31 @@ impl Sweeper {
             report.candidate_installs += page.len();
             self.ask_installs(state, page, report).await?;
         }
-        // Pairs pushed and not acked since the last sweep.
-        let pairs: Vec<(Install, String, String)> = drained
+        // Pairs pushed and not acked since the last sweep (ordered: the indexes are read in
+        // order).
+        let mut pairs: Vec<(PairKey, i64)> = drained
             .pushed
-            .into_keys()
-            .filter_map(|(d, e, conv)| {
-                let k = (d, e);
-                user(&k).map(|u| (k, u, conv))
-            })
+            .into_iter()
+            .filter(|((d, e, _), _)| by_install.contains_key(&(d.clone(), *e)))
             .collect();
+        pairs.sort_unstable();
         for page in pairs.chunks(PAGE_PAIRS) {
             report.candidate_pairs += page.len();
             let devices: Vec<String> = page.iter().map(|p| p.0 .0.clone()).collect();
             let epochs: Vec<i64> = page.iter().map(|p| p.0 .1).collect();
-            let users: Vec<String> = page.iter().map(|p| p.1.clone()).collect();
-            let convs: Vec<String> = page.iter().map(|p| p.2.clone()).collect();
+            let convs: Vec<String> = page.iter().map(|p| p.0 .2.clone()).collect();
+            let seqs: Vec<i64> = page.iter().map(|p| p.1).collect();
             let t = Instant::now();
             let rows = db(
                 state,
                 "sweep query (pairs)",
-                store::lagging_of_pairs(&state.pool, &devices, &users, &epochs, &convs),
+                store::lagging_of_pairs(&state.pool, &devices, &epochs, &convs, &seqs),
             )
             .await?;
             report.db += t.elapsed();
-            let asked = page.iter().map(|p| (&p.0, p.2.as_str()));
+            let asked = page
+                .iter()
+                .map(|((d, e, conv), _)| ((d.clone(), *e), conv.as_str()));
             self.apply_pairs(asked, rows);
         }
         // Conversations whose notified event could not be read: all their members.
@@ -346,11 +347,11 @@ impl Sweeper {
     /// What the database said of single pairs: each asked pair lags as it says, or not.
     fn apply_pairs<'a>(
         &mut self,
-        asked: impl Iterator<Item = (&'a Install, &'a str)>,
+        asked: impl Iterator<Item = (Install, &'a str)>,
         rows: Vec<LaggingRow>,
     ) {
         for (k, conv) in asked {
-            if let Some(m) = self.lagging.get_mut(k) {
+            if let Some(m) = self.lagging.get_mut(&k) {
                 m.remove(conv);
             }
         }
@@ -499,7 +500,7 @@ mod tests {
         );
         // The pair d1/c1 caught up, d2/c2 newly lags; d1/c2 was not asked about.
         s.apply_pairs(
-            [(&d1, "c1"), (&d2, "c2")].into_iter(),
+            [(d1.clone(), "c1"), (d2.clone(), "c2")].into_iter(),
             vec![row("d2", "c2", 5)],
         );
         assert_eq!(

@@ -959,14 +959,15 @@ async fn im06_sweep_cost_at_target_scale() {
             }
             i += 1;
         }
+        cand.sort();
         let devices: Vec<String> = cand.iter().map(|p| p.0.clone()).collect();
-        let users: Vec<String> = devices.iter().map(|d| d.replacen("sc-d", "sc-u", 1)).collect();
         let convs: Vec<String> = cand.iter().map(|p| p.1.clone()).collect();
         let epochs = vec![1i64; cand.len()];
+        let seqs = vec![HEAD; cand.len()];
         let t = Instant::now();
         let got = tokio::time::timeout(
             deadline,
-            im_gateway::store::lagging_of_pairs(&pool, &devices, &users, &epochs, &convs),
+            im_gateway::store::lagging_of_pairs(&pool, &devices, &epochs, &convs, &seqs),
         )
         .await??;
         let interval_ms = ms(t.elapsed());
