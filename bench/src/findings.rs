@@ -520,13 +520,11 @@ pub fn targets(r: &BenchResult) -> Vec<Target> {
     }
     out.extend([push, delivered, cursor]);
     // ------------------------------------------------------------ sweep
-    let (interval, timeout) = r.sweep.data.as_ref().map_or((1000.0, 5000.0), |sw| {
-        (
-            sw.gateway_sweep_interval_ms_default as f64,
-            sw.gateway_db_timeout_ms_default as f64,
-        )
-    });
-    let _ = interval;
+    let timeout = r
+        .sweep
+        .data
+        .as_ref()
+        .map_or(5000.0, |sw| sw.gateway_db_timeout_ms_default as f64);
     // The largest size at the largest lag: the regular sweep's time and the full pass's
     // largest page.
     let big = r.sweep.data.as_ref().and_then(|sw| {
