@@ -245,7 +245,7 @@ impl Sweeper {
             report.db += t.elapsed();
             let asked = page
                 .iter()
-                .map(|((d, e, conv), _)| ((d.clone(), *e), conv.as_str()));
+                .map(|((d, e, conv), seq)| ((d.clone(), *e), conv.as_str(), *seq));
             self.apply_pairs(asked, rows);
         }
         // Conversations whose notified event could not be read: all their members.
@@ -344,15 +344,18 @@ impl Sweeper {
         self.insert(rows);
     }
 
-    /// What the database said of single pairs: each asked pair lags as it says, or not.
+    /// What the database said of single pushed pairs: each answer speaks of heads up to the
+    /// pushed seq only, so a head known from elsewhere (a full pass) above it is kept.
     fn apply_pairs<'a>(
         &mut self,
-        asked: impl Iterator<Item = (Install, &'a str)>,
+        asked: impl Iterator<Item = (Install, &'a str, i64)>,
         rows: Vec<LaggingRow>,
     ) {
-        for (k, conv) in asked {
+        for (k, conv, seq) in asked {
             if let Some(m) = self.lagging.get_mut(&k) {
-                m.remove(conv);
+                if m.get(conv).is_some_and(|&head| head <= seq) {
+                    m.remove(conv);
+                }
             }
         }
         self.insert(rows);
@@ -377,12 +380,17 @@ impl Sweeper {
         self.insert(rows);
     }
 
+    /// Adds lagging pairs; a pair already known keeps the higher head (each answer was
+    /// emptied of what it replaces first).
     fn insert(&mut self, rows: Vec<LaggingRow>) {
         for (device, epoch, conv, head) in rows {
-            self.lagging
+            let h = self
+                .lagging
                 .entry((device, epoch))
                 .or_default()
-                .insert(conv, head);
+                .entry(conv)
+                .or_insert(head);
+            *h = (*h).max(head);
         }
         self.lagging.retain(|_, m| !m.is_empty());
     }
@@ -500,9 +508,15 @@ mod tests {
         );
         // The pair d1/c1 caught up, d2/c2 newly lags; d1/c2 was not asked about.
         s.apply_pairs(
-            [(d1.clone(), "c1"), (d2.clone(), "c2")].into_iter(),
+            [(d1.clone(), "c1", 3), (d2.clone(), "c2", 5)].into_iter(),
             vec![row("d2", "c2", 5)],
         );
+        assert_eq!(
+            s.lagging(),
+            vec![row("d1", "c2", 4), row("d2", "c1", 3), row("d2", "c2", 5)]
+        );
+        // A push of 3 acked says nothing of the head 4 a full pass found for d1/c2.
+        s.apply_pairs([(d1.clone(), "c2", 3)].into_iter(), vec![]);
         assert_eq!(
             s.lagging(),
             vec![row("d1", "c2", 4), row("d2", "c1", 3), row("d2", "c2", 5)]
