@@ -91,7 +91,7 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
         fanout_p99_limit_ms: 50.0,
         fanout_diagnostic_env: vec!["IM_FANOUT_BATCH_MAX=16".into()],
         ws_ceiling_s: 2.0,
-        sweep_devices: vec![1000, 10_000, 50_000],
+        sweep_devices: vec![1000, 10_000, 100_000],
         sweep_convs_per_device: 20,
         sweep_users_per_conversation: 10,
         sweep_lag_percents: vec![0.0, 1.0],

@@ -73,7 +73,7 @@ pub fn label(q: &str) -> &'static str {
         "ack_upsert"
     } else if has("ARRAY(SELECT DISTINCT m.user_id") {
         "fanout_read"
-    } else if has("WITH subs AS") {
+    } else if has("WITH subs AS") || has("WITH pairs AS") {
         "sweep"
     } else if has("FROM events e") && has("ORDER BY e.seq LIMIT") {
         "sync_page"

@@ -1,72 +1,50 @@
-//! Part 3, the sweep query: wall time of one `im_gateway::store::lagging` call (the query
-//! the gateway runs every `IM_SWEEP_MS`) and its database time (`pg_stat_statements` for the
-//! same call, and `EXPLAIN (ANALYZE, BUFFERS)`), for growing numbers of subscribed devices
-//! with 20 conversations each and 0% / 1% of (device, conversation) pairs lagging.
+//! Part 3, the sweep: the database time of the gateway's own sweep queries
+//! (`im_gateway::store::lagging_of_pairs` / `lagging_of_installs`, as `im_gateway::sweep`
+//! calls them) for growing numbers of subscribed devices with 20 conversations each and 0% /
+//! 1% of (device, conversation) pairs lagging:
 //!
-//! The devices are simulated: the query's input arrays name them; no WebSocket connection
-//! exists. The rows are provisioned with bulk SQL (generate_series, in key order, foreign-key
-//! triggers off for the provisioning session only: the data is consistent by construction).
+//! - the **regular sweep** (every `IM_SWEEP_MS`) asks only about the pairs pushed and not
+//!   yet acked since the last sweep ([`CANDIDATES`] of them, see there) and hints the pairs it
+//!   already knows to lag from memory; its wall time per interval is measured, and checked
+//!   to find every lagging candidate;
+//! - the **full pass** (at start, after a LISTEN loss, every
+//!   `sweep::FULL_PASS_EVERY_INTERVALS`) asks about every install in pages of
+//!   `sweep::PAGE_INSTALLS`; every page's wall time (the stale-install check and the
+//!   lagging query) is measured, and the set of pairs it finds is compared with the set
+//!   seeded: a missed or an extra pair fails the part.
 //!
-//! The ceiling is the same question asked set-based (one join and GROUP BY instead of one
-//! `im_visible_head` call per pair); it must return the same rows.
+//! The devices are simulated: the queries' input arrays name them; no WebSocket connection
+//! exists (0 real sockets: the in-memory half of the sweep, the hub and the hints, is not
+//! measured here; `06-sweep-cost-at-target-scale` runs the same queries through the
+//! gateway's module). The rows are provisioned with bulk SQL (generate_series, in key order,
+//! foreign-key triggers off for the provisioning session only: the data is consistent by
+//! construction).
 
 use anyhow::{bail, Context};
 use sqlx::{PgPool, Row};
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use crate::pgss;
-use crate::result::{Explain, Sweep, SweepGrowth, SweepRow};
-use crate::util::{progress, r3, ratio};
+use crate::result::{Explain, FullPassRow, Sweep, SweepGrowth, SweepRow};
+use crate::util::{progress, r3};
 use crate::Ctx;
+use im_gateway::sweep::PAGE_INSTALLS;
+
+/// The gateway's default `IM_DB_TIMEOUT_MS`: the deadline of every sweep query.
+const DB_TIMEOUT_MS: u64 = 5000;
 
 /// Heads of the sweep's conversations; cursors sit at HEAD, lagging ones at HEAD - 1.
 const HEAD: i64 = 10;
 
-/// The gateway's source, to EXPLAIN exactly the query `store::lagging` runs.
-const STORE_RS: &str = include_str!("../../gateway/src/store.rs");
+/// Candidate pairs of one regular sweep: pushes not yet acked when it runs. At the note's
+/// chapter-02 load (9,067 push frames/s) this is about 110 ms of pushes, generous for acks
+/// that take milliseconds. At 1% lagging they are drawn from the lagging pairs (lost pushes
+/// to find); at 0% from pairs that caught up.
+pub const CANDIDATES: usize = 1000;
 
-/// The SQL text of `store::lagging`, cut out of `gateway/src/store.rs`.
-pub fn lagging_sql() -> anyhow::Result<String> {
-    let f = STORE_RS
-        .find("pub async fn lagging")
-        .context("store.rs has no `pub async fn lagging`")?;
-    let rest = &STORE_RS[f..];
-    let q = rest
-        .find("sqlx::query(")
-        .context("lagging: no sqlx::query(")?;
-    let rest = &rest[q..];
-    let open = rest.find('"').context("lagging: no string literal")?;
-    let body = &rest[open + 1..];
-    let close = body
-        .find('"')
-        .context("lagging: unterminated string literal")?;
-    let sql = &body[..close];
-    if sql.contains('\\') || !sql.contains("$1") {
-        bail!("lagging: the query literal has escapes or no $1; update the bench's extraction");
-    }
-    Ok(sql.to_string())
-}
-
-/// The same rows as `store::lagging`, computed with one join and GROUP BY (no per-pair call
-/// of `im_visible_head`): the visible head is the largest period end that is not before the
-/// period's start, 0 when there is none.
-const SET_BASED: &str = "
-WITH subs AS (SELECT DISTINCT * FROM unnest($1::text[], $2::text[]) AS s(device_id, user_id)),
-     per AS (
-         SELECT s.device_id, m.conv_id, m.from_seq,
-                LEAST(c.next_seq - 1, COALESCE(m.to_seq - 1, c.next_seq - 1)) AS last_seq
-         FROM subs s JOIN memberships m ON m.user_id = s.user_id
-         JOIN conversations c ON c.conv_id = m.conv_id),
-     heads AS (
-         SELECT device_id, conv_id,
-                COALESCE(MAX(last_seq) FILTER (WHERE from_seq <= last_seq), 0) AS vhead
-         FROM per GROUP BY device_id, conv_id)
-SELECT h.device_id, h.conv_id, h.vhead FROM heads h
-LEFT JOIN device_cursors dc ON dc.device_id = h.device_id AND dc.conv_id = h.conv_id
-WHERE COALESCE(dc.delivered_seq, 0) < h.vhead";
-
-fn ids(prefix: &str, n: usize) -> Vec<String> {
-    (0..n).map(|i| format!("{prefix}{i:07}")).collect()
+fn ids(prefix: &str, from: usize, to: usize) -> Vec<String> {
+    (from..to).map(|i| format!("{prefix}{i:07}")).collect()
 }
 
 /// Adds devices `from..to` (each its own user), their groups' conversations, memberships and
@@ -148,17 +126,18 @@ async fn set_lag(pool: &PgPool, pct: f64) -> anyhow::Result<u64> {
     Ok(r.rows_affected())
 }
 
-async fn explain(
-    pool: &PgPool,
-    sql: &str,
-    devices: &[String],
-    users: &[String],
-    epochs: &[i64],
-) -> anyhow::Result<Explain> {
+/// EXPLAIN ANALYZE of the regular sweep's query on these candidates.
+async fn explain(pool: &PgPool, c: &Candidates) -> anyhow::Result<Explain> {
+    let sql = im_gateway::store::sweep_sql()
+        .into_iter()
+        .find(|(name, _)| *name == "pairs")
+        .map(|(_, sql)| sql)
+        .context("store::sweep_sql has no `pairs` query")?;
     let row = sqlx::query(&format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"))
-        .bind(devices)
-        .bind(users)
-        .bind(epochs)
+        .bind(&c.devices)
+        .bind(&c.epochs)
+        .bind(&c.convs)
+        .bind(&c.seqs)
         .fetch_one(pool)
         .await
         .context("EXPLAIN the sweep query")?;
@@ -178,64 +157,242 @@ async fn explain(
     })
 }
 
+/// The pairs seeded lagging, as `(device, conv)`.
+async fn seeded(pool: &PgPool) -> anyhow::Result<BTreeSet<(String, String)>> {
+    let rows = sqlx::query(
+        "SELECT device_id, conv_id FROM device_cursors
+         WHERE device_id LIKE 'sw-%' AND delivered_seq < $1",
+    )
+    .bind(HEAD)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// One regular sweep's input: candidate pairs as `store::lagging_of_pairs` takes them
+/// (pushed seq: the head), ordered as the gateway orders them.
+#[derive(Default)]
+struct Candidates {
+    devices: Vec<String>,
+    epochs: Vec<i64>,
+    convs: Vec<String>,
+    seqs: Vec<i64>,
+}
+
+impl Candidates {
+    fn from(mut pairs: Vec<(usize, usize)>) -> Candidates {
+        pairs.sort_unstable();
+        let mut c = Candidates::default();
+        for (device, conv) in pairs {
+            c.devices.push(format!("sw-d{device:07}"));
+            c.epochs.push(1);
+            c.convs.push(format!("sw-c{conv:07}"));
+            c.seqs.push(HEAD);
+        }
+        c
+    }
+}
+
+/// A deterministic pseudo-random sequence (splitmix64).
+fn next(seed: &mut u64) -> u64 {
+    *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *seed;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Device index of `sw-dNNNNNNN` / conversation index of `sw-cNNNNNNN`.
+fn index(id: &str) -> usize {
+    id[4..].parse().unwrap_or(0)
+}
+
+/// The regular sweep's candidates: drawn from the lagging pairs when there are any, else
+/// from every pair (device i's conversations are (i / g) * k .. + k).
+fn candidates(
+    lagging: &BTreeSet<(String, String)>,
+    n: usize,
+    k: usize,
+    g: usize,
+    seed: &mut u64,
+) -> Candidates {
+    let mut pairs = Vec::new();
+    if lagging.is_empty() {
+        for _ in 0..CANDIDATES.min(n * k) {
+            let d = (next(seed) % n as u64) as usize;
+            let conv = (d / g) * k + (next(seed) % k as u64) as usize;
+            pairs.push((d, conv));
+        }
+    } else {
+        let all: Vec<&(String, String)> = lagging.iter().collect();
+        for _ in 0..CANDIDATES.min(all.len()) {
+            let (d, conv) = all[(next(seed) % all.len() as u64) as usize];
+            pairs.push((index(d), index(conv)));
+        }
+    }
+    Candidates::from(pairs)
+}
+
+/// One full pass over devices `0..n`, page by page as the gateway's sweep runs it (the
+/// stale-install check, then the lagging query). Returns the pairs found and each page's
+/// wall time.
+async fn full_pass(
+    pool: &PgPool,
+    n: usize,
+) -> anyhow::Result<(BTreeSet<(String, String)>, Vec<f64>)> {
+    let mut found = BTreeSet::new();
+    let mut pages = Vec::new();
+    let mut from = 0;
+    while from < n {
+        let to = (from + PAGE_INSTALLS).min(n);
+        let devices = ids("sw-d", from, to);
+        let users = ids("sw-u", from, to);
+        let epochs = vec![1i64; to - from];
+        let t = Instant::now();
+        let (stale, rows) = im_gateway::sweep::installs_page(
+            pool,
+            std::time::Duration::from_millis(DB_TIMEOUT_MS),
+            &devices,
+            &users,
+            &epochs,
+        )
+        .await
+        .context("sweep::installs_page")?;
+        pages.push(r3(t.elapsed().as_secs_f64() * 1000.0));
+        if !stale.is_empty() {
+            bail!(
+                "full pass: {} simulated installs reported stale",
+                stale.len()
+            );
+        }
+        for (d, e, conv, head) in rows {
+            if e != 1 || head != HEAD {
+                bail!("full pass: {d}/{conv} epoch {e} head {head}, expected epoch 1 head {HEAD}");
+            }
+            found.insert((d, conv));
+        }
+        from = to;
+    }
+    Ok((found, pages))
+}
+
 pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
     let p = &ctx.params;
-    let sql = lagging_sql()?;
     let (k, g) = (p.sweep_convs_per_device, p.sweep_users_per_conversation);
     let mut sizes: Vec<usize> = p.sweep_devices.iter().map(|&n| n.div_ceil(g) * g).collect();
     sizes.sort_unstable();
     sizes.dedup();
-    // Bulk provisioning writes about a million rows at 50k devices; unlogged tables skip
-    // their WAL (reads go through the same buffers). Nothing after this part needs these
-    // two tables to survive a crash: the repair part has its own cluster.
+    // Bulk provisioning writes about four million rows at 100k devices; unlogged tables
+    // skip their WAL (reads go through the same buffers). Nothing after this part needs
+    // these two tables to survive a crash: the repair part has its own cluster.
     for t in ["memberships", "device_cursors"] {
         sqlx::query(&format!("ALTER TABLE {t} SET UNLOGGED"))
             .execute(&ctx.pool)
             .await
             .with_context(|| format!("ALTER TABLE {t} SET UNLOGGED"))?;
     }
+    let mut seed = ctx.params.seed;
     let mut rows = Vec::new();
     let mut have = 0usize;
     for (si, &n) in sizes.iter().enumerate() {
-        progress(&format!(
-            "[sweep {}/{}] provisioning {n} devices x {k} conversations",
-            si + 1,
-            sizes.len()
-        ));
+        let step = |what: &str| {
+            progress(&format!(
+                "[sweep {}/{}] {n} devices: {what}",
+                si + 1,
+                sizes.len()
+            ))
+        };
+        step(&format!("provisioning x {k} conversations"));
         let t = Instant::now();
         grow(&ctx.pool, have, n, k, g).await?;
         have = n;
         let provision_s = r3(t.elapsed().as_secs_f64());
-        let devices = ids("sw-d", n);
-        let users = ids("sw-u", n);
-        // Every simulated device is at its first install (the sweep serves current ones).
-        let epochs = vec![1i64; n];
         let pairs = (n * k) as u64;
         for (li, &lag) in p.sweep_lag_percents.iter().enumerate() {
-            let lagging_pairs = set_lag(&ctx.pool, lag).await?;
-            // Repeats up to 2,000 devices; one call above (a call there takes seconds).
-            let repeats = if n <= 2_000 {
-                p.sweep_repeats.max(1)
+            set_lag(&ctx.pool, lag).await?;
+            let lagging = seeded(&ctx.pool).await?;
+            let last_lag = li + 1 == p.sweep_lag_percents.len();
+            // The full pass: at every lag up to 10k devices, at the last lag above.
+            let full = if last_lag || n <= 10_000 {
+                step(&format!("{lag}% lagging: full pass"));
+                if ctx.pgss {
+                    pgss::reset(&ctx.pool).await;
+                }
+                let t = Instant::now();
+                let (found, pages) = full_pass(&ctx.pool, n).await?;
+                let wall_ms = r3(t.elapsed().as_secs_f64() * 1000.0);
+                let missed = lagging.difference(&found).count() as u64;
+                let extra = found.difference(&lagging).count() as u64;
+                if missed > 0 || extra > 0 {
+                    bail!(
+                        "full pass at {n} devices, {lag}% lagging: {missed} lagging pairs missed, \
+                         {extra} found that were not seeded (of {} seeded)",
+                        lagging.len()
+                    );
+                }
+                let db_ms = if ctx.pgss {
+                    let stmts = pgss::snapshot(&ctx.pool).await;
+                    let (total, calls) = pgss::by_label(&stmts, "sweep");
+                    (calls > 0).then(|| r3(total))
+                } else {
+                    None
+                };
+                Some(FullPassRow {
+                    pages: pages.len(),
+                    page_installs: PAGE_INSTALLS,
+                    wall_ms,
+                    page_ms_max: pages.iter().copied().fold(0.0, f64::max),
+                    db_ms,
+                    found: found.len() as u64,
+                    missed,
+                    extra,
+                    us_per_pair: r3(wall_ms * 1000.0 / pairs.max(1) as f64),
+                })
             } else {
-                1
+                None
             };
+            // The regular sweep: one interval's candidates, repeated.
+            let cands = candidates(&lagging, n, k, g, &mut seed);
+            let expect: BTreeSet<(String, String)> = cands
+                .devices
+                .iter()
+                .zip(&cands.convs)
+                .map(|(d, c)| (d.clone(), c.clone()))
+                .filter(|x| lagging.contains(x))
+                .collect();
+            let repeats = p.sweep_repeats.max(1);
             let mut wall = Vec::new();
             let mut returned = 0u64;
             if ctx.pgss {
                 pgss::reset(&ctx.pool).await;
             }
             for r in 0..repeats {
-                progress(&format!(
-                    "[sweep {}/{}] {n} devices, {lag}% lagging: sweep query {}/{repeats}",
-                    si + 1,
-                    sizes.len(),
+                step(&format!(
+                    "{lag}% lagging: regular sweep {}/{repeats}",
                     r + 1
                 ));
                 let t = Instant::now();
-                let got = im_gateway::store::lagging(&ctx.pool, &devices, &users, &epochs)
-                    .await
-                    .context("store::lagging")?;
+                let got = im_gateway::store::lagging_of_pairs(
+                    &ctx.pool,
+                    &cands.devices,
+                    &cands.epochs,
+                    &cands.convs,
+                    &cands.seqs,
+                )
+                .await
+                .context("store::lagging_of_pairs")?;
                 wall.push(r3(t.elapsed().as_secs_f64() * 1000.0));
+                let got: BTreeSet<(String, String)> =
+                    got.into_iter().map(|(d, _, c, _)| (d, c)).collect();
+                if got != expect {
+                    bail!(
+                        "regular sweep at {n} devices, {lag}% lagging: found {} of {} lagging candidates \
+                         ({} not lagging among them)",
+                        got.intersection(&expect).count(),
+                        expect.len(),
+                        got.difference(&expect).count()
+                    );
+                }
                 returned = got.len() as u64;
             }
             let db_exec_ms = if ctx.pgss {
@@ -245,58 +402,36 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
             } else {
                 None
             };
-            let last_lag = li + 1 == p.sweep_lag_percents.len();
-            // EXPLAIN once per size, with the lagging rows in place (the last lag).
             let explain = if last_lag && n <= p.sweep_explain_max_devices {
-                progress(&format!(
-                    "[sweep {}/{}] {n} devices, {lag}% lagging: EXPLAIN ANALYZE",
-                    si + 1,
-                    sizes.len()
-                ));
-                Some(explain(&ctx.pool, &sql, &devices, &users, &epochs).await?)
+                step(&format!("{lag}% lagging: EXPLAIN ANALYZE"));
+                Some(explain(&ctx.pool, &cands).await?)
             } else {
                 None
-            };
-            let (set_ms, set_rows) = if last_lag && n <= p.sweep_set_based_max_devices {
-                progress(&format!(
-                    "[sweep {}/{}] {n} devices: set-based ceiling",
-                    si + 1,
-                    sizes.len()
-                ));
-                let t = Instant::now();
-                let got = sqlx::query(SET_BASED)
-                    .bind(&devices)
-                    .bind(&users)
-                    .fetch_all(&ctx.pool)
-                    .await
-                    .context("set-based sweep")?;
-                (
-                    Some(r3(t.elapsed().as_secs_f64() * 1000.0)),
-                    Some(got.len() as u64),
-                )
-            } else {
-                (None, None)
             };
             let mut sorted = wall.clone();
             sorted.sort_by(|a, b| a.total_cmp(b));
             let median = sorted[sorted.len() / 2];
+            let page_max = full.as_ref().map_or(0.0, |f| f.page_ms_max);
             rows.push(SweepRow {
                 devices: n,
                 pairs,
                 lag_percent: lag,
-                lagging_pairs,
+                lagging_pairs: lagging.len() as u64,
                 rows_returned: returned,
                 wall_ms_median: median,
                 wall_ms: wall,
                 db_exec_ms,
                 explain,
-                us_per_pair: r3(median * 1000.0 / pairs.max(1) as f64),
-                set_based_vs_gateway: set_ms.and_then(|s| ratio(s, median)),
-                set_based_wall_ms: set_ms,
-                set_based_rows: set_rows,
+                us_per_pair: full.as_ref().map_or(0.0, |f| f.us_per_pair),
+                set_based_wall_ms: None,
+                set_based_rows: None,
+                set_based_vs_gateway: None,
                 over_sweep_interval: median > 1000.0,
-                over_db_timeout: median > 5000.0,
+                over_db_timeout: median > DB_TIMEOUT_MS as f64 || page_max > DB_TIMEOUT_MS as f64,
                 provision_s: if li == 0 { provision_s } else { 0.0 },
+                interval_candidates: cands.devices.len() as u64,
+                hinted_from_memory: lagging.len() as u64,
+                full_pass: full,
             });
         }
         set_lag(&ctx.pool, 0.0).await?;
@@ -319,8 +454,11 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
     }
     Ok(Sweep {
         simulated: format!(
-            "subscribed devices are simulated: the query's input arrays name N devices (each its own \
-             user, {k} conversations each, {g} users per conversation); no WebSocket connections"
+            "0 real sockets: subscribed devices are simulated, named in the sweep queries' input \
+             arrays (each its own user, {k} conversations each, {g} users per conversation). The \
+             regular sweep asks about {CANDIDATES} candidate pairs per interval (pushes not yet \
+             acked; at 1% lagging all lagging, the rest of the lagging set hinted from memory, no \
+             query); the full pass asks about every install in pages of {PAGE_INSTALLS}"
         ),
         convs_per_device: k,
         users_per_conversation: g,
@@ -328,18 +466,22 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
         rows,
         growth,
         gateway_sweep_interval_ms_default: 1000,
-        gateway_db_timeout_ms_default: 5000,
+        gateway_db_timeout_ms_default: DB_TIMEOUT_MS,
+        full_pass_every_intervals: im_gateway::sweep::FULL_PASS_EVERY_INTERVALS,
     })
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
-    fn the_lagging_query_is_found_in_store_rs() {
-        let sql = super::lagging_sql().unwrap();
-        assert!(
-            sql.contains("im_visible_head") && sql.contains("$2::text[]"),
-            "{sql}"
-        );
+    fn candidates_name_pairs_that_exist() {
+        let (n, k, g) = (100, 20, 10);
+        let mut seed = 1;
+        let c = super::candidates(&Default::default(), n, k, g, &mut seed);
+        assert_eq!(c.devices.len(), super::CANDIDATES);
+        for (d, conv) in c.devices.iter().zip(&c.convs) {
+            let (d, conv) = (super::index(d), super::index(conv));
+            assert!(d < n && conv / k == d / g, "{d} {conv}");
+        }
     }
 }

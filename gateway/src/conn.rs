@@ -534,6 +534,10 @@ impl Session {
                 let r = st
                     .db(move |pool| async move { store::ack(&pool, &w, &c, seq).await })
                     .await;
+                if let Ok(delivered) = r {
+                    // D5: the sweep stops hinting this pair once `delivered` reaches its head.
+                    st.changes.acked(&who.device, who.epoch, &conv, delivered);
+                }
                 let r = r.map(|delivered| Reply::Acked { conv, delivered });
                 self.reply(rid, r).await
             }

@@ -68,12 +68,20 @@ pub async fn notify_loop(state: Arc<State>, mut rx: store::NotifierRx) {
             x = rx.recv() => x,
         };
         let Some(first) = first else { return };
-        batch.push(first);
-        while batch.len() < NOTIFY_BATCH_MAX {
-            match rx.try_recv() {
-                Ok(x) => batch.push(x),
-                Err(_) => break,
+        let mut skipped: Vec<(String, i64)> = Vec::new();
+        let mut next = Some(first);
+        while let Some(note) = next.take() {
+            match note {
+                store::Note::Committed(conv, seq) => batch.push((conv, seq)),
+                store::Note::Skipped(conv) => skipped.push((conv, 0)),
             }
+            if batch.len() < NOTIFY_BATCH_MAX {
+                next = rx.try_recv().ok();
+            }
+        }
+        notify_failed(&state, &skipped);
+        if batch.is_empty() {
+            continue;
         }
         let payloads = store::payloads(&batch);
         let sent = tokio::time::timeout(
@@ -83,17 +91,37 @@ pub async fn notify_loop(state: Arc<State>, mut rx: store::NotifierRx) {
         .await;
         match sent {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(
-                events = batch.len(),
-                error = %e,
-                "NOTIFY failed; the sweep will hint"
-            ),
-            Err(_) => tracing::warn!(
-                events = batch.len(),
-                "NOTIFY timed out; the sweep will hint"
-            ),
+            Ok(Err(e)) => {
+                notify_failed(&state, &batch);
+                tracing::warn!(
+                    events = batch.len(),
+                    error = %e,
+                    "NOTIFY failed; the sweep will hint"
+                )
+            }
+            Err(_) => {
+                notify_failed(&state, &batch);
+                tracing::warn!(
+                    events = batch.len(),
+                    "NOTIFY timed out; the sweep will hint"
+                )
+            }
         }
         batch.clear();
+    }
+}
+
+/// D5: committed events nobody was told about (the NOTIFY failed, or the fault point
+/// `send.after_commit_before_notify` skipped it): their conversations become the sweep's
+/// candidates at its next interval, so the receivers of this gateway are hinted within the
+/// bound. (Another gateway on the same database learns of them with the next notification
+/// of the conversation, or at its periodic full pass.)
+fn notify_failed(state: &State, batch: &[(String, i64)]) {
+    let mut convs: Vec<&str> = batch.iter().map(|(c, _)| c.as_str()).collect();
+    convs.sort_unstable();
+    convs.dedup();
+    for conv in convs {
+        state.changes.read_failed(conv);
     }
 }
 
@@ -364,11 +392,18 @@ async fn deliver_batch(state: &State, order: &mut Order, notified: &[(String, i6
         Ok(Ok(events)) => events,
         // Nothing recorded as read: a later notification of the same conversation reads
         // these again, and the sweep repairs whatever no later read covers.
+        // D5: the sweep asks about these conversations at its next interval.
         Ok(Err(e)) => {
+            for r in &ranges {
+                state.changes.read_failed(&r.conv);
+            }
             tracing::warn!(ranges = ranges.len(), error = %e, "fan-out read failed; the sweep will hint");
             return;
         }
         Err(_) => {
+            for r in &ranges {
+                state.changes.read_failed(&r.conv);
+            }
             tracing::warn!(
                 ranges = ranges.len(),
                 "fan-out read timed out; the sweep will hint"
@@ -379,11 +414,18 @@ async fn deliver_batch(state: &State, order: &mut Order, notified: &[(String, i6
     for (ev, audience) in &events {
         order.pushed(&ev.conv, ev.seq);
         let frame = crate::protocol::event_frame(ev);
-        for c in state.hub.conns_of(&audience.users) {
-            // Only current installs (read with the audience): a stale one gets nothing.
-            if audience.installs.contains(&c.install_key()) {
-                c.push(ev, &frame);
-            }
+        // Only current installs (read with the audience): a stale one gets nothing.
+        let to: Vec<_> = state
+            .hub
+            .conns_of(&audience.users)
+            .into_iter()
+            .filter(|c| audience.installs.contains(&c.install_key()))
+            .collect();
+        // D5: recorded before it is queued; the sweep verifies what is not acked.
+        let installs = to.iter().map(|c| (c.who.device.as_str(), c.who.epoch));
+        state.changes.pushed(installs, &ev.conv, ev.seq);
+        for c in &to {
+            c.push(ev, &frame);
         }
     }
     for r in &ranges {

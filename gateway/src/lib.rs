@@ -21,6 +21,7 @@
 
 pub mod admin;
 pub mod bugs;
+pub mod changes;
 pub mod config;
 pub mod conn;
 pub mod dbconnect;

@@ -81,6 +81,7 @@ pub async fn serve(
         tracker: TaskTracker::new(),
         cancel: cancel.clone(),
         sweep_now: Notify::new(),
+        changes: Default::default(),
         hello_throttle: HelloThrottle::new(
             cfg.hello_fails_per_addr_per_min,
             cfg.hello_fails_per_device_per_min,

@@ -36,6 +36,8 @@ pub struct State {
     pub fanout_pool: PgPool,
     /// Where the send path hands every committed `(conv, seq)` (after COMMIT returned).
     pub notifier: Notifier,
+    /// What fan-out pushed and acks merged since the last sweep: the sweep's candidates (D5).
+    pub changes: crate::changes::Changes,
 }
 
 /// Connections of [`State::fanout_pool`]: one for the notifier, one for fan-out reads.

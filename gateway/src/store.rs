@@ -36,11 +36,21 @@ const PAYLOAD_MAX_BYTES: usize = 7_000;
 /// holds NOTIFY's cluster-wide lock through its commit any more.
 #[derive(Clone, Debug)]
 pub struct Notifier {
-    tx: tokio::sync::mpsc::UnboundedSender<(String, i64)>,
+    tx: tokio::sync::mpsc::UnboundedSender<Note>,
+}
+
+/// What the send path tells the notifier.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Note {
+    /// `conv:seq` committed: notify it.
+    Committed(String, i64),
+    /// An event of `conv` committed and will not be notified (a fault skipped it): the
+    /// sweep must look at the conversation (D5).
+    Skipped(String),
 }
 
 /// The notifier task's side of [`Notifier`].
-pub type NotifierRx = tokio::sync::mpsc::UnboundedReceiver<(String, i64)>;
+pub type NotifierRx = tokio::sync::mpsc::UnboundedReceiver<Note>;
 
 impl Notifier {
     pub fn new() -> (Notifier, NotifierRx) {
@@ -51,7 +61,13 @@ impl Notifier {
     /// `conv:seq` committed: to be notified. If the notifier is gone (shutdown), nothing
     /// is: the sweep repairs a notification that never happens (D5).
     pub fn committed(&self, conv: &str, seq: i64) {
-        let _ = self.tx.send((conv.to_string(), seq));
+        let _ = self.tx.send(Note::Committed(conv.to_string(), seq));
+    }
+
+    /// An event of `conv` committed but is not to be notified (fault point
+    /// `send.after_commit_before_notify`): the sweep is told instead (D5).
+    pub fn skipped(&self, conv: &str) {
+        let _ = self.tx.send(Note::Skipped(conv.to_string()));
     }
 }
 
@@ -550,6 +566,7 @@ pub async fn send(
     if point.is_continue() {
         notifier.committed(conv, seq);
     } else {
+        notifier.skipped(conv);
         tracing::info!(
             conv,
             seq,
@@ -873,41 +890,132 @@ pub async fn events_with_audience(
         .collect())
 }
 
-/// Sweep (D5): for the given subscribed `(device, user, epoch)` installs, every conversation
-/// where the device's cursor is below the user's visible head, for installs that are still
-/// current (read in the same query, so a reinstall committed before it gets no hint). The
-/// head is the visible head (S1): after a `leave` it stops where the user's period ended, so
-/// no hint ever points past what the user could see. One query for all connections.
-pub async fn lagging(
+/// The tail every sweep query shares: from `pairs(device_id, epoch, user_id, conv_id)`
+/// (current installs only), the pairs whose cursor is below the user's visible head (S1),
+/// with that head. The visible head is `im_visible_head` asked set-based (one join and
+/// GROUP BY over the pairs' periods instead of one function call per pair): the largest
+/// period end not before the period's start, 0 when there is none. After a `leave` it stops
+/// where the user's period ended, so no hint ever points past what the user could see.
+const LAGGING_TAIL: &str = "
+     heads AS (
+         SELECT p.device_id, p.epoch, p.conv_id,
+                COALESCE(MAX(LEAST(c.next_seq - 1, COALESCE(m.to_seq - 1, c.next_seq - 1)))
+                         FILTER (WHERE m.from_seq <= LEAST(c.next_seq - 1, COALESCE(m.to_seq - 1, c.next_seq - 1))),
+                         0) AS vhead
+         FROM pairs p
+         JOIN memberships m ON m.conv_id = p.conv_id AND m.user_id = p.user_id
+         JOIN conversations c ON c.conv_id = p.conv_id
+         GROUP BY p.device_id, p.epoch, p.conv_id)
+SELECT h.device_id, h.epoch, h.conv_id, h.vhead FROM heads h
+LEFT JOIN device_cursors dc ON dc.device_id = h.device_id AND dc.conv_id = h.conv_id
+WHERE COALESCE(dc.delivered_seq, 0) < h.vhead";
+
+/// `pairs` of [`lagging_of_installs`]: every conversation of each current install's user.
+const INSTALLS_PAIRS: &str = "
+WITH subs AS (SELECT DISTINCT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(device_id, user_id, epoch)),
+     pairs AS (
+         SELECT DISTINCT s.device_id, s.epoch, s.user_id, m.conv_id
+         FROM subs s
+         JOIN devices d ON d.device_id = s.device_id AND d.install_epoch = s.epoch
+         JOIN memberships m ON m.user_id = s.user_id),";
+
+/// `pairs` of [`lagging_in_convs`]: every current install of every member of the given
+/// conversations.
+const CONVS_PAIRS: &str = "
+WITH pairs AS (
+         SELECT DISTINCT d.device_id, d.install_epoch::bigint AS epoch, m.user_id, m.conv_id
+         FROM memberships m JOIN devices d ON d.user_id = m.user_id
+         WHERE m.conv_id = ANY ($1::text[])),";
+
+/// The SQL of a sweep query: `pairs` (one of the three above) and [`LAGGING_TAIL`].
+pub fn lagging_sql(pairs: &str) -> String {
+    format!("{pairs}{LAGGING_TAIL}")
+}
+
+/// [`lagging_of_pairs`]: of the given pushed pairs, those of current installs whose cursor
+/// is below the pushed seq. One probe of `devices` and one of `device_cursors` per pair: no
+/// visible head is computed, since a pushed seq was visible to the user when fan-out read
+/// its audience (S1), and a later `leave` ends the period at a head at or above it.
+const PUSHED_SQL: &str = "
+WITH pairs AS (SELECT device_id, epoch, conv_id, MAX(seq) AS seq
+               FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[]) AS p(device_id, epoch, conv_id, seq)
+               GROUP BY 1, 2, 3)
+SELECT p.device_id, p.epoch, p.conv_id, p.seq FROM pairs p
+JOIN devices d ON d.device_id = p.device_id AND d.install_epoch = p.epoch
+LEFT JOIN device_cursors dc ON dc.device_id = p.device_id AND dc.conv_id = p.conv_id
+WHERE COALESCE(dc.delivered_seq, 0) < p.seq";
+
+/// The statements of the sweep (for the bench's EXPLAIN and `pg_stat_statements` labels).
+pub fn sweep_sql() -> [(&'static str, String); 3] {
+    [
+        ("installs", lagging_sql(INSTALLS_PAIRS)),
+        ("pairs", PUSHED_SQL.to_string()),
+        ("convs", lagging_sql(CONVS_PAIRS)),
+    ]
+}
+
+/// One lagging pair as the sweep queries return it: device, install epoch, conversation,
+/// visible head.
+pub type LaggingRow = (String, i64, String, i64);
+
+fn lagging_rows(rows: Vec<sqlx::postgres::PgRow>) -> Vec<LaggingRow> {
+    rows.into_iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
+
+/// Sweep (D5), by install: for the given `(device, user, epoch)` installs (a page of the
+/// full pass, or newly subscribed ones), every conversation where the device's cursor is
+/// below the user's visible head, for installs that are still current (read in the same
+/// query, so a reinstall committed before it gets no hint).
+pub async fn lagging_of_installs(
     pool: &PgPool,
     devices: &[String],
     users: &[String],
     epochs: &[i64],
-) -> Result<Vec<(String, i64, String, i64)>, sqlx::Error> {
-    let rows = sqlx::query(
-        "WITH subs AS (SELECT DISTINCT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(device_id, user_id, epoch)),
-              cur AS (
-                  SELECT s.* FROM subs s
-                  JOIN devices d ON d.device_id = s.device_id AND d.install_epoch = s.epoch),
-              pairs AS (
-                  SELECT DISTINCT s.device_id, s.epoch, s.user_id, m.conv_id
-                  FROM cur s JOIN memberships m ON m.user_id = s.user_id),
-              heads AS (
-                  SELECT p.device_id, p.epoch, p.conv_id, im_visible_head(p.conv_id, p.user_id) AS vhead
-                  FROM pairs p)
-         SELECT h.device_id, h.epoch, h.conv_id, h.vhead FROM heads h
-         LEFT JOIN device_cursors dc ON dc.device_id = h.device_id AND dc.conv_id = h.conv_id
-         WHERE COALESCE(dc.delivered_seq, 0) < h.vhead",
-    )
-    .bind(devices)
-    .bind(users)
-    .bind(epochs)
-    .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect())
+) -> Result<Vec<LaggingRow>, sqlx::Error> {
+    let rows = sqlx::query(&lagging_sql(INSTALLS_PAIRS))
+        .bind(devices)
+        .bind(users)
+        .bind(epochs)
+        .fetch_all(pool)
+        .await?;
+    Ok(lagging_rows(rows))
+}
+
+/// Sweep (D5), by pair: of the given `(device, epoch, conv, seq)` pairs (fan-out pushed
+/// `seq` and no ack reached it since the last sweep), those still lagging: the install is
+/// current and its cursor is below the pushed seq, returned as the head to hint (see
+/// `PUSHED_SQL`). Ordered input (by device, conversation) reads the indexes in order.
+pub async fn lagging_of_pairs(
+    pool: &PgPool,
+    devices: &[String],
+    epochs: &[i64],
+    convs: &[String],
+    seqs: &[i64],
+) -> Result<Vec<LaggingRow>, sqlx::Error> {
+    let rows = sqlx::query(PUSHED_SQL)
+        .bind(devices)
+        .bind(epochs)
+        .bind(convs)
+        .bind(seqs)
+        .fetch_all(pool)
+        .await?;
+    Ok(lagging_rows(rows))
+}
+
+/// Sweep (D5), by conversation: in the given conversations (whose notified event fan-out
+/// could not read), every lagging pair of every member's current install. The caller keeps
+/// the subscribed ones.
+pub async fn lagging_in_convs(
+    pool: &PgPool,
+    convs: &[String],
+) -> Result<Vec<LaggingRow>, sqlx::Error> {
+    let rows = sqlx::query(&lagging_sql(CONVS_PAIRS))
+        .bind(convs)
+        .fetch_all(pool)
+        .await?;
+    Ok(lagging_rows(rows))
 }
 
 #[cfg(test)]

@@ -3,11 +3,13 @@
 //! invariants D2, D4, P1 and S1 under concurrency. One test = one process = one cluster.
 
 use futures_util::future::join_all;
-use harness::client::{Client, ClientError};
+use harness::client::{Client, ClientError, ClientOptions};
 use harness::gateway::GatewayOpts;
 use harness::util::{poll, wait_until};
 use harness::world::World;
-use scenarios::{alice_and_bob, connect, db_invariant_violations, judge_test};
+use scenarios::{
+    alice_and_bob, connect, db_invariant_violations, judge_test, provision_alice_and_bob,
+};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -571,6 +573,119 @@ async fn sweep_hints_a_device_that_missed_events() {
     assert!(hints >= 1, "a sweep hint arrived: {:?}", b.frames());
     assert_eq!(b.stored_seqs("c1"), vec![1, 2, 3]);
     assert_invariants(&w).await;
+}
+
+/// D5, the other half: once a lagging device acks up to the head the sweep hinted, the
+/// hints stop (the sweep keeps a lagging pair in memory and drops it on the ack). a1 and b1
+/// never ack by themselves; a1 sends one message, so both lag and are hinted every interval.
+/// b1 acks it; once a1 has had four more sweep hints (four more sweeps ran; the first may
+/// have been under way during the ack), b1 got none after a1's second.
+#[tokio::test]
+async fn sweep_stops_hinting_a_device_that_caught_up() {
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(200),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let never_ack = || ClientOptions {
+        auto_ack: false,
+        ..Default::default()
+    };
+    let a = connect(&w, "a1", &ta)
+        .await
+        .unwrap()
+        .with_options(never_ack());
+    let b = connect(&w, "b1", &tb)
+        .await
+        .unwrap()
+        .with_options(never_ack());
+    a.sub().await.unwrap();
+    b.sub().await.unwrap();
+    a.send("c1", "m1", "x", T).await.unwrap();
+    let sweep_hints = |c: &Client| -> Vec<Instant> {
+        c.frames()
+            .iter()
+            .filter(|(_, f)| f["t"] == "hint" && f["why"] == "sweep")
+            .map(|(t, _)| *t)
+            .collect()
+    };
+    b.wait_for("b1's first sweep hint", T, |c| !sweep_hints(c).is_empty())
+        .await
+        .unwrap();
+    b.ack("c1", 1, T).await.unwrap();
+    let acked = Instant::now();
+    a.wait_for("four sweep hints to a1 after b1's ack", T, |c| {
+        sweep_hints(c).iter().filter(|t| **t > acked).count() >= 4
+    })
+    .await
+    .unwrap();
+    let after: Vec<Instant> = sweep_hints(&a).into_iter().filter(|t| *t > acked).collect();
+    let late = sweep_hints(&b)
+        .into_iter()
+        .filter(|t| *t > after[1])
+        .count();
+    assert_eq!(
+        late,
+        0,
+        "b1 was hinted after it caught up: {:?}",
+        b.frames()
+    );
+    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(1));
+    assert_eq!(w.cursor("a1", "c1").await.unwrap(), None);
+    assert_invariants(&w).await;
+}
+
+/// D5 after a LISTEN loss: a head that moved without this gateway being notified (an event
+/// inserted by SQL without `pg_notify`: what a notification lost with the LISTEN connection,
+/// or never sent, leaves behind) is found by the full pass the gateway runs when it regains
+/// LISTEN. The regular sweep asks only about what fan-out pushed, and its routine full pass
+/// is 60 intervals (12 s) away, so b1 catching up within 3 s of the LISTEN backend's
+/// termination is that pass's doing. The history checker is not run: the SQL row has no send
+/// in any client's history (it would rightly call it never sent); the database invariants are.
+#[tokio::test]
+async fn full_pass_after_listen_loss_finds_a_head_moved_unnotified() {
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(200),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, b) = alice_and_bob(&w).await.unwrap();
+    a.send("c1", "m1", "x", T).await.unwrap();
+    b.wait_server_delivered("c1", 1, T).await.unwrap();
+    let pool = w.pool().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let seq: i64 = sqlx::query_scalar(
+        "UPDATE conversations SET next_seq = next_seq + 1 WHERE conv_id = 'c1' RETURNING next_seq - 1",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
+         VALUES ('c1', $1, 'alice', 'a1', 'unnotified', 'no notification')",
+    )
+    .bind(seq)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(seq, 2);
+    let listen_pid: i32 = sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE query ILIKE 'listen%' AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(w.terminate_backend(listen_pid).await.unwrap());
+    b.wait_server_delivered("c1", 2, Duration::from_secs(3))
+        .await
+        .unwrap();
+    assert_eq!(b.stored_seqs("c1"), vec![1, 2]);
+    let v = db_invariant_violations(&pool).await.unwrap();
+    assert!(v.is_empty(), "database invariants violated: {v:?}");
 }
 
 /// Bad input never breaks the connection: malformed JSON, a non-object, an unknown type,
