@@ -51,14 +51,15 @@ controls: build
 	touch $(TARGET)/debug/im-gateway
 	$(TARGET)/debug/controls --runs $(RUNS) --nemesis-seeds $(NEMESIS_SEEDS) $(if $(ONLY),--only $(ONLY)) $(if $(MERGE),--merge) $(if $(NEMESIS_ONLY),--nemesis-only)
 
-# make nemesis [SEEDS=20] [SEED=n] [DURATION=ms]: seeded random fault schedules over a live
+# make nemesis [SEEDS=20] [SEED=n] [DURATION=ms] (SEED given on the command line or in the
+# environment runs that one seed; the fuzz target's default SEED does not count): seeded random fault schedules over a live
 # workload on the real gateway and throwaway clusters (issue 10), judged by the checker; a
 # failing seed keeps its artefacts under target/nemesis/seed-N/ and is shrunk to
 # minimal.json. Writes evidence/nemesis/result.json (format: evidence/README.md).
 # `target/debug/nemesis --help` for replay (--replay FILE) and the other options.
 SEEDS ?= 20
 nemesis: build
-	$(TARGET)/debug/nemesis $(if $(SEED),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --shrink --out $(TARGET)/nemesis --summary evidence/nemesis/result.json
+	$(TARGET)/debug/nemesis $(if $(filter-out file default undefined,$(origin SEED)),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --shrink --out $(TARGET)/nemesis --summary evidence/nemesis/result.json
 
 # make fuzz: the frame parser fuzzed with 10 million generated inputs (release build,
 # seeded: SEED=n repeats a run), then the real gateway's connection state machine over the
