@@ -33,6 +33,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(1);
 /// Timeout of a harness query during the faults (a paused database answers nothing).
 const QUERY_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often a membership change that failed (the database is away) is tried again.
+const MEMBERSHIP_RETRY: Duration = Duration::from_millis(500);
 /// The supervisor and the schedule's clock tick.
 const TICK: Duration = Duration::from_millis(20);
 /// Gateway database deadline during a nemesis run (`IM_DB_TIMEOUT_MS`).
@@ -296,6 +298,7 @@ async fn drive(
     let start = Instant::now();
     let mut next = 0;
     let mut pending_membership: Vec<usize> = Vec::new();
+    let mut next_membership_try: Option<Instant> = None;
     loop {
         let now_ms = start.elapsed().as_millis() as u64;
         while next < events.len() && events[next].0 <= now_ms {
@@ -339,10 +342,17 @@ async fn drive(
         }
         // Membership changes go through the admin command, which needs the database: one
         // that fails (the database is down) is tried again on the next tick.
+        // At most one attempt per MEMBERSHIP_RETRY, each bounded: the schedule's clock must
+        // not wait on a database that a fault took away.
+        let due = next_membership_try.is_none_or(|t| Instant::now() >= t);
         let mut still = Vec::new();
         for i in pending_membership.drain(..) {
+            if !due {
+                still.push(i);
+                continue;
+            }
             let m = &schedule.workload.membership[i];
-            let r = tokio::time::timeout(Duration::from_secs(3), async {
+            let r = tokio::time::timeout(QUERY_TIMEOUT, async {
                 if m.op == "join" {
                     w.join(&m.conv, &m.user).await
                 } else {
@@ -350,7 +360,31 @@ async fn drive(
                 }
             })
             .await;
+            // An attempt cut off by the timeout may still have been applied: the retry then
+            // finds it done, and it is recorded as such.
+            let earlier = |e: &anyhow::Error| {
+                let t = format!("{e:#}");
+                t.contains("is already a member") || t.contains("is not a member")
+            };
+            if let Ok(Err(e)) = &r {
+                if earlier(e) {
+                    w.history().nemesis_instant(
+                        "membership",
+                        json!({"action": m.op, "conv": m.conv, "user": m.user,
+                               "applied_by_an_earlier_attempt": true}),
+                    );
+                }
+            }
             match r {
+                Ok(Err(e)) if earlier(&e) => {
+                    let mut mm = shared.membership.lock().unwrap_or_else(|p| p.into_inner());
+                    let set = mm.entry(m.user.clone()).or_default();
+                    if m.op == "join" {
+                        set.insert(m.conv.clone());
+                    } else {
+                        set.remove(&m.conv);
+                    }
+                }
                 Ok(Ok(())) => {
                     let mut mm = shared.membership.lock().unwrap_or_else(|p| p.into_inner());
                     let set = mm.entry(m.user.clone()).or_default();
@@ -362,6 +396,9 @@ async fn drive(
                 }
                 _ => still.push(i),
             }
+        }
+        if due && !still.is_empty() {
+            next_membership_try = Some(Instant::now() + MEMBERSHIP_RETRY);
         }
         pending_membership = still;
         sup.supervise(w).await;
@@ -560,7 +597,9 @@ fn gateway_signal(w: &World, sig: nix::sys::signal::Signal) -> anyhow::Result<()
 
 /// The gateway's backends (`application_name = im-gateway`): LISTEN or not.
 async fn gateway_backends(w: &World, listen: bool) -> anyhow::Result<Vec<i32>> {
-    let pool = w.pool().await?;
+    let pool = tokio::time::timeout(QUERY_TIMEOUT, w.pool())
+        .await
+        .context("the check pool timed out")??;
     let sql = if listen {
         "SELECT pid FROM pg_stat_activity WHERE application_name = 'im-gateway' \
          AND query ILIKE 'listen%' ORDER BY pid"
@@ -572,6 +611,14 @@ async fn gateway_backends(w: &World, listen: bool) -> anyhow::Result<Vec<i32>> {
         .await
         .context("pg_stat_activity timed out")?
         .context("read pg_stat_activity")
+}
+
+/// `pg_terminate_backend(pid)`, bounded (a paused database answers nothing).
+async fn terminate(w: &World, pid: i32) -> bool {
+    matches!(
+        tokio::time::timeout(QUERY_TIMEOUT, w.terminate_backend(pid)).await,
+        Ok(Ok(true))
+    )
 }
 
 async fn start_fault(
@@ -618,7 +665,7 @@ async fn start_fault(
             let pids = gateway_backends(w, true).await?;
             let mut done = Vec::new();
             for pid in pids {
-                done.push((pid, w.terminate_backend(pid).await.unwrap_or(false)));
+                done.push((pid, terminate(w, pid).await));
             }
             Ok(json!({"terminated": done}))
         }
@@ -626,7 +673,7 @@ async fn start_fault(
             let pids = gateway_backends(w, false).await?;
             let mut done = Vec::new();
             for pid in pids.into_iter().take(*count as usize) {
-                done.push((pid, w.terminate_backend(pid).await.unwrap_or(false)));
+                done.push((pid, terminate(w, pid).await));
             }
             Ok(json!({"terminated": done}))
         }
