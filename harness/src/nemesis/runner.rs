@@ -11,7 +11,7 @@
 //! Must not: judge anything itself (the checker does), or retry a send on a client's
 //! behalf except through the client's own outbox replay.
 
-use super::schedule::{Fault, FaultKind, Schedule};
+use super::schedule::{Fault, FaultKind, Membership, Schedule};
 use crate::checker::{Anomaly, OpCounts, Quantiles, Report};
 use crate::client::{Client, ClientError};
 use crate::gateway::{self, GatewayOpts};
@@ -351,50 +351,8 @@ async fn drive(
                 still.push(i);
                 continue;
             }
-            let m = &schedule.workload.membership[i];
-            let r = tokio::time::timeout(QUERY_TIMEOUT, async {
-                if m.op == "join" {
-                    w.join(&m.conv, &m.user).await
-                } else {
-                    w.leave(&m.conv, &m.user).await
-                }
-            })
-            .await;
-            // An attempt cut off by the timeout may still have been applied: the retry then
-            // finds it done, and it is recorded as such.
-            let earlier = |e: &anyhow::Error| {
-                let t = format!("{e:#}");
-                t.contains("is already a member") || t.contains("is not a member")
-            };
-            if let Ok(Err(e)) = &r {
-                if earlier(e) {
-                    w.history().nemesis_instant(
-                        "membership",
-                        json!({"action": m.op, "conv": m.conv, "user": m.user,
-                               "applied_by_an_earlier_attempt": true}),
-                    );
-                }
-            }
-            match r {
-                Ok(Err(e)) if earlier(&e) => {
-                    let mut mm = shared.membership.lock().unwrap_or_else(|p| p.into_inner());
-                    let set = mm.entry(m.user.clone()).or_default();
-                    if m.op == "join" {
-                        set.insert(m.conv.clone());
-                    } else {
-                        set.remove(&m.conv);
-                    }
-                }
-                Ok(Ok(())) => {
-                    let mut mm = shared.membership.lock().unwrap_or_else(|p| p.into_inner());
-                    let set = mm.entry(m.user.clone()).or_default();
-                    if m.op == "join" {
-                        set.insert(m.conv.clone());
-                    } else {
-                        set.remove(&m.conv);
-                    }
-                }
-                _ => still.push(i),
+            if !apply_membership(w, &shared, &schedule.workload.membership[i]).await {
+                still.push(i);
             }
         }
         if due && !still.is_empty() {
@@ -428,13 +386,7 @@ async fn drive(
     loop {
         sup.supervise(w).await;
         for i in std::mem::take(&mut pending_membership) {
-            let m = &schedule.workload.membership[i];
-            let r = if m.op == "join" {
-                w.join(&m.conv, &m.user).await
-            } else {
-                w.leave(&m.conv, &m.user).await
-            };
-            if r.is_err() {
+            if !apply_membership(w, &shared, &schedule.workload.membership[i]).await {
                 pending_membership.push(i);
             }
         }
@@ -512,6 +464,48 @@ async fn drive(
         history_entries: report.stats.entries,
         wall_ms: t0.elapsed().as_millis() as u64,
     })
+}
+
+/// One membership change through the admin command (bounded: the database may be away),
+/// then in the workload's view of who may send where. True once applied. An attempt cut
+/// off by the timeout may still have been applied: the retry then finds it done, and it is
+/// recorded as such.
+async fn apply_membership(w: &World, shared: &Shared, m: &Membership) -> bool {
+    let join = m.op == "join";
+    let r = tokio::time::timeout(QUERY_TIMEOUT, async {
+        if join {
+            w.join(&m.conv, &m.user).await
+        } else {
+            w.leave(&m.conv, &m.user).await
+        }
+    })
+    .await;
+    let applied = match r {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) => {
+            let t = format!("{e:#}");
+            let earlier = t.contains("is already a member") || t.contains("is not a member");
+            if earlier {
+                w.history().nemesis_instant(
+                    "membership",
+                    json!({"action": m.op, "conv": m.conv, "user": m.user,
+                           "applied_by_an_earlier_attempt": true}),
+                );
+            }
+            earlier
+        }
+        Err(_) => false,
+    };
+    if applied {
+        let mut mm = shared.membership.lock().unwrap_or_else(|p| p.into_inner());
+        let set = mm.entry(m.user.clone()).or_default();
+        if join {
+            set.insert(m.conv.clone());
+        } else {
+            set.remove(&m.conv);
+        }
+    }
+    applied
 }
 
 fn fault_value(f: &Fault) -> Value {
@@ -621,6 +615,13 @@ async fn terminate(w: &World, pid: i32) -> bool {
     )
 }
 
+fn device<'a>(devices: &'a [DeviceHandle], id: &str) -> anyhow::Result<&'a DeviceHandle> {
+    devices
+        .iter()
+        .find(|d| d.device == id)
+        .with_context(|| format!("no device {id}"))
+}
+
 async fn start_fault(
     w: &mut World,
     sup: &mut Supervisor,
@@ -697,11 +698,7 @@ async fn start_fault(
             Ok(json!({"reset": true}))
         }
         FaultKind::ClientCrash => {
-            let d = devices
-                .iter()
-                .find(|d| d.device == f.target)
-                .with_context(|| format!("no device {}", f.target))?;
-            d.crashed.send_replace(true);
+            device(devices, &f.target)?.crashed.send_replace(true);
             Ok(json!({"crashed": f.target}))
         }
     }
@@ -750,11 +747,7 @@ async fn end_fault(
             Ok(json!({"condition": Condition::Pass}))
         }
         FaultKind::ClientCrash => {
-            let d = devices
-                .iter()
-                .find(|d| d.device == f.target)
-                .with_context(|| format!("no device {}", f.target))?;
-            d.crashed.send_replace(false);
+            device(devices, &f.target)?.crashed.send_replace(false);
             Ok(json!({"restarted": f.target}))
         }
         FaultKind::PgTerminateListen
