@@ -1103,7 +1103,9 @@ struct PendingHint {
 /// every `sweep_ms`. Consecutive sweep hints of one (device, conv, instance) with no
 /// disconnect / crash / restart of the device, no gateway start, no fault that took the
 /// database away (`pg-crash`, `pg-power-cut`, `pg-primary-kill`: the sweep is a query, and
-/// its interval runs while the database answers), no other nemesis action (a pause, a
+/// its interval runs while the database answers; hints received from such a fault until
+/// a `pg-restart` succeeded or the address moved to a promoted standby are not judged), no
+/// other nemesis action (a pause, a
 /// network fault, a killed backend: hints received while one is in force are not judged;
 /// membership changes do not count) and no ack reply reaching
 /// the first hint's head in between must be at most `sweep_ms + 1 s` apart, and, given at
@@ -1118,6 +1120,8 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
     let mut all = Vec::new();
     // Nemesis periods in force (start seen, end not yet), by op id.
     let mut disturbed: HashSet<u64> = HashSet::new();
+    // From a crash (or power cut, or primary kill) of the database until it is back.
+    let mut db_down = false;
     for e in cx.h {
         let device = e.process.as_str();
         match (e.kind, e.op.as_str()) {
@@ -1128,6 +1132,19 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
             (Type::Nemesis, "pg-crash" | "pg-power-cut" | "pg-primary-kill") => {
                 pending.clear();
                 track_period(e, &mut disturbed);
+                db_down = true;
+            }
+            // The database answers again once a restart succeeded or the address moved
+            // to the promoted standby.
+            (Type::Nemesis, "pg-restart" | "db-address-switch") => {
+                pending.clear();
+                track_period(e, &mut disturbed);
+                let restarted = e.op == "db-address-switch"
+                    || (s(&e.value, "phase") == Some("end")
+                        && e.value.get("ok").and_then(Value::as_bool) == Some(true));
+                if restarted {
+                    db_down = false;
+                }
             }
             // A membership change or a reinstall does not slow the sweep.
             (Type::Nemesis, "membership" | "reinstall") => {}
@@ -1137,7 +1154,7 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
                 pending.clear();
                 track_period(e, &mut disturbed);
             }
-            (Type::Recv, "hint") if !disturbed.is_empty() => {}
+            (Type::Recv, "hint") if !disturbed.is_empty() || db_down => {}
             (Type::Client, "disconnect" | "crash" | "restart") => {
                 pending.remove(device);
             }
@@ -2322,8 +2339,57 @@ mod tests {
         b.hint("b1", "c1", 2, "sweep");
         b.wait(1500.0);
         b.hint("b1", "c1", 2, "sweep");
-        assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+        // Until the address moves to the promoted standby, the sweep's queries time out.
         b.wait(2500.0);
+        b.hint("b1", "c1", 2, "sweep");
+        assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+        b.line(
+            "harness",
+            0,
+            Type::Nemesis,
+            "db-address-switch",
+            None,
+            json!({"phase": "instant"}),
+        );
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(2500.0);
+        let h = b.hint("b1", "c1", 2, "sweep");
+        let late = only(&b, &two_rows(), Kind::D5SweepLate);
+        assert_eq!(late.len(), 1, "{late:?}");
+        assert_eq!(late[0].entries[1], h);
+    }
+
+    /// A crashed database is down until a restart succeeds: a failed restart excuses the
+    /// gaps after it too; after a successful one, gaps are judged again.
+    #[test]
+    fn sweep_hints_are_not_judged_until_the_database_is_restarted() {
+        let mut b = B::new();
+        b.gateway_start(200);
+        let nemesis = |b: &mut B, op: &str, id: u64, v: Value| {
+            b.line("harness", 0, Type::Nemesis, op, Some(id), v);
+        };
+        nemesis(&mut b, "pg-crash", 1, json!({"phase": "start"}));
+        nemesis(&mut b, "pg-crash", 1, json!({"phase": "end", "ok": true}));
+        for _ in 0..4 {
+            b.hint("b1", "c1", 2, "sweep");
+            b.wait(1500.0);
+        }
+        nemesis(&mut b, "pg-restart", 2, json!({"phase": "start"}));
+        nemesis(
+            &mut b,
+            "pg-restart",
+            2,
+            json!({"phase": "end", "ok": false}),
+        );
+        for _ in 0..4 {
+            b.hint("b1", "c1", 2, "sweep");
+            b.wait(1500.0);
+        }
+        assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+        nemesis(&mut b, "pg-restart", 3, json!({"phase": "start"}));
+        nemesis(&mut b, "pg-restart", 3, json!({"phase": "end", "ok": true}));
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(1500.0);
         let h = b.hint("b1", "c1", 2, "sweep");
         let late = only(&b, &two_rows(), Kind::D5SweepLate);
         assert_eq!(late.len(), 1, "{late:?}");

@@ -202,7 +202,7 @@ impl World {
         self.hist.nemesis_end(
             "pg-power-cut",
             id,
-            json!({"ok": r.is_ok(), "cut": r.as_ref().ok()}),
+            json!({"ok": r.is_ok(), "cut": r.as_ref().ok(), "error": err_text(&r)}),
         );
         r
     }
@@ -222,15 +222,21 @@ impl World {
         self.hist.nemesis_instant("replication-link-cut", json!({}));
         let id = self.hist.nemesis_start("pg-primary-kill", json!({}));
         let r = self.pg.kill_all().await;
-        self.hist
-            .nemesis_end("pg-primary-kill", id, json!({"ok": r.is_ok()}));
+        self.hist.nemesis_end(
+            "pg-primary-kill",
+            id,
+            json!({"ok": r.is_ok(), "error": err_text(&r)}),
+        );
         r?;
         let killed_ms = t0.elapsed().as_secs_f64() * 1000.0;
         let f = self.failover.as_mut().expect("checked above");
         let id = self.hist.nemesis_start("pg-promote", json!({}));
         let r = f.standby.promote().await;
-        self.hist
-            .nemesis_end("pg-promote", id, json!({"ok": r.is_ok()}));
+        self.hist.nemesis_end(
+            "pg-promote",
+            id,
+            json!({"ok": r.is_ok(), "error": err_text(&r)}),
+        );
         r?;
         f.promoted = true;
         let promoted_ms = t0.elapsed().as_secs_f64() * 1000.0;
@@ -276,8 +282,11 @@ impl World {
     pub async fn crash_pg(&mut self) -> anyhow::Result<()> {
         let id = self.hist.nemesis_start("pg-crash", json!({}));
         let r = self.pg.crash().await;
-        self.hist
-            .nemesis_end("pg-crash", id, json!({"ok": r.is_ok()}));
+        self.hist.nemesis_end(
+            "pg-crash",
+            id,
+            json!({"ok": r.is_ok(), "error": err_text(&r)}),
+        );
         r
     }
 
@@ -285,8 +294,11 @@ impl World {
     pub async fn restart_pg(&mut self) -> anyhow::Result<()> {
         let id = self.hist.nemesis_start("pg-restart", json!({}));
         let r = self.pg.restart().await;
-        self.hist
-            .nemesis_end("pg-restart", id, json!({"ok": r.is_ok()}));
+        self.hist.nemesis_end(
+            "pg-restart",
+            id,
+            json!({"ok": r.is_ok(), "error": err_text(&r)}),
+        );
         r
     }
 
@@ -609,6 +621,11 @@ async fn start_standby(pg: &Cluster, r: Replication) -> anyhow::Result<Failover>
         replication: r,
         promoted: false,
     })
+}
+
+/// The error of `r` as text, for a nemesis record (null when `r` is Ok).
+fn err_text<T>(r: &anyhow::Result<T>) -> Option<String> {
+    r.as_ref().err().map(|e| format!("{e:#}"))
 }
 
 fn record_gateway_start(hist: &History, i: usize, opts: &GatewayOpts) {

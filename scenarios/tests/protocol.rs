@@ -799,7 +799,7 @@ async fn database_down_is_unavailable_then_service_resumes() {
     let b2 = connect(&w, "b2", &t2).await.unwrap();
     a.send("c1", "before", "x", T).await.unwrap();
     b.wait_server_delivered("c1", 1, T).await.unwrap();
-    w.pg.crash().await.unwrap();
+    w.crash_pg().await.unwrap();
     let r = b2.request(json!({"t":"sub"}), T).await;
     assert_eq!(code(&r).as_deref(), Some("UNAVAILABLE"), "{r:?}");
     for i in 0..3 {
@@ -815,7 +815,7 @@ async fn database_down_is_unavailable_then_service_resumes() {
         w.gw_mut().try_exit_status().is_none(),
         "the gateway keeps running"
     );
-    w.pg.restart().await.unwrap();
+    w.restart_pg().await.unwrap();
     wait_until("service to resume", Duration::from_secs(20), async || {
         let r = a.replay_outbox(T).await;
         poll(r.iter().all(|r| r.is_ok()), r).await

@@ -407,34 +407,41 @@ impl Delivery {
     }
 
     /// Starts an automatic ack of `conv`: returns the seq to ack (the cursor) if it is
-    /// above what the server has, and clears the timer either way. D3: never above the
-    /// cursor. The caller reports the outcome with [`Delivery::ack_ok`] or
-    /// [`Delivery::ack_failed`].
+    /// above what the server has and no automatic ack of `conv` is on its way, and clears
+    /// the timer either way (the answer to the ack on its way re-arms it,
+    /// [`Delivery::ack_ok`] / [`Delivery::ack_failed`]). D3: never above the cursor. The
+    /// caller reports the outcome with [`Delivery::ack_ok`] or [`Delivery::ack_failed`].
     pub fn begin_ack(&mut self, conv: &str, _now: Instant) -> Option<i64> {
         if !self.policy.auto {
             return None;
         }
         let t = self.track(conv);
         t.due_at = None;
-        if t.cursor <= t.ack_floor() {
+        if t.ack_inflight.is_some() || t.cursor <= t.ack_floor() {
             return None;
         }
         let counted = std::mem::take(&mut t.new_since_ack);
-        let counted = counted + t.ack_inflight.map_or(0, |(_, c)| c);
         t.ack_inflight = Some((t.cursor, counted));
         Some(t.cursor)
     }
 
     /// An ack of `seq` (automatic or not) was answered with `delivered`.
+    /// Events stored meanwhile are acked `after` from now, or at once when `every` of them
+    /// piled up while the ack was on its way.
     pub fn ack_ok(&mut self, conv: &str, seq: i64, delivered: i64, now: Instant) {
-        let after = self.policy.after;
+        let (after, every) = (self.policy.after, self.policy.every.max(1));
         let t = self.track(conv);
         t.acked = t.acked.max(delivered).max(seq);
         if t.ack_inflight.is_some_and(|(s, _)| s <= t.acked) {
             t.ack_inflight = None;
         }
         if t.cursor > t.ack_floor() {
-            t.due_at.get_or_insert(now + after);
+            let at = if t.new_since_ack >= every {
+                now
+            } else {
+                now + after
+            };
+            t.due_at = Some(t.due_at.map_or(at, |d| d.min(at)));
         }
     }
 
@@ -448,6 +455,16 @@ impl Delivery {
             t.new_since_ack += counted;
         }
         t.due_at = retryable.then(|| now + after.max(ACK_RETRY_MIN));
+    }
+
+    /// The due ack of `conv` cannot be sent now (the state file is behind memory): try it
+    /// again after `max(after, ACK_RETRY_MIN)`, not in a busy loop.
+    pub fn postpone_ack(&mut self, conv: &str, now: Instant) {
+        let after = self.policy.after;
+        let t = self.track(conv);
+        if t.due_at.is_some() {
+            t.due_at = Some(now + after.max(ACK_RETRY_MIN));
+        }
     }
 
     /// When the next automatic ack is due, over all conversations.
@@ -591,6 +608,40 @@ mod tests {
         assert_eq!(d.begin_ack("c", now), Some(1));
         d.ack_failed("c", false, now);
         assert_eq!(d.next_due(), None);
+    }
+
+    /// The pump does not wait for an ack's answer: a second ack of the conversation waits
+    /// until the first one is answered, and the answer re-arms the timer.
+    #[test]
+    fn one_automatic_ack_per_conversation_is_on_its_way() {
+        let mut d = core();
+        let now = Instant::now();
+        d.push("c", 1);
+        assert_eq!(d.begin_ack("c", now), Some(1));
+        d.push("c", 2);
+        d.stored("c", now);
+        assert_eq!(d.begin_ack("c", now), None);
+        assert_eq!(d.next_due(), None);
+        d.ack_ok("c", 1, 1, now);
+        assert_eq!(d.next_due(), Some(now + Duration::from_millis(50)));
+        // Four more while the next one is on its way: due the moment it is answered.
+        assert_eq!(d.begin_ack("c", now), Some(2));
+        for seq in 3..=6 {
+            d.push("c", seq);
+            d.stored("c", now);
+        }
+        assert_eq!(d.begin_ack("c", now), None);
+        let later = now + Duration::from_millis(5);
+        d.ack_ok("c", 2, 2, later);
+        assert_eq!(d.next_due(), Some(later));
+        assert_eq!(d.begin_ack("c", later), Some(6));
+        d.ack_ok("c", 6, 6, later);
+        d.push("c", 7);
+        d.stored("c", now);
+        assert_eq!(d.begin_ack("c", now), Some(7));
+        d.ack_failed("c", true, now);
+        assert_eq!(d.next_due(), Some(now + ACK_RETRY_MIN));
+        assert_eq!(d.begin_ack("c", now), Some(7));
     }
 
     #[test]

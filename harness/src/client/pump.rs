@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::anyhow;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 
 use super::delivery::{Hinted, NextPage, Pushed};
 use super::{bugs, field_i64, field_str, ClientError, CrashAt, Inner, SYNC_PAGES_MAX};
@@ -208,22 +209,31 @@ impl Inner {
     }
 
     /// Acks the cursor of `conv` now if it is above what the server has (the delivery
-    /// core decides, [`super::Delivery::begin_ack`]). Never acks beyond the cursor,
-    /// never while the state file is behind memory (D3).
+    /// core decides, [`super::Delivery::begin_ack`]) and waits for the answer. Never acks
+    /// beyond the cursor, never while the state file is behind memory (D3).
     pub(super) async fn auto_ack(&self, conv: &str) {
-        let (target, timeout) = {
-            let mut st = self.lock();
-            if !st.opts.auto_ack {
-                return;
-            }
-            if st.dirty && self.persist(&mut st).is_err() {
-                return;
-            }
-            let Some(target) = st.delivery.begin_ack(conv, Instant::now()) else {
-                return;
-            };
-            (target, st.opts.request_timeout)
-        };
+        if let Some((target, timeout)) = self.begin_auto_ack(conv) {
+            self.finish_auto_ack(conv, target, timeout).await;
+        }
+    }
+
+    /// The first half of [`Inner::auto_ack`]: the seq to ack, if any, and the timeout.
+    fn begin_auto_ack(&self, conv: &str) -> Option<(i64, Duration)> {
+        let mut st = self.lock();
+        if !st.opts.auto_ack {
+            return None;
+        }
+        if st.dirty && self.persist(&mut st).is_err() {
+            st.delivery.postpone_ack(conv, Instant::now());
+            return None;
+        }
+        let target = st.delivery.begin_ack(conv, Instant::now())?;
+        Some((target, st.opts.request_timeout))
+    }
+
+    /// The second half of [`Inner::auto_ack`]: sends the ack [`Inner::begin_auto_ack`]
+    /// chose and reports the answer to the delivery core.
+    async fn finish_auto_ack(&self, conv: &str, target: i64, timeout: Duration) {
         let r = self.send_ack(conv, target, timeout, false).await;
         {
             let mut st = self.lock();
@@ -241,38 +251,31 @@ impl Inner {
         self.notify();
     }
 
-    /// After new events for `conv`: arm the ack timer, or ack now if enough piled up.
-    async fn maybe_ack(&self, conv: &str) {
-        let now = self.lock().delivery.stored(conv, Instant::now());
-        if now {
-            self.auto_ack(conv).await;
-        }
+    /// After new events for `conv`: arm the ack timer; true if enough piled up to ack now.
+    fn maybe_ack(&self, conv: &str) -> bool {
+        self.lock().delivery.stored(conv, Instant::now())
     }
 
     fn next_ack_deadline(&self) -> Option<Instant> {
         self.lock().delivery.next_due()
     }
 
-    async fn flush_due_acks(&self) {
-        let due = self.lock().delivery.due(Instant::now());
-        for conv in due {
-            self.auto_ack(&conv).await;
-        }
+    /// Conversations whose coalesced ack is due.
+    fn due_acks(&self) -> Vec<String> {
+        self.lock().delivery.due(Instant::now())
     }
 
-    /// Runs the sync a push or a hint asked for, then acks as the core says.
-    async fn repair(&self, conv: &str, from: i64, why: &str) {
+    /// Runs the sync a push or a hint asked for; true if the core says to ack now.
+    async fn repair(&self, conv: &str, from: i64, why: &str) -> bool {
         if let Err(e) = self.sync_until_complete(conv, from).await {
             tracing::debug!(conv, error = %e, "{why} sync failed; waiting for the next hint");
         }
-        let ack_now = self.lock().delivery.sync_ended(conv, Instant::now());
-        if ack_now {
-            self.auto_ack(conv).await;
-        }
+        self.lock().delivery.sync_ended(conv, Instant::now())
     }
 
-    /// Applies one `event` push (SPEC section 5: contiguous cursor, duplicates, gaps).
-    async fn on_event_push(&self, frame: &Value) {
+    /// Applies one `event` push (SPEC section 5: contiguous cursor, duplicates, gaps);
+    /// true if its conversation is to be acked now.
+    async fn on_event_push(&self, frame: &Value) -> Option<String> {
         let ev = frame.get("ev");
         let parsed =
             ev.and_then(|ev| Some((field_str(ev, "conv")?.to_string(), field_i64(ev, "seq")?)));
@@ -280,7 +283,7 @@ impl Inner {
             let mut st = self.lock();
             st.stats.pushes_received += 1;
             st.stats.malformed_frames += 1;
-            return;
+            return None;
         };
         let mut deferred = None;
         let sync_after = {
@@ -315,19 +318,21 @@ impl Inner {
         if let Some(stored) = deferred {
             self.ack_then_persist(&conv, "push", stored).await;
         }
-        match sync_after {
+        let ack_now = match sync_after {
             Some(from) => self.repair(&conv, from, "gap repair").await,
-            None => self.maybe_ack(&conv).await,
-        }
+            None => self.maybe_ack(&conv),
+        };
+        ack_now.then_some(conv)
     }
 
     /// Applies one `hint` push: sync when the server is ahead, then ack right away
     /// (the sweep hints only devices whose delivered cursor is below head). This is
     /// the client's half of D5: a lost push or a lost ack is repaired by the next hint.
-    async fn on_hint(&self, frame: &Value) {
+    /// Returns the conversation if it is to be acked now.
+    async fn on_hint(&self, frame: &Value) -> Option<String> {
         let (Some(conv), Some(head)) = (field_str(frame, "conv"), field_i64(frame, "head")) else {
             self.lock().stats.malformed_frames += 1;
-            return;
+            return None;
         };
         let why = field_str(frame, "why").unwrap_or("").to_string();
         let hinted = {
@@ -337,33 +342,55 @@ impl Inner {
             st.delivery.hint(conv, head)
         };
         self.notify();
-        match hinted {
+        let ack_now = match hinted {
             Hinted::Sync(from) => self.repair(conv, from, "hint").await,
             // The pump runs one sync at a time and awaits it, so none is under way here.
-            Hinted::SyncRunning | Hinted::AckComing => {}
-            Hinted::Ack => self.auto_ack(conv).await,
-        }
+            Hinted::SyncRunning | Hinted::AckComing => false,
+            Hinted::Ack => true,
+        };
+        ack_now.then(|| conv.to_string())
     }
 }
 
 /// Applies pushes one at a time and sends coalesced acks when their timer is due.
+///
+/// Syncs run in the pump, one at a time; acks run beside it (at most one per conversation,
+/// [`super::Delivery::begin_ack`]): an ack whose answer never comes (a dropped frame waits
+/// for the request timeout) must not hold back the pushes and hints queued behind it. D5
+/// bounds a repair by the sweep interval and one sync round trip, not by a timeout of
+/// the client's. When the connection's pushes end, the acks still on their way finish on
+/// their own (they fail as the connection is gone); aborting the pump aborts them too.
 pub(super) async fn pump(inner: Arc<Inner>, mut pushes: mpsc::Receiver<Value>) {
+    let mut acks: JoinSet<()> = JoinSet::new();
     loop {
-        let next = match inner.next_ack_deadline() {
-            Some(at) => tokio::select! {
-                p = pushes.recv() => p,
-                () = tokio::time::sleep_until(at.into()) => {
-                    inner.flush_due_acks().await;
-                    continue;
-                }
-            },
-            None => pushes.recv().await,
+        let deadline = inner.next_ack_deadline();
+        let to_ack: Vec<String> = tokio::select! {
+            p = pushes.recv() => {
+                let Some(frame) = p else { break };
+                let conv = match field_str(&frame, "t") {
+                    Some("event") => inner.on_event_push(&frame).await,
+                    Some("hint") => inner.on_hint(&frame).await,
+                    _ => None,
+                };
+                conv.into_iter().collect()
+            }
+            () = sleep_until(deadline) => inner.due_acks(),
+            Some(_) = acks.join_next(), if !acks.is_empty() => continue,
         };
-        let Some(frame) = next else { break };
-        match field_str(&frame, "t") {
-            Some("event") => inner.on_event_push(&frame).await,
-            Some("hint") => inner.on_hint(&frame).await,
-            _ => {}
+        for conv in to_ack {
+            if let Some((target, timeout)) = inner.begin_auto_ack(&conv) {
+                let inner = inner.clone();
+                acks.spawn(async move { inner.finish_auto_ack(&conv, target, timeout).await });
+            }
         }
+    }
+    acks.detach_all();
+}
+
+/// Sleeps until `at`, or forever when there is none.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
     }
 }

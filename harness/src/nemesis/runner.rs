@@ -75,7 +75,15 @@ impl Outcome {
         self.verdict != "PASS"
     }
 
-    fn error(seed: u64, repeat: String, e: &anyhow::Error, wall: Duration) -> Outcome {
+    /// A run that could not be carried out or judged; `fault_log` holds the faults
+    /// carried out until then (each with its error, if it had one).
+    fn error(
+        seed: u64,
+        repeat: String,
+        e: &anyhow::Error,
+        wall: Duration,
+        fault_log: Vec<Value>,
+    ) -> Outcome {
         Outcome {
             seed,
             verdict: "ERROR".into(),
@@ -85,7 +93,7 @@ impl Outcome {
             first_anomalies: Vec::new(),
             ops: BTreeMap::new(),
             faults: BTreeMap::new(),
-            fault_log: Vec::new(),
+            fault_log,
             repair_ms: Quantiles::default(),
             delivery_ms: Quantiles::default(),
             gateway_starts: 0,
@@ -119,10 +127,11 @@ struct DeviceHandle {
 /// `report.html` and the gateway logs. `repeat` is the command line that repeats it.
 pub async fn run(schedule: &Schedule, dir: &Path, repeat: String) -> Outcome {
     let t0 = Instant::now();
-    let r = run_inner(schedule, dir, &repeat, t0).await;
+    let mut log = Vec::new();
+    let r = run_inner(schedule, dir, &repeat, t0, &mut log).await;
     let outcome = match r {
         Ok(o) => o,
-        Err(e) => Outcome::error(schedule.seed, repeat, &e, t0.elapsed()),
+        Err(e) => Outcome::error(schedule.seed, repeat, &e, t0.elapsed(), log),
     };
     let _ = crate::util::write_atomic(
         &dir.join("result.json"),
@@ -143,6 +152,7 @@ async fn run_inner(
     dir: &Path,
     repeat: &str,
     t0: Instant,
+    log: &mut Vec<Value>,
 ) -> anyhow::Result<Outcome> {
     std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     crate::util::write_atomic(&dir.join("schedule.json"), schedule.to_json().as_bytes())?;
@@ -179,7 +189,7 @@ async fn run_inner(
         opts.clone(),
     )
     .await?;
-    let result = drive(&mut w, schedule, &opts, &control, repeat, t0).await;
+    let result = drive(&mut w, schedule, &opts, &control, repeat, t0, log).await;
     // The artefacts, whatever happened.
     let work = w.pg.work_dir().to_path_buf();
     for name in ["history.jsonl", "final.json", "report.json"] {
@@ -194,7 +204,10 @@ async fn run_inner(
     if let Ok(entries) = std::fs::read_dir(w.pg.log_dir()) {
         for e in entries.flatten() {
             let name = e.file_name();
-            if name.to_string_lossy().starts_with("gateway-") {
+            // The server's log too when the run did not pass: why a restart failed.
+            let failed = !result.as_ref().is_ok_and(|o| o.verdict == "PASS");
+            let name_s = name.to_string_lossy();
+            if name_s.starts_with("gateway-") || (failed && name_s == "postgres.log") {
                 let _ = std::fs::copy(e.path(), logs.join(&name));
             }
         }
@@ -210,6 +223,7 @@ async fn drive(
     control: &Path,
     repeat: &str,
     t0: Instant,
+    log: &mut Vec<Value>,
 ) -> anyhow::Result<Outcome> {
     let hist = w.history().clone();
     hist.nemesis_instant(
@@ -293,7 +307,7 @@ async fn drive(
         events.push((m.at_ms, 1, i));
     }
     events.sort();
-    let mut log: Vec<Value> = vec![Value::Null; schedule.faults.len()];
+    *log = vec![Value::Null; schedule.faults.len()];
     let mut active: BTreeMap<usize, u64> = BTreeMap::new(); // fault index → history op id
     let start = Instant::now();
     let mut next = 0;
@@ -457,7 +471,7 @@ async fn drive(
         first_anomalies: report.anomalies.iter().take(20).cloned().collect(),
         ops: report.stats.ops.clone(),
         faults,
-        fault_log: log,
+        fault_log: std::mem::take(log),
         repair_ms: report.stats.repair_ms.clone(),
         delivery_ms: report.stats.delivery_ms.clone(),
         gateway_starts: sup.gateway_starts,

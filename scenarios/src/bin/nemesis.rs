@@ -54,8 +54,8 @@ struct Args {
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=200))]
     faults: Option<u32>,
     /// Only these fault kinds (comma-separated; default all): gw-kill, gw-crash-point,
-    /// gw-pause, gw-fault, pg-crash, pg-pause, pg-terminate-listen, pg-terminate-pool,
-    /// net-db, net-client, net-db-reset, net-client-reset, client-crash.
+    /// gw-pause, gw-fault, pg-crash, pg-pause, pg-power-cut, pg-terminate-listen,
+    /// pg-terminate-pool, net-db, net-client, net-db-reset, net-client-reset, client-crash.
     #[arg(long, value_delimiter = ',')]
     kinds: Vec<String>,
     /// Run this schedule.json exactly (its seed and options are in it).
