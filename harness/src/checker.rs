@@ -1105,9 +1105,10 @@ struct PendingHint {
 /// database away (`pg-crash`, `pg-power-cut`, `pg-primary-kill`: the sweep is a query, and
 /// its interval runs while the database answers; hints received from such a fault until
 /// a `pg-restart` succeeded or the address moved to a promoted standby are not judged), no
-/// other nemesis action (a pause, a
-/// network fault, a killed backend: hints received while one is in force are not judged;
-/// membership changes do not count) and no ack reply reaching
+/// other nemesis action (a pause, a network fault, a killed backend: hints received while
+/// one is in force are not judged; membership changes, the heal, a client crash and a
+/// frame dropped or refused by the gateway other than an ack's reply leave the sweep
+/// alone and do not count, `fault_leaves_the_sweep_alone`) and no ack reply reaching
 /// the first hint's head in between must be at most `sweep_ms + 1 s` apart, and, given at
 /// least three gaps of one device and conv under one `sweep_ms`, their median at most
 /// `1.5 × sweep_ms`. Returns every gap for the statistics.
@@ -1122,6 +1123,8 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
     let mut disturbed: HashSet<u64> = HashSet::new();
     // From a crash (or power cut, or primary kill) of the database until it is back.
     let mut db_down = false;
+    // Nemesis faults (by op id) that leave the sweep alone.
+    let mut harmless: HashSet<u64> = HashSet::new();
     for e in cx.h {
         let device = e.process.as_str();
         match (e.kind, e.op.as_str()) {
@@ -1146,8 +1149,16 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
                     db_down = false;
                 }
             }
-            // A membership change or a reinstall does not slow the sweep.
-            (Type::Nemesis, "membership" | "reinstall") => {}
+            // A membership change, a reinstall or the heal does not slow the sweep.
+            (Type::Nemesis, "membership" | "reinstall" | "heal") => {}
+            // Nor does a fault that cannot delay a hint or move a cursor unseen: a device
+            // killed (its own crash entry ends what it was waiting for), or frames dropped
+            // or answered with an error by the gateway, except the ack's reply (the ack
+            // took effect and the sweep stopped hinting, but the client never heard).
+            (Type::Nemesis, "fault") if e.op_id.is_some_and(|id| harmless.contains(&id)) => {}
+            (Type::Nemesis, "fault") if fault_leaves_the_sweep_alone(&e.value) => {
+                harmless.extend(e.op_id);
+            }
             // Any other fault (a pause, network latency or blackhole, a killed backend...)
             // may delay the sweep: the rule judges only gaps with no fault in force.
             (Type::Nemesis, _) => {
@@ -1220,6 +1231,21 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
 
 /// Keeps the set of nemesis periods in force: a `start` line opens one (by op id), its
 /// `end` closes it; instants open nothing.
+/// Whether a nemesis fault (the start of its `fault` period) can neither delay the sweep or
+/// its hints nor move a cursor without the client hearing of it: a `client-crash`, or a
+/// `gw-fault` that drops a frame or answers it with an error at any point but
+/// `gw.reply.ack`.
+fn fault_leaves_the_sweep_alone(v: &Value) -> bool {
+    match s(v, "kind") {
+        Some("client-crash") => true,
+        Some("gw-fault") => {
+            matches!(s(v, "action"), Some("drop" | "error"))
+                && s(v, "point").is_some_and(|p| p != "gw.reply.ack")
+        }
+        _ => false,
+    }
+}
+
 fn track_period(e: &Entry, open: &mut HashSet<u64>) {
     let Some(id) = e.op_id else { return };
     match s(&e.value, "phase") {
@@ -2443,6 +2469,40 @@ mod tests {
         let late = only(&b, &two_rows(), Kind::D5SweepLate);
         assert_eq!(late.len(), 1, "{late:?}");
         assert_eq!(late[0].entries[1], h);
+    }
+
+    /// Issue 10: a frame dropped by the gateway (a push, an ack before it takes effect)
+    /// leaves the sweep alone, so a late gap while it is in force is caught; a dropped
+    /// ack reply is not judged (the ack took effect and the sweep stopped hinting).
+    #[test]
+    fn sweep_hints_are_judged_while_a_harmless_fault_is_in_force() {
+        let fault = |b: &mut B, id: u64, point: &str, phase: &str| {
+            let v = if phase == "start" {
+                json!({"phase": "start", "kind": "gw-fault", "point": point, "action": "drop"})
+            } else {
+                json!({"phase": "end", "kind": "gw-fault"})
+            };
+            b.line("harness", 0, Type::Nemesis, "fault", Some(id), v);
+        };
+        let mut b = B::new();
+        b.gateway_start(500);
+        fault(&mut b, 5, "gw.recv.ack", "start");
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(1600.0);
+        let h = b.hint("b1", "c1", 2, "sweep");
+        fault(&mut b, 5, "gw.recv.ack", "end");
+        let late = only(&b, &two_rows(), Kind::D5SweepLate);
+        assert_eq!(late.len(), 1, "{late:?}");
+        assert_eq!(late[0].entries[1], h);
+
+        let mut b = B::new();
+        b.gateway_start(500);
+        fault(&mut b, 6, "gw.reply.ack", "start");
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(1600.0);
+        b.hint("b1", "c1", 2, "sweep");
+        fault(&mut b, 6, "gw.reply.ack", "end");
+        assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
     }
 
     #[test]

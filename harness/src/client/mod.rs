@@ -116,9 +116,13 @@ pub struct ClientOptions {
     /// `limit` of the sync requests the client makes by itself.
     pub sync_limit: i64,
     /// Timeout of requests the client makes by itself (sync, ack, hello) and of the
-    /// WebSocket handshake. The pump awaits its own syncs and acks, so this is also how
-    /// long a lost ack can hold up the handling of later pushes and hints.
+    /// WebSocket handshake. The pump awaits its own syncs (not its acks, which run beside
+    /// it), so this is also how long a lost sync reply can hold up the handling of later
+    /// pushes and hints.
     pub request_timeout: Duration,
+    /// What a hint whose head the cursor covers makes the client do (default
+    /// [`HintAck::Again`]: ack right away).
+    pub hint_ack: HintAck,
     /// How many received (and sent) frames are kept for `frames()`.
     pub frames_max: usize,
     /// A crash point of this client (none by default).
@@ -134,6 +138,7 @@ impl Default for ClientOptions {
             auto_ack: ack.auto,
             sync_limit: 100,
             request_timeout: Duration::from_secs(2),
+            hint_ack: ack.on_hint,
             frames_max: 10_000,
             crash_at: None,
         }
@@ -147,7 +152,7 @@ impl ClientOptions {
             every: self.ack_every,
             after: self.ack_after,
             auto: self.auto_ack,
-            on_hint: HintAck::Again,
+            on_hint: self.hint_ack,
         }
     }
 }

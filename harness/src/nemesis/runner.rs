@@ -13,7 +13,7 @@
 
 use super::schedule::{Fault, FaultKind, Membership, Schedule};
 use crate::checker::{Anomaly, OpCounts, Quantiles, Report};
-use crate::client::{Client, ClientError};
+use crate::client::{Client, ClientError, ClientOptions, HintAck};
 use crate::gateway::{self, GatewayOpts};
 use crate::proxy::{Condition, Proxy};
 use crate::world::{World, WorldOpts};
@@ -274,6 +274,7 @@ async fn drive(
             seed: *seed,
             state: w.state_path(device),
             think_ms: schedule.options.think_ms,
+            client: client_options(schedule, device),
             shared: shared.clone(),
             crashed: crashed_rx,
             stop: stop_rx.clone(),
@@ -778,6 +779,7 @@ struct DeviceArgs {
     seed: u64,
     state: PathBuf,
     think_ms: (u64, u64),
+    client: ClientOptions,
     shared: Arc<Shared>,
     crashed: watch::Receiver<bool>,
     stop: watch::Receiver<bool>,
@@ -795,13 +797,14 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
         seed,
         state,
         think_ms,
+        client: copts,
         shared,
         mut crashed,
         mut stop,
         settled,
     } = a;
     let mut rng = super::schedule::Rng::new(seed);
-    let mut client = Some(Client::create(&state, &device, &token, 1)?);
+    let mut client = Some(Client::create(&state, &device, &token, 1)?.with_options(copts));
     let mut n: u64 = 0;
     loop {
         if *stop.borrow() {
@@ -817,7 +820,7 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
                 _ = crashed.wait_for(|c| !*c) => {}
                 _ = stop.wait_for(|s| *s) => return Ok(None),
             }
-            client = Some(Client::load(&state)?);
+            client = Some(Client::load(&state)?.with_options(copts));
             continue;
         }
         let c = client.as_mut().expect("a live client");
@@ -882,6 +885,23 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
             tokio::time::sleep(Duration::from_millis(50 + rng.range(0, 150))).await;
         }
     }
+}
+
+/// The client options of `device`: the defaults, or a lazy acker's
+/// ([`super::schedule::LazyAck`]).
+fn client_options(schedule: &Schedule, device: &str) -> ClientOptions {
+    let mut o = ClientOptions::default();
+    if let Some(l) = schedule
+        .workload
+        .lazy_acks
+        .iter()
+        .find(|l| l.device == device)
+    {
+        o.ack_after = Duration::from_millis(l.after_ms);
+        o.ack_every = super::schedule::LAZY_ACK_EVERY;
+        o.hint_ack = HintAck::IfIdle;
+    }
+    o
 }
 
 /// The history of a finished run, for the report.

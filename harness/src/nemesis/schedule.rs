@@ -274,7 +274,24 @@ pub struct Workload {
     /// Per device (in the order of `users`), the seed of its think times and choice of
     /// conversation.
     pub device_seeds: Vec<(String, u64)>,
+    /// Devices that ack lazily (absent in schedules written before them: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lazy_acks: Vec<LazyAck>,
 }
+
+/// A device that acks lazily, as a phone in the background does: at most every
+/// `after_ms` (or every [`LAZY_ACK_EVERY`] events), and a sweep hint for what it stored
+/// but has not acked yet does not make it ack sooner (`HintAck::IfIdle`). The sweep hints
+/// it again every interval until the ack comes, so its hints show the sweep's cadence
+/// while nothing is lost (`d5-sweep-late` judges those gaps).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LazyAck {
+    pub device: String,
+    pub after_ms: u64,
+}
+
+/// A lazy device acks at the latest after this many new events.
+pub const LAZY_ACK_EVERY: usize = 256;
 
 /// A whole schedule, as `schedule.json` holds it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -312,6 +329,22 @@ impl Schedule {
     /// Every fault inside the workload, ends after starts, known points, and no two faults
     /// on one resource at once.
     pub fn validate(&self) -> anyhow::Result<()> {
+        for l in &self.workload.lazy_acks {
+            anyhow::ensure!(
+                self.workload
+                    .device_seeds
+                    .iter()
+                    .any(|(d, _)| *d == l.device),
+                "lazy_acks: {} is no device of the workload",
+                l.device
+            );
+            anyhow::ensure!(
+                (1..=60_000).contains(&l.after_ms),
+                "lazy_acks: {}'s after_ms {} is not within 1..=60000",
+                l.device,
+                l.after_ms
+            );
+        }
         for f in &self.faults {
             anyhow::ensure!(
                 f.at_ms <= f.end_ms && f.end_ms <= self.options.duration_ms,
@@ -462,6 +495,17 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
         .map(|d| (d.clone(), wr.next_u64()))
         .collect();
     let devices: Vec<String> = users.iter().flat_map(|u| u.devices.clone()).collect();
+    // One lazy acker per schedule, from a stream of its own (the other draws are as they
+    // were before it).
+    let mut lr = root.fork(3);
+    let lazy_acks = if devices.is_empty() {
+        Vec::new()
+    } else {
+        vec![LazyAck {
+            device: lr.pick(&devices).clone(),
+            after_ms: lr.range(5000, 10_000),
+        }]
+    };
 
     // Faults: a kind, a start between 5% and 95% of the workload, a length of 0.2 to 2 s
     // (kept inside the workload), redrawn a few times when its resource is busy.
@@ -517,6 +561,7 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
             convs,
             membership,
             device_seeds,
+            lazy_acks,
         },
         faults,
     };
