@@ -364,8 +364,9 @@ async fn do_shrink(
                 let o = run(&cand, &d, String::new()).await;
                 let seen = kinds_of(&o);
                 println!(
-                    "  try {n}: faults {:?}, {} ms: {} {:?}",
+                    "  try {n}: faults {:?}, {} membership changes, {} ms: {} {:?}",
                     cand.faults.iter().map(|f| f.id).collect::<Vec<_>>(),
+                    cand.workload.membership.len(),
                     cand.options.duration_ms,
                     o.verdict,
                     o.anomalies
