@@ -1229,8 +1229,6 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
     all
 }
 
-/// Keeps the set of nemesis periods in force: a `start` line opens one (by op id), its
-/// `end` closes it; instants open nothing.
 /// Whether a nemesis fault (the start of its `fault` period) can neither delay the sweep or
 /// its hints nor move a cursor without the client hearing of it: a `client-crash`, or a
 /// `gw-fault` that drops a frame or answers it with an error at any point but
@@ -1246,6 +1244,8 @@ fn fault_leaves_the_sweep_alone(v: &Value) -> bool {
     }
 }
 
+/// Keeps the set of nemesis periods in force: a `start` line opens one (by op id), its
+/// `end` closes it; instants open nothing.
 fn track_period(e: &Entry, open: &mut HashSet<u64>) {
     let Some(id) = e.op_id else { return };
     match s(&e.value, "phase") {

@@ -274,7 +274,7 @@ impl Inner {
     }
 
     /// Applies one `event` push (SPEC section 5: contiguous cursor, duplicates, gaps);
-    /// true if its conversation is to be acked now.
+    /// returns its conversation if it is to be acked now.
     async fn on_event_push(&self, frame: &Value) -> Option<String> {
         let ev = frame.get("ev");
         let parsed =

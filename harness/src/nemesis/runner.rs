@@ -356,9 +356,9 @@ async fn drive(
             }
         }
         // Membership changes go through the admin command, which needs the database: one
-        // that fails (the database is down) is tried again on the next tick.
-        // At most one attempt per MEMBERSHIP_RETRY, each bounded: the schedule's clock must
-        // not wait on a database that a fault took away.
+        // that fails (the database is down) is tried again, at most one attempt per
+        // MEMBERSHIP_RETRY, each bounded: the schedule's clock must not wait on a database
+        // that a fault took away.
         let due = next_membership_try.is_none_or(|t| Instant::now() >= t);
         let mut still = Vec::new();
         for i in pending_membership.drain(..) {
