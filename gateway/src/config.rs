@@ -13,6 +13,8 @@ pub struct Config {
     pub listen: String,
     /// `IM_SWEEP_MS`: period of the redelivery sweep (D5).
     pub sweep_interval_ms: u64,
+    /// `IM_SWEEP_PAGE_INSTALLS`: installs per page of the sweep's full pass (one query each).
+    pub sweep_page_installs: usize,
     /// `IM_DB_TIMEOUT_MS`: a request whose database work takes longer answers UNAVAILABLE.
     pub db_timeout_ms: u64,
     /// `IM_DB_POOL_MAX`: connections for requests and the sweep (fan-out has its own) (the pool has
@@ -95,10 +97,11 @@ pub const ENV: &[EnvVar] = &[
     v("IM_DB_TIMEOUT_MS", "5000", "connect timeout; a request whose database work takes longer answers UNAVAILABLE"),
     v("IM_LISTEN", "127.0.0.1:8080", "address serve binds (port 0 picks one)"),
     v("IM_SWEEP_MS", "1000", "period of the redelivery sweep (D5)"),
+    v("IM_SWEEP_PAGE_INSTALLS", "500", "installs per page (one query) of the sweep's full pass"),
     v("IM_FAULT", "", "fault points to arm: point:action[:skip[:count]][,...] (see `im-gateway faults`)"),
     v("IM_FAULT_CONTROL", "", "faults build: a Unix socket path where fault points are armed and disarmed while serve runs (arm SPEC | disarm POINT|all | list)"),
     v("IM_BUG", "", "deliberate bug to activate, controls build only (see `im-gateway bugs`)"),
-    v("IM_DB_POOL_MAX", "16", "database connections for requests and sweep (+1 for LISTEN; fan-out has 2 of its own)"),
+    v("IM_DB_POOL_MAX", "16", "database connections for requests and sweep (+1 for LISTEN; fan-out has 3 of its own)"),
     v("IM_MAX_CONNECTIONS", "10000", "WebSocket connections served at once; more get 503"),
     v("IM_HANDSHAKES_MAX", "1024", "upgrade handshakes in progress at once"),
     v("IM_HANDSHAKE_TIMEOUT_MS", "3000", "an upgrade request not complete by then is dropped"),
@@ -207,6 +210,7 @@ impl Config {
             database_url: database_url()?,
             listen: var("IM_LISTEN").unwrap_or_else(|| default_of("IM_LISTEN").to_string()),
             sweep_interval_ms: num("IM_SWEEP_MS", 10, 3_600_000)?,
+            sweep_page_installs: num("IM_SWEEP_PAGE_INSTALLS", 1, 100_000)?,
             db_timeout_ms: db_timeout()?.as_millis() as u64,
             db_pool_max: num("IM_DB_POOL_MAX", 1, 1000)?,
             connections_max: num("IM_MAX_CONNECTIONS", 1, 1_000_000)?,
@@ -315,6 +319,10 @@ mod tests {
             Some(2 << 20)
         );
         assert_eq!(default_of("IM_LISTEN"), "127.0.0.1:8080");
+        assert_eq!(
+            default_of("IM_SWEEP_PAGE_INSTALLS"),
+            crate::sweep::PAGE_INSTALLS.to_string()
+        );
         let help = env_help();
         let line = help
             .lines()

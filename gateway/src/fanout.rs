@@ -1,12 +1,17 @@
-//! Fan-out: the notifier, one dedicated LISTEN connection on `im_events`, and the delivery
-//! task.
+//! Fan-out: the notifier, one dedicated LISTEN connection on `im_events`, the commit feed,
+//! and the delivery task.
 //!
 //! The notifier ([`notify_loop`]) gets every `(conv, seq)` the send path committed, after
 //! COMMIT returned (`store::send`), and NOTIFYs them in a statement of its own: whatever
 //! arrived while the previous NOTIFY ran goes in the next one, as `conv:seq` lines. No send
 //! transaction holds NOTIFY's cluster-wide lock through its commit flush any more, and one
-//! NOTIFY carries as many commits as the load brings. A notification that never happens (a
-//! crash between COMMIT and the notifier, a NOTIFY that failed) is repaired by the sweep (D5).
+//! NOTIFY carries as many commits as the load brings.
+//!
+//! The commit feed ([`feed`]) is how every gateway learns of a notification that never
+//! happens (a crash between COMMIT and the notifier, a NOTIFY that failed or was never
+//! sent): each sweep interval it asks the database which events committed since it last
+//! looked and hands them to the delivery task like notifications (D5). While NOTIFY works,
+//! the delivery task has pushed them already and the feed costs one query an interval.
 //!
 //! A notification carries only `conv:seq`. The delivery task ([`deliver`]) takes every
 //! notification waiting, turns them into one range per conversation (from the last seq it
@@ -27,13 +32,20 @@
 //!
 //! Notifications sent while the LISTEN connection is down are gone for good (and sqlx's
 //! listener sometimes reports a reset as an error): any error or loss of the connection
-//! rebuilds the listener and runs a sweep at once (D5), which finds every device left behind.
+//! rebuilds the listener and runs a full pass of the sweep at once (D5), which finds every
+//! device left behind and every install that became stale meanwhile; the commit feed pauses
+//! while the connection is down and starts afresh with the new session.
+//!
+//! Fault points: `fanout.notify` (the NOTIFY), `fanout.read` (a fan-out read),
+//! `fanout.listen` (an attempt to regain LISTEN).
 
 use crate::bugs;
+use crate::faults::{self, points};
 use crate::state::State;
 use crate::store;
 use sqlx::postgres::PgListener;
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -58,75 +70,127 @@ const NOTIFY_BATCH_MAX: usize = 4096;
 
 /// The notifier: NOTIFYs every `(conv, seq)` the send path committed, batched (whatever
 /// arrived while the previous NOTIFY ran), on the fan-out's own connections. Ends when every
-/// [`store::Notifier`] is gone or at shutdown, after notifying what it already has.
+/// [`store::Notifier`] is gone or at shutdown, after notifying what it already has. A NOTIFY
+/// that fails is not retried: every gateway's commit feed ([`feed`]) finds those commits
+/// within one sweep interval (D5).
 pub async fn notify_loop(state: Arc<State>, mut rx: store::NotifierRx) {
     let mut batch: Vec<(String, i64)> = Vec::new();
     loop {
         let first = tokio::select! {
-            // At shutdown, notify what already committed (the sweep would repair it anyway).
+            // At shutdown, notify what already committed (the feed would find it anyway).
             _ = state.cancel.cancelled() => rx.try_recv().ok(),
             x = rx.recv() => x,
         };
         let Some(first) = first else { return };
-        let mut skipped: Vec<(String, i64)> = Vec::new();
-        let mut next = Some(first);
-        while let Some(note) = next.take() {
-            match note {
-                store::Note::Committed(conv, seq) => batch.push((conv, seq)),
-                store::Note::Skipped(conv) => skipped.push((conv, 0)),
-            }
-            if batch.len() < NOTIFY_BATCH_MAX {
-                next = rx.try_recv().ok();
+        batch.push(first);
+        while batch.len() < NOTIFY_BATCH_MAX {
+            match rx.try_recv() {
+                Ok(x) => batch.push(x),
+                Err(_) => break,
             }
         }
-        notify_failed(&state, &skipped);
-        if batch.is_empty() {
-            continue;
-        }
-        let payloads = store::payloads(&batch);
-        let sent = tokio::time::timeout(
-            state.cfg.db_timeout(),
-            store::notify(&state.fanout_pool, &payloads),
-        )
-        .await;
-        match sent {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                notify_failed(&state, &batch);
-                tracing::warn!(
-                    events = batch.len(),
-                    error = %e,
-                    "NOTIFY failed; the sweep will hint"
+        let sent = match faults::gate(points::FANOUT_NOTIFY, "dropped", "failed").await {
+            ControlFlow::Break(why) => Err(format!("fault point {}: {why}", points::FANOUT_NOTIFY)),
+            ControlFlow::Continue(()) => {
+                let payloads = store::payloads(&batch);
+                match tokio::time::timeout(
+                    state.cfg.db_timeout(),
+                    store::notify(&state.fanout_pool, &payloads),
                 )
+                .await
+                {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("timed out".to_string()),
+                }
             }
-            Err(_) => {
-                notify_failed(&state, &batch);
-                tracing::warn!(
-                    events = batch.len(),
-                    "NOTIFY timed out; the sweep will hint"
-                )
-            }
+        };
+        if let Err(e) = sent {
+            tracing::warn!(
+                events = batch.len(),
+                error = %e,
+                "NOTIFY failed; the commit feed finds these commits"
+            );
         }
         batch.clear();
     }
 }
 
-/// D5: committed events nobody was told about (the NOTIFY failed, or the fault point
-/// `send.after_commit_before_notify` skipped it): their conversations become the sweep's
-/// candidates at its next interval, so the receivers of this gateway are hinted within the
-/// bound. (Another gateway on the same database learns of them with the next notification
-/// of the conversation, or at its periodic full pass.)
-fn notify_failed(state: &State, batch: &[(String, i64)]) {
-    let mut convs: Vec<&str> = batch.iter().map(|(c, _)| c.as_str()).collect();
-    convs.sort_unstable();
-    convs.dedup();
-    for conv in convs {
-        state.changes.read_failed(conv);
+/// Most conversations one look of the commit feed hands to fan-out; past it, the sweep runs
+/// a full pass instead (which finds every lagging pair whatever the feed missed).
+pub const FEED_CONVS_MAX: usize = 10_000;
+
+/// The commit feed (D5): every sweep interval, asks the database which events committed
+/// since its last look ([`store::commits_since`]) and hands them to the delivery task as
+/// notifications. Fan-out ([`Order`]) reads only what no notification brought already, so
+/// while NOTIFY works the feed costs one query an interval and no read. It finds what no
+/// notification will ever bring: a NOTIFY that failed or was never sent (the fault points
+/// `send.after_commit_before_notify` and `fanout.notify`), and a commit whose gateway died
+/// before its NOTIFY, wherever the event's audience is connected.
+///
+/// It looks only while this gateway listens (`session` holds the LISTEN session, `None`
+/// while the connection is down) and starts afresh, from a new mark, in each new session:
+/// a lost LISTEN connection may mean a new server (a promoted standby, whose transaction
+/// ids are not the old primary's), and what committed meanwhile is the full pass's (the
+/// LISTEN loop asks for one at once).
+pub async fn feed(
+    state: Arc<State>,
+    tx: mpsc::Sender<Notified>,
+    mut session: tokio::sync::watch::Receiver<Option<u64>>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(state.cfg.sweep_interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut mark: Option<store::FeedMark> = None;
+    let mut looked_in: Option<u64> = None;
+    loop {
+        tokio::select! {
+            _ = state.cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let Some(now) = *session.borrow_and_update() else {
+            continue;
+        };
+        if looked_in != Some(now) {
+            mark = None;
+            looked_in = Some(now);
+        }
+        let look = tokio::time::timeout(
+            state.cfg.db_timeout(),
+            store::commits_since(&state.fanout_pool, mark.as_ref(), FEED_CONVS_MAX),
+        )
+        .await;
+        let (next, found) = match look {
+            Ok(Ok(x)) => x,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "commit feed: look failed; again next interval");
+                continue;
+            }
+            Err(_) => {
+                tracing::debug!("commit feed: look timed out; again next interval");
+                continue;
+            }
+        };
+        mark = Some(next);
+        let Some(found) = found else {
+            tracing::warn!(
+                max = FEED_CONVS_MAX,
+                "commit feed: more conversations committed than it hands on; full pass"
+            );
+            state.changes.ask_full();
+            continue;
+        };
+        for (conv, low, high) in found {
+            for seq in [low, high] {
+                if tx.send(Notified::Event(conv.clone(), seq)).await.is_err() {
+                    return;
+                }
+            }
+        }
     }
 }
 
-/// What the listener hands to the delivery task, in the order it got it.
-enum Notified {
+/// What the listener and the commit feed hand to the delivery task, in the order they got it.
+pub enum Notified {
     /// An `im_events` notification: `conv:seq` committed.
     Event(String, i64),
     /// The LISTEN connection was rebuilt: a new session (possibly on another server, a
@@ -134,10 +198,18 @@ enum Notified {
     NewSession,
 }
 
+/// The LISTEN loop: starts the delivery task and the commit feed, hands every notification
+/// on, and rebuilds the connection whenever it is lost (then sweeps at once, D5).
 pub async fn run(state: Arc<State>, first: PgListener) {
     let (tx, rx) = mpsc::channel::<Notified>(65_536);
     state.tracker.spawn(deliver(state.clone(), rx));
+    // The LISTEN session the commit feed looks in (`None` while the connection is down).
+    let (session_tx, session_rx) = tokio::sync::watch::channel(Some(0u64));
+    state
+        .tracker
+        .spawn(feed(state.clone(), tx.clone(), session_rx));
     let mut listener = Some(first);
+    let mut session = 0u64;
     let mut backoff = Duration::from_millis(50);
     loop {
         let mut l = match listener.take() {
@@ -145,7 +217,7 @@ pub async fn run(state: Arc<State>, first: PgListener) {
             None => {
                 let r = tokio::select! {
                     _ = state.cancel.cancelled() => return,
-                    r = listen(&state.pool) => r,
+                    r = relisten(&state) => r,
                 };
                 match r {
                     Ok(l) => {
@@ -155,6 +227,8 @@ pub async fn run(state: Arc<State>, first: PgListener) {
                         if tx.send(Notified::NewSession).await.is_err() {
                             return;
                         }
+                        session += 1;
+                        let _ = session_tx.send(Some(session));
                         l
                     }
                     Err(e) => {
@@ -169,51 +243,67 @@ pub async fn run(state: Arc<State>, first: PgListener) {
                 }
             }
         };
-        loop {
-            let r = tokio::select! {
-                _ = state.cancel.cancelled() => return,
-                r = l.try_recv() => r,
-            };
-            match r {
-                Ok(Some(n)) if n.channel() == store::ADMIN_CHANNEL => {
-                    match n.payload().strip_prefix("device:") {
-                        Some(device) => {
-                            let (st, device) = (state.clone(), device.to_string());
-                            state
-                                .tracker
-                                .spawn(async move { revoke(&st, &device).await });
-                        }
-                        None => tracing::warn!(
-                            payload = n.payload(),
-                            "unknown admin notification ignored"
-                        ),
+        if !receive(&state, &mut l, &tx).await {
+            return;
+        }
+        // Drop the old listener entirely and build a new one (a full pass follows once it
+        // is regained: one now would miss whatever commits before then).
+        drop(l);
+        let _ = session_tx.send(None);
+    }
+}
+
+/// One attempt to regain the LISTEN connection (the `fanout.listen` point can fail it).
+async fn relisten(state: &State) -> anyhow::Result<PgListener> {
+    if faults::gate(points::FANOUT_LISTEN, (), ()).await.is_break() {
+        anyhow::bail!("fault point {}", points::FANOUT_LISTEN);
+    }
+    Ok(listen(&state.pool).await?)
+}
+
+/// Hands on every notification of one LISTEN session until the connection is lost
+/// (`true`) or the gateway stops (`false`).
+async fn receive(state: &Arc<State>, l: &mut PgListener, tx: &mpsc::Sender<Notified>) -> bool {
+    loop {
+        let r = tokio::select! {
+            _ = state.cancel.cancelled() => return false,
+            r = l.try_recv() => r,
+        };
+        match r {
+            Ok(Some(n)) if n.channel() == store::ADMIN_CHANNEL => {
+                match n.payload().strip_prefix("device:") {
+                    Some(device) => {
+                        let (st, device) = (state.clone(), device.to_string());
+                        state
+                            .tracker
+                            .spawn(async move { revoke(&st, &device).await });
                     }
-                }
-                Ok(Some(n)) => {
-                    for line in n.payload().lines() {
-                        match parse_line(line) {
-                            Some((conv, seq)) => {
-                                if tx.send(Notified::Event(conv, seq)).await.is_err() {
-                                    return;
-                                }
-                            }
-                            None => tracing::warn!(line, "malformed notification ignored"),
-                        }
+                    None => {
+                        tracing::warn!(payload = n.payload(), "unknown admin notification ignored")
                     }
-                }
-                Ok(None) => {
-                    tracing::warn!("LISTEN connection lost: notifications in between are gone");
-                    break;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "LISTEN connection failed: notifications in between are gone");
-                    break;
                 }
             }
+            Ok(Some(n)) => {
+                for line in n.payload().lines() {
+                    match parse_line(line) {
+                        Some((conv, seq)) => {
+                            if tx.send(Notified::Event(conv, seq)).await.is_err() {
+                                return false;
+                            }
+                        }
+                        None => tracing::warn!(line, "malformed notification ignored"),
+                    }
+                }
+            }
+            Ok(None) => {
+                tracing::warn!("LISTEN connection lost: notifications in between are gone");
+                return true;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "LISTEN connection failed: notifications in between are gone");
+                return true;
+            }
         }
-        // Drop the old listener entirely and build a new one (then sweep).
-        drop(l);
-        state.sweep_now.notify_one();
     }
 }
 
@@ -383,11 +473,19 @@ async fn deliver_batch(state: &State, order: &mut Order, notified: &[(String, i6
         }
         return;
     }
-    let read = tokio::time::timeout(
-        state.cfg.db_timeout(),
-        store::events_with_audience(&state.fanout_pool, &ranges),
-    )
-    .await;
+    let read = match faults::gate(points::FANOUT_READ, (), ()).await {
+        ControlFlow::Break(()) => Ok(Err(sqlx::Error::Protocol(format!(
+            "fault point {}",
+            points::FANOUT_READ
+        )))),
+        ControlFlow::Continue(()) => {
+            tokio::time::timeout(
+                state.cfg.db_timeout(),
+                store::events_with_audience(&state.fanout_pool, &ranges),
+            )
+            .await
+        }
+    };
     let events = match read {
         Ok(Ok(events)) => events,
         // Nothing recorded as read: a later notification of the same conversation reads

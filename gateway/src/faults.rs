@@ -31,6 +31,18 @@ pub mod points {
     /// An inbound `ack`, as it is read: `drop` loses it before it reaches the database
     /// (the note's "lost ack frame"; the sweep hints again and the device re-acks).
     pub const GW_RECV_ACK: &str = "gw.recv.ack";
+    /// The notifier's NOTIFY statement, about to be sent: `drop` sends nothing (the
+    /// notifications never happen), `error` fails it as a refused statement would; either
+    /// way every gateway's commit feed repairs it (D5).
+    pub const FANOUT_NOTIFY: &str = "fanout.notify";
+    /// A fan-out read (a batch of notified events with their audiences), about to run:
+    /// `drop` and `error` fail it as a database error would (the sweep asks about those
+    /// conversations, D5).
+    pub const FANOUT_READ: &str = "fanout.read";
+    /// An attempt to regain the LISTEN connection after it was lost: `drop` and `error` fail
+    /// the attempt (the next one follows after the backoff), so notifications, install
+    /// changes included, stay lost for as long as it is armed.
+    pub const FANOUT_LISTEN: &str = "fanout.listen";
 
     pub const ALL: &[&str] = &[
         SEND_BEFORE_INSERT,
@@ -41,6 +53,9 @@ pub mod points {
         GW_REPLY_ACK,
         GW_PUSH,
         GW_RECV_ACK,
+        FANOUT_NOTIFY,
+        FANOUT_READ,
+        FANOUT_LISTEN,
     ];
 }
 
@@ -86,6 +101,21 @@ pub const POINT_DOCS: &[(&str, &str, &str)] = &[
         points::GW_RECV_ACK,
         "conn (connection reader)",
         "an inbound `ack`, as it is read, before it reaches the database",
+    ),
+    (
+        points::FANOUT_NOTIFY,
+        "fanout::notify_loop (the notifier)",
+        "the NOTIFY of a batch of commits, about to be sent (drop: not sent; error: fails)",
+    ),
+    (
+        points::FANOUT_READ,
+        "fanout (delivery task)",
+        "a fan-out read of notified events, about to run (drop/error: it fails)",
+    ),
+    (
+        points::FANOUT_LISTEN,
+        "fanout::run (LISTEN loop)",
+        "an attempt to regain the lost LISTEN connection (drop/error: it fails)",
     ),
 ];
 

@@ -31,8 +31,8 @@ pub struct State {
     pub sweep_now: Notify,
     /// Failed hellos per source address and per device id.
     pub hello_throttle: HelloThrottle,
-    /// The fan-out's own connections (the notifier's NOTIFYs and the fan-out reads,
-    /// [`FANOUT_POOL_MAX`]): they never queue behind requests for `pool`.
+    /// The fan-out's own connections (the notifier's NOTIFYs, the fan-out reads and the
+    /// commit feed, [`FANOUT_POOL_MAX`]): they never queue behind requests for `pool`.
     pub fanout_pool: PgPool,
     /// Where the send path hands every committed `(conv, seq)` (after COMMIT returned).
     pub notifier: Notifier,
@@ -40,8 +40,9 @@ pub struct State {
     pub changes: crate::changes::Changes,
 }
 
-/// Connections of [`State::fanout_pool`]: one for the notifier, one for fan-out reads.
-pub const FANOUT_POOL_MAX: u32 = 2;
+/// Connections of [`State::fanout_pool`]: one each for the notifier, the fan-out reads and
+/// the commit feed.
+pub const FANOUT_POOL_MAX: u32 = 3;
 
 impl State {
     /// Runs database work for a request with the `IM_DB_TIMEOUT_MS` deadline. The work runs

@@ -33,24 +33,14 @@ const PAYLOAD_MAX_BYTES: usize = 7_000;
 /// The send path's handle on the notifier task (`fanout::notify_loop`): [`send`] hands it
 /// every `(conv, seq)` it committed, only after COMMIT returned, and never waits. The
 /// notifier sends them as NOTIFYs in their own statement, batched: no send transaction
-/// holds NOTIFY's cluster-wide lock through its commit any more.
+/// holds NOTIFY's cluster-wide lock through its commit flush any more.
 #[derive(Clone, Debug)]
 pub struct Notifier {
-    tx: tokio::sync::mpsc::UnboundedSender<Note>,
+    tx: tokio::sync::mpsc::UnboundedSender<(String, i64)>,
 }
 
-/// What the send path tells the notifier.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Note {
-    /// `conv:seq` committed: notify it.
-    Committed(String, i64),
-    /// An event of `conv` committed and will not be notified (a fault skipped it): the
-    /// sweep must look at the conversation (D5).
-    Skipped(String),
-}
-
-/// The notifier task's side of [`Notifier`].
-pub type NotifierRx = tokio::sync::mpsc::UnboundedReceiver<Note>;
+/// The notifier task's side of [`Notifier`]: committed `(conv, seq)` pairs.
+pub type NotifierRx = tokio::sync::mpsc::UnboundedReceiver<(String, i64)>;
 
 impl Notifier {
     pub fn new() -> (Notifier, NotifierRx) {
@@ -59,15 +49,9 @@ impl Notifier {
     }
 
     /// `conv:seq` committed: to be notified. If the notifier is gone (shutdown), nothing
-    /// is: the sweep repairs a notification that never happens (D5).
+    /// is: every gateway's commit feed finds a notification that never happens (D5).
     pub fn committed(&self, conv: &str, seq: i64) {
-        let _ = self.tx.send(Note::Committed(conv.to_string(), seq));
-    }
-
-    /// An event of `conv` committed but is not to be notified (fault point
-    /// `send.after_commit_before_notify`): the sweep is told instead (D5).
-    pub fn skipped(&self, conv: &str) {
-        let _ = self.tx.send(Note::Skipped(conv.to_string()));
+        let _ = self.tx.send((conv.to_string(), seq));
     }
 }
 
@@ -402,7 +386,8 @@ async fn not_inserted(
 /// `(conv, seq)` goes to the `notifier`, which NOTIFYs it in a statement of its own
 /// (batched with others): NOTIFY's cluster-wide lock is no longer held through the send's
 /// commit flush. A notification that never happens (a crash at
-/// `send.after_commit_before_notify`, a NOTIFY that failed) is repaired by the sweep (D5).
+/// `send.after_commit_before_notify`, a NOTIFY that failed) is found by every gateway's
+/// commit feed ([`commits_since`]) within one sweep interval (D5).
 ///
 /// D1: the caller replies only with what this returns, and this returns only after COMMIT
 /// returned. No push before its commit: fan-out pushes only what a notification names, and
@@ -566,11 +551,10 @@ pub async fn send(
     if point.is_continue() {
         notifier.committed(conv, seq);
     } else {
-        notifier.skipped(conv);
         tracing::info!(
             conv,
             seq,
-            "notification skipped (fault); the sweep repairs it"
+            "notification skipped (fault); the commit feed finds it"
         );
     }
     Ok(SendOutcome::Reply(sent))
@@ -888,6 +872,67 @@ pub async fn events_with_audience(
             (event_from(r), audience)
         })
         .collect())
+}
+
+/// Where the commit feed last looked: a snapshot as `pg_current_snapshot()` renders it
+/// (`xmin:xmax:xip,…`), only ever handed back to [`commits_since`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FeedMark(String);
+
+/// What one look of the commit feed found: per conversation, the lowest and highest seq
+/// committed since the previous mark.
+pub type FeedRow = (String, i64, i64);
+
+/// The commit feed's query. One statement, so its snapshot and the mark it returns are one:
+/// the events whose transaction `$1` did not see (`pg_visible_in_snapshot`) and this
+/// statement does, i.e. committed in between, exactly, whatever order transactions took
+/// their xids or committed in. The `events_xid_idx` range scan starts at `$1`'s xmin (every
+/// transaction `$1` did not see is at or above it). At most `$2` conversations (the caller
+/// asks for one more to tell that the list was cut).
+const COMMITS_SINCE_SQL: &str = "
+SELECT pg_current_snapshot()::text, NULL::text, NULL::bigint, NULL::bigint
+UNION ALL
+(SELECT NULL, e.conv_id, min(e.seq), max(e.seq) FROM events e
+ WHERE e.xid >= pg_snapshot_xmin($1::text::pg_snapshot)
+   AND NOT pg_visible_in_snapshot(e.xid, $1::text::pg_snapshot)
+ GROUP BY e.conv_id
+ LIMIT $2)";
+
+/// The commit feed (D5, on every gateway): the events committed since `since` was taken,
+/// as one [`FeedRow`] per conversation (at most `max`; `None` when more conversations than
+/// that committed, so the caller must look some other way), and the mark to ask from next
+/// time. With `since` `None` it only takes a mark.
+///
+/// A notification that never came (the committing gateway's NOTIFY failed or was never
+/// sent, or that gateway died between COMMIT and NOTIFY) is thereby found by every gateway,
+/// wherever the event's audience is connected.
+pub async fn commits_since(
+    pool: &PgPool,
+    since: Option<&FeedMark>,
+    max: usize,
+) -> Result<(FeedMark, Option<Vec<FeedRow>>), sqlx::Error> {
+    let Some(since) = since else {
+        let mark: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
+            .fetch_one(pool)
+            .await?;
+        return Ok((FeedMark(mark), Some(Vec::new())));
+    };
+    let rows = sqlx::query(COMMITS_SINCE_SQL)
+        .bind(&since.0)
+        .bind(i64::try_from(max.saturating_add(1)).unwrap_or(i64::MAX))
+        .fetch_all(pool)
+        .await?;
+    let mut mark = None;
+    let mut found = Vec::new();
+    for r in rows {
+        match r.get::<Option<String>, _>(0) {
+            Some(m) => mark = Some(FeedMark(m)),
+            None => found.push((r.get(1), r.get(2), r.get(3))),
+        }
+    }
+    let mark =
+        mark.ok_or_else(|| sqlx::Error::Protocol("the commit feed returned no mark".into()))?;
+    Ok((mark, (found.len() <= max).then_some(found)))
 }
 
 /// The tail every sweep query shares: from `pairs(device_id, epoch, user_id, conv_id)`

@@ -45,9 +45,10 @@ use std::time::{Duration, Instant};
 /// 1 s interval a routine pass starts a minute after the last one ended.
 pub const FULL_PASS_EVERY_INTERVALS: u64 = 60;
 
-/// Installs per full-pass page (each page is one query over their conversations: about
-/// 10k pairs at 20 conversations per device, a few hundred milliseconds on a loaded
-/// machine, far inside `IM_DB_TIMEOUT_MS`).
+/// Installs per full-pass page by default (`IM_SWEEP_PAGE_INSTALLS`; each page is one query
+/// over their conversations: about 10k pairs at 20 conversations per device, a few hundred
+/// milliseconds on a loaded machine, far inside `IM_DB_TIMEOUT_MS`). Newly subscribed
+/// installs are asked about in pages of this size too.
 pub const PAGE_INSTALLS: usize = 500;
 
 /// Candidate pairs per query of the regular sweep (same bound as a page).
@@ -61,6 +62,25 @@ type Install = (String, i64);
 struct FullPass {
     after: Option<Install>,
     urgent: bool,
+    /// Why it started (logged when it ends).
+    why: &'static str,
+    /// Pages and installs asked about so far.
+    pages: usize,
+    installs: usize,
+    began: Instant,
+}
+
+impl FullPass {
+    fn new(urgent: bool, why: &'static str) -> FullPass {
+        FullPass {
+            after: None,
+            urgent,
+            why,
+            pages: 0,
+            installs: 0,
+            began: Instant::now(),
+        }
+    }
 }
 
 /// What one interval did (logged at debug level; the tests read it).
@@ -161,16 +181,19 @@ impl Sweeper {
         self.lagging.retain(|k, _| by_install.contains_key(k));
 
         let drained = state.changes.take();
-        if full_now || drained.full || !self.started {
-            self.full = Some(FullPass {
-                after: None,
-                urgent: true,
-            });
+        let urgent = if !self.started {
+            Some("start")
+        } else if full_now {
+            Some("LISTEN connection lost")
+        } else if drained.full {
+            Some("record overflowed or a query failed")
+        } else {
+            None
+        };
+        if let Some(why) = urgent {
+            self.full = Some(FullPass::new(true, why));
         } else if self.full.is_none() && self.since_full >= FULL_PASS_EVERY_INTERVALS {
-            self.full = Some(FullPass {
-                after: None,
-                urgent: false,
-            });
+            self.full = Some(FullPass::new(false, "routine"));
         }
         self.started = true;
         if self.full.is_none() {
@@ -217,7 +240,7 @@ impl Sweeper {
             .into_iter()
             .filter_map(|k| user(&k).map(|u| (k, u)))
             .collect();
-        for page in fresh.chunks(PAGE_INSTALLS) {
+        for page in fresh.chunks(state.cfg.sweep_page_installs) {
             report.candidate_installs += page.len();
             self.ask_installs(state, page, report).await?;
         }
@@ -263,7 +286,20 @@ impl Sweeper {
                 self.apply_convs(page, rows, |k| by_install.contains_key(k));
             }
         }
-        // The full pass, page by page, within its share of the interval (one page at least).
+        self.full_pass_pages(state, by_install, interval_ms, report)
+            .await
+    }
+
+    /// The full pass under way, page by page in install order (keyset: each page starts
+    /// after the last install of the one before, so a pass asks about each install once),
+    /// within its share of the interval (one page at least). Logs its end.
+    async fn full_pass_pages(
+        &mut self,
+        state: &State,
+        by_install: &HashMap<Install, Vec<Arc<ConnHandle>>>,
+        interval_ms: u64,
+        report: &mut Interval,
+    ) -> anyhow::Result<()> {
         let Some(pass) = &self.full else {
             return Ok(());
         };
@@ -275,19 +311,30 @@ impl Sweeper {
         let begun = Instant::now();
         let mut order: Vec<&Install> = by_install.keys().collect();
         order.sort_unstable();
+        let user = |k: &Install| by_install.get(k).map(|cs| cs[0].who.user.clone());
         loop {
-            let after = self.full.as_ref().and_then(|p| p.after.clone());
-            let from = match &after {
+            let Some(pass) = &self.full else {
+                return Ok(());
+            };
+            let from = match &pass.after {
                 Some(a) => order.partition_point(|k| *k <= a),
                 None => 0,
             };
             let page: Vec<(Install, String)> = order[from..]
                 .iter()
-                .take(PAGE_INSTALLS)
+                .take(state.cfg.sweep_page_installs)
                 .filter_map(|&k| user(k).map(|u| (k.clone(), u)))
                 .collect();
             let Some(last) = page.last().map(|p| p.0.clone()) else {
-                self.full = None;
+                if let Some(p) = self.full.take() {
+                    tracing::info!(
+                        why = p.why,
+                        pages = p.pages,
+                        installs = p.installs,
+                        took_ms = p.began.elapsed().as_millis() as u64,
+                        "sweep: full pass ended"
+                    );
+                }
                 self.since_full = 0;
                 report.full_pass_ended = true;
                 return Ok(());
@@ -296,6 +343,8 @@ impl Sweeper {
             report.pages += 1;
             if let Some(p) = &mut self.full {
                 p.after = Some(last);
+                p.pages += 1;
+                p.installs += page.len();
             }
             if begun.elapsed() >= budget {
                 return Ok(());

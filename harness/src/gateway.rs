@@ -343,10 +343,19 @@ pub struct GatewayOpts {
     /// Further variables, applied last: names must start with `IM_` (e.g.
     /// `IM_QUEUE_FRAMES_MAX`) or be `RUST_LOG` / `RUST_BACKTRACE`.
     pub env: Vec<(String, String)>,
+    /// Serve the fault control socket (`IM_FAULT_CONTROL`, beside the log file), so that
+    /// faults can be armed and disarmed while the gateway runs ([`Gateway::control`]).
+    pub control: bool,
 }
 
-/// `im-gateway serve` with a cleared environment plus the allow-list.
-fn serve_command(bin: &Path, db_url: &str, opts: &GatewayOpts) -> anyhow::Result<Command> {
+/// `im-gateway serve` with a cleared environment plus the allow-list (and
+/// `IM_FAULT_CONTROL=control` when given).
+fn serve_command(
+    bin: &Path,
+    db_url: &str,
+    opts: &GatewayOpts,
+    control: Option<&Path>,
+) -> anyhow::Result<Command> {
     let mut cmd = Command::new(bin);
     cmd.arg("serve").env_clear();
     if let Some(path) = std::env::var_os("PATH") {
@@ -368,6 +377,9 @@ fn serve_command(bin: &Path, db_url: &str, opts: &GatewayOpts) -> anyhow::Result
     if let Some(bug) = gateway_bug() {
         cmd.env("IM_BUG", bug);
     }
+    if let Some(path) = control {
+        cmd.env("IM_FAULT_CONTROL", path);
+    }
     for (name, value) in &opts.env {
         if !(name.starts_with("IM_") || name == "RUST_LOG" || name == "RUST_BACKTRACE") {
             bail!("GatewayOpts.env: {name} is not allowed (only IM_*, RUST_LOG, RUST_BACKTRACE)");
@@ -377,6 +389,28 @@ fn serve_command(bin: &Path, db_url: &str, opts: &GatewayOpts) -> anyhow::Result
     cmd.stdin(Stdio::null());
     set_parent_death_signal(&mut cmd, Signal::SIGKILL);
     Ok(cmd)
+}
+
+/// How long one fault control command may take.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// One command on a gateway's fault control socket at `path`; its reply line, which must
+/// start with `ok`.
+pub async fn fault_control(path: &Path, cmd: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let r = tokio::time::timeout(CONTROL_TIMEOUT, async {
+        let mut s = tokio::net::UnixStream::connect(path)
+            .await
+            .with_context(|| format!("connect {}", path.display()))?;
+        s.write_all(format!("{cmd}\n").as_bytes()).await?;
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).await?;
+        anyhow::Ok(line.trim().to_string())
+    })
+    .await
+    .with_context(|| format!("fault control `{cmd}` timed out"))??;
+    anyhow::ensure!(r.starts_with("ok"), "fault control `{cmd}`: {r}");
+    Ok(r)
 }
 
 fn next_log_path(log_dir: &Path) -> anyhow::Result<PathBuf> {
@@ -398,6 +432,8 @@ pub struct Gateway {
     exit: Option<ExitStatus>,
     /// Copies stdout into the log; finishes at the child's exit.
     stdout_reader: Option<std::thread::JoinHandle<()>>,
+    /// Its fault control socket ([`GatewayOpts::control`]).
+    control: Option<PathBuf>,
 }
 
 impl Gateway {
@@ -422,7 +458,8 @@ impl Gateway {
         let stderr = log
             .try_clone()
             .with_context(|| format!("dup {}", log_path.display()))?;
-        let mut cmd = serve_command(&bin, db_url, opts)?;
+        let control = opts.control.then(|| log_path.with_extension("sock"));
+        let mut cmd = serve_command(&bin, db_url, opts, control.as_deref())?;
         cmd.stdout(Stdio::piped()).stderr(Stdio::from(stderr));
         let child = cmd
             .spawn()
@@ -434,6 +471,7 @@ impl Gateway {
             log_path,
             exit: None,
             stdout_reader: None,
+            control,
         };
         let stdout = gw.child.stdout.take().context("gateway stdout not piped")?;
         let (ready_tx, mut ready_rx) = tokio::sync::oneshot::channel::<String>();
@@ -491,6 +529,17 @@ impl Gateway {
             }
             Err(e) => Err(e).with_context(|| format!("{}:\n{}", gw.log_path.display(), gw.tail())),
         }
+    }
+
+    /// One command on the gateway's fault control socket (`arm SPEC`, `disarm POINT|all`,
+    /// `list`): its `ok …` reply, or an error for any other reply. Needs
+    /// [`GatewayOpts::control`].
+    pub async fn control(&self, cmd: &str) -> anyhow::Result<String> {
+        let path = self
+            .control
+            .as_deref()
+            .context("the gateway was started without GatewayOpts::control")?;
+        fault_control(path, cmd).await
     }
 
     /// The address `serve` bound.
@@ -673,7 +722,7 @@ pub async fn run_serve_expect_exit(
 ) -> anyhow::Result<(ExitStatus, String)> {
     let bin = gateway_bin()?;
     let log_path = next_log_path(log_dir)?;
-    let mut cmd = tokio::process::Command::from(serve_command(&bin, db_url, opts)?);
+    let mut cmd = tokio::process::Command::from(serve_command(&bin, db_url, opts, None)?);
     cmd.stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
@@ -710,7 +759,7 @@ mod tests {
             sqlx::query_scalar("SELECT version FROM _sqlx_migrations ORDER BY version")
                 .fetch_all(&pool)
                 .await?;
-        assert_eq!(versions, vec![1, 2]);
+        assert_eq!(versions, vec![1, 2, 3]);
         sqlx::query("UPDATE _sqlx_migrations SET checksum = '\\x00'::bytea WHERE version = 2")
             .execute(&pool)
             .await?;

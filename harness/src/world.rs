@@ -114,6 +114,15 @@ pub struct Failover {
 /// device -> conv -> seq -> mid, as the client state files hold them.
 type Stores = BTreeMap<String, BTreeMap<String, BTreeMap<i64, String>>>;
 
+/// A fault armed on a running gateway ([`World::arm_fault`]).
+#[derive(Debug)]
+pub struct ArmedFault {
+    pub gateway: usize,
+    pub point: String,
+    /// Its history period.
+    id: u64,
+}
+
 /// What [`World::judge`] found.
 pub struct Judgement {
     pub report: Report,
@@ -172,7 +181,7 @@ impl World {
         } else {
             None
         };
-        let gw_db_url = gateway_db_url(&db_proxy, &db_url);
+        let gw_db_url = gateway_db_url(&db_proxy, &db_url, 0);
         let gw = Gateway::start(&gw_db_url, &opts, &pg.log_dir()).await?;
         record_gateway_start(&hist, 0, &opts);
         Ok(World {
@@ -335,12 +344,58 @@ impl World {
                 .await
                 .context("join the faults check")??;
         }
-        let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url);
-        let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
         let i = self.more.len() + 1;
+        let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
+        let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
         record_gateway_start(&self.hist, i, &opts);
         self.more.push((gw, opts));
         Ok(i)
+    }
+
+    /// Arms `spec` (`point:action[:skip[:count]]`, `IM_FAULT` syntax) on gateway `i` through
+    /// its fault control socket ([`GatewayOpts::control`]), recorded in the history as a
+    /// `gw-fault` period that [`World::disarm_fault`] ends.
+    pub async fn arm_fault(&self, i: usize, spec: &str) -> anyhow::Result<ArmedFault> {
+        let mut parts = spec.split(':');
+        let point = parts.next().unwrap_or_default().to_string();
+        let action = parts
+            .next()
+            .context("a fault spec is point:action…")?
+            .to_string();
+        self.gw_at(i).control(&format!("arm {spec}")).await?;
+        let id = self.hist.nemesis_start(
+            "fault",
+            json!({"kind": "gw-fault", "point": point, "action": action, "spec": spec, "gateway": i}),
+        );
+        Ok(ArmedFault {
+            gateway: i,
+            point,
+            id,
+        })
+    }
+
+    /// Disarms what [`World::arm_fault`] armed and ends its history period.
+    pub async fn disarm_fault(&self, f: ArmedFault) -> anyhow::Result<()> {
+        self.gw_at(f.gateway)
+            .control(&format!("disarm {}", f.point))
+            .await?;
+        self.hist.nemesis_end(
+            "fault",
+            f.id,
+            json!({"kind": "gw-fault", "point": f.point, "gateway": f.gateway}),
+        );
+        Ok(())
+    }
+
+    /// The backend of gateway `i`'s LISTEN connection, if it has one now.
+    pub async fn listen_backend(&self, i: usize) -> anyhow::Result<Option<i32>> {
+        let pool = self.pool().await?;
+        Ok(sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query ILIKE 'listen%'",
+        )
+        .bind(gateway_app_name(i))
+        .fetch_optional(&pool)
+        .await?)
     }
 
     /// How many gateways the world holds (the first one included).
@@ -373,7 +428,7 @@ impl World {
         } else {
             self.kill_gateway_at(i);
         }
-        let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url);
+        let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
         let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
         record_gateway_start(&self.hist, i, &opts);
         if i == 0 {
@@ -541,14 +596,21 @@ fn url_at(port: u16) -> String {
     format!("postgres://postgres@127.0.0.1:{port}/postgres")
 }
 
-/// Where the gateways connect: through the database proxy when there is one, named
-/// `im-gateway` in `pg_stat_activity` (so a nemesis can terminate the gateway's backends,
-/// not the harness's), else the world's database address.
-fn gateway_db_url(proxy: &Option<Proxy>, db_url: &str) -> String {
-    match proxy {
-        Some(p) => format!("{}?application_name=im-gateway", url_at(p.addr().port())),
+/// Where gateway `i` connects: through the database proxy when there is one, else the
+/// world's database address; named `im-gateway-<i>` in `pg_stat_activity`, so that a check
+/// or the nemesis can terminate one gateway's backends (not the harness's, not another
+/// gateway's).
+fn gateway_db_url(proxy: &Option<Proxy>, db_url: &str, i: usize) -> String {
+    let base = match proxy {
+        Some(p) => url_at(p.addr().port()),
         None => db_url.to_string(),
-    }
+    };
+    format!("{base}?application_name={}", gateway_app_name(i))
+}
+
+/// Gateway `i`'s `application_name` ([`gateway_db_url`]).
+pub fn gateway_app_name(i: usize) -> String {
+    format!("im-gateway-{i}")
 }
 
 /// The port of a `postgres://…@HOST:PORT/…` URL.

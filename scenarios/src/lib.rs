@@ -614,7 +614,7 @@ pub const IM06_CHECKS: &[CheckInfo] = &[
         id: "06-crash-send.after_commit_before_notify",
         test: "im06_crash_send_after_commit_before_notify",
         invariants: &["D1", "D2", "D5"],
-        what: "The gateway halts after COMMIT and before the notifier is told: the row exists though nothing was pushed, the replay answers dup:true with the original seq, and the receiver gets it by sync; a notification skipped with the receiver online is repaired by the sweep's hint within sweep interval + 1 s.",
+        what: "The gateway halts after COMMIT and before the notifier is told: the row exists though nothing was pushed, the replay answers dup:true with the original seq, and the receiver gets it by sync; a notification skipped with the receiver online is found by the commit feed and pushed within sweep interval + 1 s.",
     },
     CheckInfo {
         id: "06-lost-reply-retry",

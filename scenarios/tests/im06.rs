@@ -162,8 +162,10 @@ async fn im06_crash_api_after_send_commit() {
 /// durable (1 row) though nobody was notified and nothing was pushed; the sender's replay
 /// through a restarted gateway answers dup:true with the original seq; the receiver, back
 /// on that gateway, gets it by sync within D5's bound. Then, receiver online, one more
-/// notification is skipped (`send.after_commit_before_notify:drop:0:1`): the sweep's hint
-/// makes the receiver sync and ack it within sweep interval + 1 s, with no push at all.
+/// notification is skipped (`send.after_commit_before_notify:drop:0:1`) once the receiver
+/// has been subscribed and idle for four sweep intervals: the gateway's commit feed finds
+/// the commit at its next look and fan-out pushes it, so the receiver stores and acks it
+/// within sweep interval + 1 s, by push, with no sync.
 #[tokio::test]
 async fn im06_crash_send_after_commit_before_notify() {
     let point = "send.after_commit_before_notify";
@@ -244,7 +246,9 @@ async fn im06_crash_send_after_commit_before_notify() {
         c.observe("reconnect_catch_up_ms", ms(t0.elapsed()));
         c.expect("receiver_caught_up_within_bound", true, caught_up.is_ok());
 
-        // Receiver online: a notification skipped after the commit is repaired by the sweep.
+        // Receiver online and idle for four sweep intervals (its new subscription's pass ran
+        // long before): a notification skipped after the commit can only be found by the feed.
+        tokio::time::sleep(Duration::from_millis(sweep_ms * 4)).await;
         let sent = a
             .send("c1", "cmid-notify-2", "committed, notification dropped", T)
             .await
@@ -255,8 +259,8 @@ async fn im06_crash_send_after_commit_before_notify() {
         c.expect("second_seq", seq + 1, seq2);
         let repaired = b.wait_server_delivered("c1", seq2, bound).await;
         let took = t1.elapsed();
-        c.expect("swept_within_bound", true, repaired.is_ok());
-        c.expect_le("sweep_repair_ms", ms(bound), ms(took));
+        c.expect("repaired_within_bound", true, repaired.is_ok());
+        c.expect_le("feed_repair_ms", ms(bound), ms(took));
         c.observe("bound_ms", bound.as_millis() as u64);
         c.observe("sweep_interval_ms", sweep_ms);
         let dropped = format!("fault fired: point={point} action=drop hit=1");
@@ -266,11 +270,10 @@ async fn im06_crash_send_after_commit_before_notify() {
             w.gw().log_text().contains(&dropped),
         );
         let s = b.stats();
-        c.expect("pushes_received", 0, s.pushes_received);
-        c.expect("events_synced", 2, s.events_synced);
-        c.expect_ge(
+        c.expect("pushes_received (the feed's)", 1, s.pushes_received);
+        c.expect("events_synced (at the reconnect)", 1, s.events_synced);
+        c.observe(
             "sweep_hints_received",
-            1,
             s.hints_received.get("sweep").copied().unwrap_or(0),
         );
         c.expect("stored_seqs", vec![seq, seq2], b.stored_seqs("c1"));

@@ -637,15 +637,15 @@ async fn sweep_stops_hinting_a_device_that_caught_up() {
     assert_invariants(&w).await;
 }
 
-/// D5 after a LISTEN loss: a head that moved without this gateway being notified (an event
-/// inserted by SQL without `pg_notify`: what a notification lost with the LISTEN connection,
-/// or never sent, leaves behind) is found by the full pass the gateway runs when it regains
-/// LISTEN. The regular sweep asks only about what fan-out pushed, and its routine full pass
-/// is 60 intervals (12 s) away, so b1 catching up within 3 s of the LISTEN backend's
-/// termination is that pass's doing. The history checker is not run: the SQL row has no send
-/// in any client's history (it would rightly call it never sent); the database invariants are.
+/// D5, the commit feed: an event committed by SQL without any notification (what another
+/// writer of the database, or a gateway that died between COMMIT and NOTIFY, leaves behind)
+/// is found by the gateway's commit feed at its next look and pushed: b1, subscribed and
+/// idle, stores and acks it within sweep interval + 1 s, by push, with no hint (the sweep's
+/// routine full pass is 60 intervals, 12 s, away; the LISTEN connection stays up, so no
+/// other pass runs). The history checker is not run: the SQL row has no send in any
+/// client's history (it would rightly call it never sent); the database invariants are.
 #[tokio::test]
-async fn full_pass_after_listen_loss_finds_a_head_moved_unnotified() {
+async fn commit_feed_pushes_an_event_committed_without_a_notification() {
     let w = World::start(GatewayOpts {
         sweep_ms: Some(200),
         ..Default::default()
@@ -655,6 +655,8 @@ async fn full_pass_after_listen_loss_finds_a_head_moved_unnotified() {
     let (a, b) = alice_and_bob(&w).await.unwrap();
     a.send("c1", "m1", "x", T).await.unwrap();
     b.wait_server_delivered("c1", 1, T).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await; // idle: four intervals
+    let before = b.stats();
     let pool = w.pool().await.unwrap();
     let mut tx = pool.begin().await.unwrap();
     let seq: i64 = sqlx::query_scalar(
@@ -672,17 +674,15 @@ async fn full_pass_after_listen_loss_finds_a_head_moved_unnotified() {
     .await
     .unwrap();
     tx.commit().await.unwrap();
+    let t0 = Instant::now();
     assert_eq!(seq, 2);
-    let listen_pid: i32 = sqlx::query_scalar(
-        "SELECT pid FROM pg_stat_activity WHERE query ILIKE 'listen%' AND pid <> pg_backend_pid()",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert!(w.terminate_backend(listen_pid).await.unwrap());
-    b.wait_server_delivered("c1", 2, Duration::from_secs(3))
+    b.wait_server_delivered("c1", 2, Duration::from_millis(1200))
         .await
         .unwrap();
+    let after = b.stats();
+    assert_eq!(after.pushes_received, before.pushes_received + 1, "by push");
+    assert_eq!(after.events_synced, before.events_synced, "no sync");
+    println!("the feed delivered it {:?} after its commit", t0.elapsed());
     assert_eq!(b.stored_seqs("c1"), vec![1, 2]);
     let v = db_invariant_violations(&pool).await.unwrap();
     assert!(v.is_empty(), "database invariants violated: {v:?}");

@@ -29,8 +29,6 @@ use tokio::sync::watch;
 
 /// Timeout of the clients' requests (sends, syncs, acks, hello).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// Timeout of one command on the gateway's fault control socket.
-const CONTROL_TIMEOUT: Duration = Duration::from_secs(1);
 /// Timeout of a harness query during the faults (a paused database answers nothing).
 const QUERY_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a membership change that failed (the database is away) is tried again.
@@ -77,7 +75,7 @@ impl Outcome {
 
     /// A run that could not be carried out or judged; `fault_log` holds the faults
     /// carried out until then (each with its error, if it had one).
-    fn error(
+    pub fn error(
         seed: u64,
         repeat: String,
         e: &anyhow::Error,
@@ -580,40 +578,22 @@ impl Supervisor {
     }
 }
 
-/// One command on the gateway's fault control socket; its reply line.
-async fn control(path: &Path, cmd: &str) -> anyhow::Result<String> {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-    let r = tokio::time::timeout(CONTROL_TIMEOUT, async {
-        let mut s = tokio::net::UnixStream::connect(path)
-            .await
-            .with_context(|| format!("connect {}", path.display()))?;
-        s.write_all(format!("{cmd}\n").as_bytes()).await?;
-        let mut line = String::new();
-        BufReader::new(s).read_line(&mut line).await?;
-        anyhow::Ok(line.trim().to_string())
-    })
-    .await
-    .with_context(|| format!("fault control `{cmd}` timed out"))??;
-    anyhow::ensure!(r.starts_with("ok"), "fault control `{cmd}`: {r}");
-    Ok(r)
-}
-
 fn gateway_signal(w: &World, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
     let gw = w.gw.as_ref().context("no gateway running")?;
     let pid = nix::unistd::Pid::from_raw(i32::try_from(gw.pid())?);
     nix::sys::signal::kill(pid, sig).with_context(|| format!("kill({pid}, {sig})"))
 }
 
-/// The gateway's backends (`application_name = im-gateway`): LISTEN or not.
+/// The gateway's backends (`application_name` `im-gateway-<i>`): LISTEN or not.
 async fn gateway_backends(w: &World, listen: bool) -> anyhow::Result<Vec<i32>> {
     let pool = tokio::time::timeout(QUERY_TIMEOUT, w.pool())
         .await
         .context("the check pool timed out")??;
     let sql = if listen {
-        "SELECT pid FROM pg_stat_activity WHERE application_name = 'im-gateway' \
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
          AND query ILIKE 'listen%' ORDER BY pid"
     } else {
-        "SELECT pid FROM pg_stat_activity WHERE application_name = 'im-gateway' \
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
          AND query NOT ILIKE 'listen%' ORDER BY pid"
     };
     tokio::time::timeout(QUERY_TIMEOUT, sqlx::query_scalar(sql).fetch_all(&pool))
@@ -654,7 +634,8 @@ async fn start_fault(
             Ok(json!({"killed": true}))
         }
         FaultKind::GwCrashPoint { point, skip } => {
-            let r = control(&sup.control, &format!("arm {point}:halt:{skip}:1")).await?;
+            let r =
+                gateway::fault_control(&sup.control, &format!("arm {point}:halt:{skip}:1")).await?;
             Ok(json!({"control": r}))
         }
         FaultKind::GwPause => {
@@ -662,7 +643,7 @@ async fn start_fault(
             Ok(json!({"stopped": true}))
         }
         FaultKind::GwFault { point, action } => {
-            let r = control(&sup.control, &format!("arm {point}:{action}")).await?;
+            let r = gateway::fault_control(&sup.control, &format!("arm {point}:{action}")).await?;
             Ok(json!({"control": r}))
         }
         FaultKind::PgCrash => {
@@ -735,7 +716,7 @@ async fn end_fault(
         }
         FaultKind::GwCrashPoint { point, .. } | FaultKind::GwFault { point, .. } => {
             // The gateway may have exited (the halt fired) or been replaced: nothing armed.
-            let r = control(&sup.control, &format!("disarm {point}")).await;
+            let r = gateway::fault_control(&sup.control, &format!("disarm {point}")).await;
             Ok(json!({"control": r.unwrap_or_else(|e| format!("{e:#}"))}))
         }
         FaultKind::GwPause => {

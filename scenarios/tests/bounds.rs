@@ -1,0 +1,209 @@
+//! Bounds as checks (issue 18, item 4): the byte budget of one connection is charged and
+//! given back for every kind of frame, so a long run never wears it down; the sweep's full
+//! pass ends and asks about each install once, page by page; a sync page whose one event is
+//! larger than the page bound still carries that event, alone. (The throttles are in
+//! `hostile.rs`, SIGTERM under pipelined load too.)
+
+use harness::client::ClientOptions;
+use harness::gateway::GatewayOpts;
+use harness::util::wait_until;
+use harness::world::World;
+use scenarios::{connect, db_invariant_violations, judge_test, provision_alice_and_bob};
+use serde_json::json;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+/// The byte budget (`IM_QUEUE_BYTES_MAX`, here its least, 4 KiB) across every frame kind:
+/// a receiver that never acks by itself (so the sweep hints it every 100 ms, and it syncs on
+/// each hint) gets 100 pushes and asks, per round, a sync, a `sub`, a malformed frame (an
+/// error reply) and an ack: about 800 bytes a round, some 80 KB in all, twenty times the
+/// budget. Each sync reserves half the budget before it is read (`IM_BODY_MAX_BYTES=1`:
+/// its largest page is about 2 KB). A frame kind that kept any of its bytes would wear
+/// the budget down within a few dozen rounds: replies would stall (a timeout) and pushes
+/// would overflow (fewer pushes, an overflow hint). Neither may happen; the budget returns
+/// to its baseline after every frame.
+#[tokio::test]
+async fn byte_budget_returns_to_baseline_after_every_frame_kind() {
+    let rounds = 100;
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(100),
+        env: vec![
+            ("IM_QUEUE_BYTES_MAX".into(), "4096".into()),
+            ("IM_SYNC_PAGE_MAX_BYTES".into(), "1024".into()),
+            ("IM_BODY_MAX_BYTES".into(), "1".into()),
+        ],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let a = connect(&w, "a1", &ta).await.unwrap();
+    let b = connect(&w, "b1", &tb)
+        .await
+        .unwrap()
+        .with_options(ClientOptions {
+            auto_ack: false,
+            ..Default::default()
+        });
+    b.sub().await.unwrap();
+    for i in 1..=rounds {
+        a.send("c1", &format!("m{i}"), "p", T).await.unwrap();
+        b.wait_for(&format!("push {i}"), T, |c| c.stats().pushes_received >= i)
+            .await
+            .unwrap();
+        let page = b.sync_once("c1", i as i64 - 1, 1, T).await.unwrap();
+        assert_eq!(page["events"].as_array().map(Vec::len), Some(1), "{page}");
+        b.request(json!({"t":"sub"}), T).await.unwrap();
+        let bad = b.request(json!({"t":"no-such-request"}), T).await;
+        assert!(
+            matches!(&bad, Err(e) if e.code() == Some("BAD_REQUEST")),
+            "{bad:?}"
+        );
+        let acked = b.ack("c1", 1, T).await.unwrap();
+        assert_eq!(acked["t"], "acked", "{acked}");
+    }
+    // b still lags (it acked seq 1 only): the sweep keeps hinting it, through the budget.
+    b.wait_for("ten sweep hints", T, |c| {
+        c.stats().hints_received.get("sweep").copied().unwrap_or(0) >= 10
+    })
+    .await
+    .unwrap();
+    let s = b.stats();
+    assert_eq!(s.pushes_received, rounds, "every push came: {s:?}");
+    assert_eq!(s.hints_received.get("overflow"), None, "no overflow: {s:?}");
+    let last = b.sync_once("c1", 0, 500, T).await.unwrap();
+    assert!(!last["events"].as_array().unwrap().is_empty(), "{last}");
+    let v = db_invariant_violations(&w.pool().await.unwrap())
+        .await
+        .unwrap();
+    assert!(v.is_empty(), "{v:?}");
+}
+
+/// The full pass, page by page (`IM_SWEEP_PAGE_INSTALLS=2`): seven devices of seven users
+/// share a conversation; their gateway loses LISTEN and cannot regain it while a message is
+/// sent, so all seven lag and only a full pass can find them. Once LISTEN is back the full
+/// pass it runs ends, having asked about each of the seven installs once in four pages (its
+/// log line says so), and every device was hinted and caught up.
+#[tokio::test]
+async fn full_pass_ends_and_asks_about_each_install_once() {
+    let n = 7;
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(200),
+        control: true,
+        env: vec![("IM_SWEEP_PAGE_INSTALLS".into(), "2".into())],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    w.add_user("sender").await.unwrap();
+    let ts = w.add_device("s1", "sender").await.unwrap();
+    let mut users = vec!["sender".to_string()];
+    let mut tokens = Vec::new();
+    for i in 0..n {
+        let (u, d) = (format!("u{i}"), format!("d{i}"));
+        w.add_user(&u).await.unwrap();
+        tokens.push((d.clone(), w.add_device(&d, &u).await.unwrap()));
+        users.push(u);
+    }
+    let members: Vec<&str> = users.iter().map(String::as_str).collect();
+    w.add_conv("c1", &members).await.unwrap();
+    let sender = connect(&w, "s1", &ts).await.unwrap();
+    let mut devices = Vec::new();
+    for (d, t) in &tokens {
+        let c = connect(&w, d, t).await.unwrap();
+        c.sub().await.unwrap();
+        devices.push(c);
+    }
+    // Every install asked about once as a new subscription; then quiet.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let f = w.arm_fault(0, "fanout.listen:error").await.unwrap();
+    let pid = w
+        .listen_backend(0)
+        .await
+        .unwrap()
+        .expect("a LISTEN backend");
+    assert!(w.terminate_backend(pid).await.unwrap());
+    wait_until("the lost LISTEN to be noticed", T, async || {
+        let log = w.gw().log_text();
+        if log.contains("LISTEN connection lost") || log.contains("LISTEN connection failed") {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await
+    .unwrap();
+    let sent = sender.send("c1", "m1", "to seven", T).await.unwrap();
+    let seq = sent["seq"].as_i64().unwrap();
+    w.disarm_fault(f).await.unwrap();
+    for c in &devices {
+        c.wait_server_delivered("c1", seq, Duration::from_secs(3))
+            .await
+            .unwrap();
+        assert_eq!(
+            c.stats().pushes_received,
+            0,
+            "{}: only the pass",
+            c.device()
+        );
+    }
+    let ended = wait_until("the full pass to log its end", T, async || {
+        let log = w.gw().log_text();
+        match log
+            .lines()
+            .find(|l| l.contains("full pass ended") && l.contains("LISTEN connection lost"))
+        {
+            Some(l) => Ok(l.to_string()),
+            None => Err(()),
+        }
+    })
+    .await
+    .unwrap();
+    let field = |name: &str| -> Option<u64> {
+        let at = ended.find(&format!("{name}="))? + name.len() + 1;
+        ended[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()
+    };
+    // Seven subscribed installs (the sender never subscribed): four pages of at most two.
+    assert_eq!(field("installs"), Some(n as u64), "{ended}");
+    assert_eq!(field("pages"), Some(4), "{ended}");
+    let r = judge_test(&w).await.unwrap();
+    assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
+}
+
+/// A sync page is bounded in bytes (`IM_SYNC_PAGE_MAX_BYTES=1024`), yet an event larger
+/// than that bound still comes: alone, one per page, `complete:false` until the last one.
+#[tokio::test]
+async fn sync_page_with_an_event_larger_than_the_page_bound_carries_it_alone() {
+    let w = World::start(GatewayOpts {
+        env: vec![
+            ("IM_SYNC_PAGE_MAX_BYTES".into(), "1024".into()),
+            ("IM_BODY_MAX_BYTES".into(), "4000".into()),
+        ],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let a = connect(&w, "a1", &ta).await.unwrap();
+    for i in 1..=3 {
+        a.send("c1", &format!("big{i}"), &"L".repeat(3000), T)
+            .await
+            .unwrap();
+    }
+    let c = connect(&w, "b1", &tb).await.unwrap();
+    for after in 0..3 {
+        let p = c.sync_once("c1", after, 100, T).await.unwrap();
+        let evs = p["events"].as_array().unwrap();
+        assert_eq!(evs.len(), 1, "after {after}: one event a page: {p}");
+        assert_eq!(evs[0]["seq"], after + 1, "{p}");
+        assert_eq!(evs[0]["body"].as_str().map(str::len), Some(3000));
+        assert_eq!(p["complete"], after == 2, "after {after}: {p}");
+    }
+    let r = judge_test(&w).await.unwrap();
+    assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
+}

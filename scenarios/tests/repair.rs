@@ -1,0 +1,417 @@
+//! Steady-state repair checks (issue 18): every path by which a lost push is repaired (D5),
+//! each where the receiver has been subscribed and idle for several sweep intervals before
+//! the fault, so that only the mechanism under test can repair it within D5's bound (sweep
+//! interval + 1 s): a new subscription's pass ran long before, the routine full pass is 60
+//! intervals away, and nothing else is pending. Each path runs on one gateway and on two
+//! (sender on gateway 0, receiver on gateway 1, one database). Faults are armed on the
+//! running gateway through its control socket, after the idle time, and recorded in the
+//! history; the history checker judges every run.
+//!
+//! | path | fault | mechanism | how the receiver gets the event |
+//! |---|---|---|---|
+//! | dropped push | `gw.push:drop:0:1` (receiver's gateway) | the sweep asks about pushed, unacked pairs | sweep hint, sync |
+//! | dropped NOTIFY | `send.after_commit_before_notify:drop:0:1` (sender's) | the commit feed | push |
+//! | failed NOTIFY | `fanout.notify:error:0:1` (sender's) | the commit feed | push |
+//! | failed fan-out read | `fanout.read:error` (receiver's) | the sweep asks about the conversation | sweep hint, sync |
+//! | lost LISTEN | LISTEN backend terminated, `fanout.listen:error` (receiver's) | full pass when LISTEN is regained | sweep hint, sync |
+//! | stale install | the same, and the receiver reinstalled meanwhile | full pass closes the stale install | close; the new install syncs |
+//! | overflow | `gw.push:delay(40)`, 4 queued frames (receiver's) | overflow hint once the queue drained | overflow hint, sync |
+
+use harness::client::{Client, ClientStats};
+use harness::gateway::GatewayOpts;
+use harness::util::wait_until;
+use harness::world::World;
+use scenarios::{db_invariant_violations, judge_test};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+/// The sweep interval of every check (and of the commit feed).
+const SWEEP_MS: u64 = 250;
+/// How long the receiver idles before the fault, in sweep intervals.
+const IDLE_INTERVALS: u32 = 4;
+/// Most time the gateway may take to try LISTEN again once `fanout.listen` is disarmed (its
+/// reconnect backoff tops out at 1 s).
+const RELISTEN_MAX: Duration = Duration::from_secs(1);
+
+/// D5's bound: one sweep interval and one sync round trip.
+fn bound() -> Duration {
+    Duration::from_millis(SWEEP_MS + 1000)
+}
+
+/// The world of one check: alice (`a1`, the sender) on gateway 0, bob (`b1`, the receiver)
+/// on gateway `rx` (1 when there are two), both members of `c1`. Only the receiver
+/// subscribes: the sender's own pushes would share its gateway's faults (a slowed writer
+/// would slow its replies too) and add an install to every sweep.
+struct Steady {
+    w: World,
+    a: Client,
+    b: Client,
+    rx: usize,
+}
+
+impl Steady {
+    /// Starts the gateways (with `env` on the receiver's), provisions, connects, sends one
+    /// message through the normal path (pushed and acked), then idles.
+    async fn start(two: bool, env: &[(&str, &str)]) -> anyhow::Result<Steady> {
+        let opts = |env: &[(&str, &str)]| GatewayOpts {
+            sweep_ms: Some(SWEEP_MS),
+            control: true,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        };
+        let mut w = World::start(opts(if two { &[] } else { env })).await?;
+        let rx = if two {
+            w.start_gateway(opts(env)).await?
+        } else {
+            0
+        };
+        w.add_user("alice").await?;
+        w.add_user("bob").await?;
+        let ta = w.add_device("a1", "alice").await?;
+        let tb = w.add_device("b1", "bob").await?;
+        w.add_conv("c1", &["alice", "bob"]).await?;
+        let a = join(&w, 0, "a1", &ta, false).await?;
+        let b = join(&w, rx, "b1", &tb, true).await?;
+        let s = Steady { w, a, b, rx };
+        let (seq, _) = s.send("warm-up").await?;
+        s.b.wait_server_delivered("c1", seq, T).await?;
+        anyhow::ensure!(
+            s.b.stats().pushes_applied == 1,
+            "the warm-up message came by push: {:?}",
+            s.b.stats()
+        );
+        s.idle(IDLE_INTERVALS).await;
+        Ok(s)
+    }
+
+    /// Lets `n` sweep intervals pass with nothing sent (the state is set up by time passing,
+    /// not awaited as a condition).
+    async fn idle(&self, n: u32) {
+        tokio::time::sleep(Duration::from_millis(SWEEP_MS) * n).await;
+    }
+
+    /// One message from a1; its seq and when its `sent` reply came.
+    async fn send(&self, cmid: &str) -> anyhow::Result<(i64, Instant)> {
+        let r = self
+            .a
+            .send("c1", cmid, "steady state", T)
+            .await
+            .map_err(|e| anyhow::anyhow!("send {cmid}: {e}"))?;
+        let seq = r["seq"]
+            .as_i64()
+            .ok_or_else(|| anyhow::anyhow!("no seq in {r}"))?;
+        Ok((seq, Instant::now()))
+    }
+
+    /// D5: the receiver stored and acknowledged `seq` within `within` of `t0`.
+    async fn repaired(&self, seq: i64, t0: Instant, within: Duration) -> anyhow::Result<Duration> {
+        let left = within.saturating_sub(t0.elapsed());
+        self.b
+            .wait_server_delivered("c1", seq, left)
+            .await
+            .map_err(|e| anyhow::anyhow!("D5: seq {seq} not repaired within {within:?}: {e}"))?;
+        Ok(t0.elapsed())
+    }
+
+    /// The database invariants and the history checker over the whole run.
+    async fn judge(&self) -> anyhow::Result<()> {
+        let v = db_invariant_violations(&self.w.pool().await?).await?;
+        anyhow::ensure!(v.is_empty(), "database invariants violated: {v:?}");
+        let r = judge_test(&self.w).await?;
+        anyhow::ensure!(
+            r.anomalies.is_empty(),
+            "the history checker found anomalies (history in {}): {}",
+            self.w.pg.work_dir().display(),
+            serde_json::to_string_pretty(&r.anomalies).unwrap_or_default()
+        );
+        Ok(())
+    }
+
+    /// Kills the receiver's gateway's LISTEN connection with `fanout.listen:error` armed, so
+    /// it stays lost until [`World::disarm_fault`]; waits until the gateway noticed.
+    async fn lose_listen(&self) -> anyhow::Result<harness::world::ArmedFault> {
+        let f = self.w.arm_fault(self.rx, "fanout.listen:error").await?;
+        let pid = self
+            .w
+            .listen_backend(self.rx)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("gateway {} has no LISTEN backend", self.rx))?;
+        anyhow::ensure!(self.w.terminate_backend(pid).await?, "terminate {pid}");
+        let gw = self.w.gw_at(self.rx);
+        wait_until(
+            "the gateway to notice the lost LISTEN connection",
+            T,
+            async || {
+                let log = gw.log_text();
+                if log.contains("LISTEN connection lost")
+                    || log.contains("LISTEN connection failed")
+                {
+                    Ok(())
+                } else {
+                    Err(())
+                }
+            },
+        )
+        .await?;
+        Ok(f)
+    }
+}
+
+/// A client for `device` on gateway `i`, connected (and subscribed if `sub`).
+async fn join(w: &World, i: usize, device: &str, token: &str, sub: bool) -> anyhow::Result<Client> {
+    let mut c = Client::create(&w.state_path(device), device, token, 1)?;
+    c.connect(&w.ws_url_at(i))
+        .await
+        .map_err(|e| anyhow::anyhow!("connect {device} to gateway {i}: {e}"))?;
+    if sub {
+        c.sub()
+            .await
+            .map_err(|e| anyhow::anyhow!("sub {device} on gateway {i}: {e}"))?;
+    }
+    Ok(c)
+}
+
+/// What changed in a client's statistics between two readings.
+struct Delta {
+    pushes: u64,
+    synced: u64,
+    sweep_hints: u64,
+    overflow_hints: u64,
+}
+
+fn delta(before: &ClientStats, after: &ClientStats) -> Delta {
+    let hints = |s: &ClientStats, why: &str| s.hints_received.get(why).copied().unwrap_or(0);
+    Delta {
+        pushes: after.pushes_received - before.pushes_received,
+        synced: after.events_synced - before.events_synced,
+        sweep_hints: hints(after, "sweep") - hints(before, "sweep"),
+        overflow_hints: hints(after, "overflow") - hints(before, "overflow"),
+    }
+}
+
+/// Dropped push: the receiver's gateway drops the one push of m1. Only the sweep's check of
+/// pairs fan-out pushed and no ack reached can find it (no notification was lost, nothing
+/// failed): a sweep hint within one interval, then a sync.
+async fn dropped_push(two: bool) -> anyhow::Result<()> {
+    let s = Steady::start(two, &[]).await?;
+    let before = s.b.stats();
+    let f = s.w.arm_fault(s.rx, "gw.push:drop:0:1").await?;
+    let (seq, t0) = s.send("m1").await?;
+    s.repaired(seq, t0, bound()).await?;
+    s.w.disarm_fault(f).await?;
+    let d = delta(&before, &s.b.stats());
+    anyhow::ensure!(
+        d.pushes == 0,
+        "the push was dropped, yet {} arrived",
+        d.pushes
+    );
+    anyhow::ensure!(
+        d.sweep_hints >= 1 && d.synced == 1,
+        "hint and sync: {:?}",
+        s.b.stats()
+    );
+    s.judge().await
+}
+
+/// Dropped NOTIFY: the sender's gateway never tells its notifier of m1's commit
+/// (`send.after_commit_before_notify:drop`). No gateway is notified; every gateway's commit
+/// feed finds the commit at its next look and fan-out pushes it.
+async fn dropped_notify(two: bool) -> anyhow::Result<()> {
+    feed_repairs(two, "send.after_commit_before_notify:drop:0:1").await
+}
+
+/// Failed NOTIFY: the notifier's NOTIFY statement for m1 fails (`fanout.notify:error`).
+/// As above: the commit feed finds it.
+async fn failed_notify(two: bool) -> anyhow::Result<()> {
+    feed_repairs(two, "fanout.notify:error:0:1").await
+}
+
+async fn feed_repairs(two: bool, spec: &str) -> anyhow::Result<()> {
+    let s = Steady::start(two, &[]).await?;
+    let before = s.b.stats();
+    let f = s.w.arm_fault(0, spec).await?;
+    let (seq, t0) = s.send("m1").await?;
+    s.repaired(seq, t0, bound()).await?;
+    s.w.disarm_fault(f).await?;
+    let fired = format!("fault fired: point={}", f_point(spec));
+    anyhow::ensure!(
+        s.w.gw_at(0).log_text().contains(&fired),
+        "{spec} never fired"
+    );
+    let d = delta(&before, &s.b.stats());
+    anyhow::ensure!(
+        d.pushes == 1 && d.synced == 0,
+        "the feed's push delivers m1: {:?}",
+        s.b.stats()
+    );
+    s.judge().await
+}
+
+fn f_point(spec: &str) -> &str {
+    spec.split(':').next().unwrap_or(spec)
+}
+
+/// Failed fan-out read: every fan-out read of the receiver's gateway fails while m1 is
+/// sent (`fanout.read:error`), so no push can bring it; only the sweep's question about
+/// the conversations whose read failed can: a hint, then a sync (a sync is no fan-out read).
+async fn failed_read(two: bool) -> anyhow::Result<()> {
+    let s = Steady::start(two, &[]).await?;
+    let before = s.b.stats();
+    let f = s.w.arm_fault(s.rx, "fanout.read:error").await?;
+    let (seq, t0) = s.send("m1").await?;
+    s.repaired(seq, t0, bound()).await?;
+    s.w.disarm_fault(f).await?;
+    let d = delta(&before, &s.b.stats());
+    anyhow::ensure!(d.pushes == 0, "no read succeeded, yet {} pushes", d.pushes);
+    anyhow::ensure!(
+        d.sweep_hints >= 1 && d.synced == 1,
+        "hint and sync: {:?}",
+        s.b.stats()
+    );
+    s.judge().await
+}
+
+/// Lost LISTEN: the receiver's gateway loses its LISTEN connection and cannot regain it
+/// while m1 is sent (its notification is gone, its commit feed pauses). Once it may listen
+/// again, the full pass it runs at once hints the receiver: within the reconnect backoff and
+/// D5's bound of the disarm.
+async fn lost_listen(two: bool) -> anyhow::Result<()> {
+    let s = Steady::start(two, &[]).await?;
+    let before = s.b.stats();
+    let f = s.lose_listen().await?;
+    let (seq, _) = s.send("m1").await?;
+    s.idle(2).await;
+    let t0 = Instant::now();
+    s.w.disarm_fault(f).await?;
+    s.repaired(seq, t0, RELISTEN_MAX + bound()).await?;
+    let d = delta(&before, &s.b.stats());
+    anyhow::ensure!(d.pushes == 0, "nobody listened, yet {} pushes", d.pushes);
+    anyhow::ensure!(
+        d.sweep_hints >= 1 && d.synced == 1,
+        "hint and sync: {:?}",
+        s.b.stats()
+    );
+    s.judge().await
+}
+
+/// Stale install: as above, and b1 is reinstalled while its gateway does not listen, so the
+/// reinstall's notification is lost too. The full pass at the regained LISTEN closes the old
+/// install's connection (STALE_INSTALL) within the bound, and the old install never gets m1
+/// (no push, hint or sync after the reinstall); the new install gets it at its `sub`.
+async fn stale_install(two: bool) -> anyhow::Result<()> {
+    let mut s = Steady::start(two, &[]).await?;
+    let before = s.b.stats();
+    let f = s.lose_listen().await?;
+    let token = s.w.reinstall_device("b1").await?;
+    let (seq, _) = s.send("m1").await?;
+    s.idle(2).await;
+    anyhow::ensure!(s.b.is_connected(), "the stale install is still connected");
+    let t0 = Instant::now();
+    s.w.disarm_fault(f).await?;
+    s.b.wait_closed(RELISTEN_MAX + bound()).await?;
+    let closed = t0.elapsed();
+    let d = delta(&before, &s.b.stats());
+    anyhow::ensure!(
+        d.pushes == 0 && d.synced == 0 && d.sweep_hints == 0,
+        "the stale install got nothing after the reinstall: {:?}",
+        s.b.stats()
+    );
+    anyhow::ensure!(
+        !s.b.stored_seqs("c1").contains(&seq),
+        "stale install stored m1"
+    );
+    let stale =
+        s.b.frames()
+            .iter()
+            .any(|(_, f)| f["t"] == "error" && f["code"] == "STALE_INSTALL");
+    anyhow::ensure!(stale, "closed with STALE_INSTALL after {closed:?}");
+    let fresh = Client::create(&s.w.state_path("b1-new"), "b1", &token, 2)?;
+    let mut fresh = fresh;
+    fresh
+        .connect(&s.w.ws_url_at(s.rx))
+        .await
+        .map_err(|e| anyhow::anyhow!("connect the new install: {e}"))?;
+    fresh.sub().await.map_err(|e| anyhow::anyhow!("sub: {e}"))?;
+    fresh.wait_server_delivered("c1", seq, bound()).await?;
+    s.b = fresh;
+    s.judge().await
+}
+
+/// Overflow: the receiver's queue holds 4 frames and its pushes are slowed
+/// (`gw.push:delay(40)`); a burst of 30 messages overflows it. Once the queue drained the
+/// writer sends `hint{why:"overflow"}` and the receiver syncs: everything within D5's bound
+/// of the last send, with at least one overflow hint and fewer pushes than messages.
+async fn overflow(two: bool) -> anyhow::Result<()> {
+    let total = 30;
+    let s = Steady::start(two, &[("IM_QUEUE_FRAMES_MAX", "4")]).await?;
+    let before = s.b.stats();
+    let f = s.w.arm_fault(s.rx, "gw.push:delay(40)").await?;
+    let mut last = (0, Instant::now());
+    for i in 0..total {
+        last = s.send(&format!("burst-{i}")).await?;
+    }
+    let (seq, t0) = last;
+    s.repaired(seq, t0, bound()).await?;
+    s.w.disarm_fault(f).await?;
+    let d = delta(&before, &s.b.stats());
+    anyhow::ensure!(d.overflow_hints >= 1, "an overflow hint: {:?}", s.b.stats());
+    anyhow::ensure!(d.pushes < total, "the queue overflowed: {:?}", s.b.stats());
+    anyhow::ensure!(
+        s.b.stored_seqs("c1") == (1..=seq).collect::<Vec<_>>(),
+        "every event stored: {:?}",
+        s.b.stored_seqs("c1")
+    );
+    s.judge().await
+}
+
+macro_rules! both {
+    ($one:ident, $two:ident, $f:ident) => {
+        #[tokio::test]
+        async fn $one() {
+            $f(false).await.unwrap();
+        }
+        #[tokio::test]
+        async fn $two() {
+            $f(true).await.unwrap();
+        }
+    };
+}
+
+both!(
+    repair_dropped_push_one_gateway,
+    repair_dropped_push_two_gateways,
+    dropped_push
+);
+both!(
+    repair_dropped_notify_one_gateway,
+    repair_dropped_notify_two_gateways,
+    dropped_notify
+);
+both!(
+    repair_failed_notify_one_gateway,
+    repair_failed_notify_two_gateways,
+    failed_notify
+);
+both!(
+    repair_failed_read_one_gateway,
+    repair_failed_read_two_gateways,
+    failed_read
+);
+both!(
+    repair_lost_listen_one_gateway,
+    repair_lost_listen_two_gateways,
+    lost_listen
+);
+both!(
+    repair_stale_install_one_gateway,
+    repair_stale_install_two_gateways,
+    stale_install
+);
+both!(
+    repair_overflow_one_gateway,
+    repair_overflow_two_gateways,
+    overflow
+);
