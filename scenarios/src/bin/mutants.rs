@@ -1,0 +1,654 @@
+//! `make mutants`'s reader and judge (scripts/mutants.sh runs cargo-mutants, then this).
+//!
+//! - `mutants exclude`: from the mutant list (`cargo mutants --list --json`) and the
+//!   committed list of equivalent mutants (`mutants/equivalent.txt`), the `--exclude-re`
+//!   that keeps equivalent mutants from being run.
+//! - `mutants report`: reads one or more `mutants.out/outcomes.json` (several shards, from
+//!   this machine or others), classifies every mutant of the list (caught, missed, timeout,
+//!   unviable, equivalent, not run), and writes `evidence/mutants/result.json` (format:
+//!   evidence/README.md). Exit status 0 when the verdict is PASS (no missed mutant outside the
+//!   equivalent list, and a kill rate of at least [`KILL_RATE_MIN`]), 1 on FAIL, 2 on a usage
+//!   or read error.
+//!
+//! The equivalent list: one entry per mutant that cannot change behaviour, as
+//! `cargo mutants --list --line-col=false` names it, then indented lines `where: TEXT` (a
+//! piece of the mutated source line, needed when the name alone matches several mutants)
+//! and `because: REASON` (required). Lines starting with `#` are comments.
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// The format of evidence/mutants/result.json written by this version.
+const SCHEMA_VERSION: u32 = 1;
+
+/// The verdict's kill-rate floor (issue 18): caught + timeout over everything that ran and
+/// built.
+const KILL_RATE_MIN: f64 = 0.9;
+
+/// Mutation testing's reader and judge (`make mutants` runs it; see scripts/mutants.sh).
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "mutants",
+    after_help = "Reads no environment variables.\n\
+                  Exit status: 0 PASS (or exclude printed), 1 FAIL, 2 usage or read error."
+)]
+enum Cmd {
+    /// Print the --exclude-re that skips the equivalent mutants of LIST (nothing if none).
+    Exclude {
+        /// `cargo mutants --list --json` output.
+        #[arg(long)]
+        list: PathBuf,
+        /// The committed list of equivalent mutants.
+        #[arg(long)]
+        equivalent: PathBuf,
+    },
+    /// Judge the outcomes and write the evidence.
+    Report(ReportArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ReportArgs {
+    /// `cargo mutants --list --json` output: every mutant the run was asked about.
+    #[arg(long)]
+    list: PathBuf,
+    /// The committed list of equivalent mutants.
+    #[arg(long)]
+    equivalent: PathBuf,
+    /// A `mutants.out` directory (repeat it to merge shards).
+    #[arg(long = "outcomes", required = true)]
+    outcomes: Vec<PathBuf>,
+    /// Where the evidence goes.
+    #[arg(long)]
+    out: PathBuf,
+    /// The shard the run was (`k/n`), recorded as is.
+    #[arg(long)]
+    shard: Option<String>,
+    /// The git revision `--in-diff` compared against, recorded as is.
+    #[arg(long)]
+    in_diff: Option<String>,
+    /// The `--file` globs the run examined, recorded as is.
+    #[arg(long = "file")]
+    files: Vec<String>,
+    /// Seconds the unmutated baseline of the `mutants` test profile took.
+    #[arg(long)]
+    baseline_s: Option<f64>,
+    /// Wall-clock seconds of the whole cargo-mutants run.
+    #[arg(long)]
+    wall_s: Option<f64>,
+    /// When the run started (RFC 3339).
+    #[arg(long)]
+    started_at: Option<String>,
+    /// cargo-mutants' version line.
+    #[arg(long)]
+    tool: Option<String>,
+}
+
+/// One mutant as `cargo mutants --list --json` and outcomes.json describe it (the fields
+/// read here; the rest is ignored).
+#[derive(Debug, Clone, Deserialize)]
+struct Mutant {
+    name: String,
+    file: String,
+    function: Option<Function>,
+    span: Span,
+    replacement: String,
+    genre: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct Function {
+    function_name: String,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+struct Span {
+    start: LineCol,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+struct LineCol {
+    line: usize,
+}
+
+/// outcomes.json (the fields read here).
+#[derive(Debug, Deserialize)]
+struct Outcomes {
+    outcomes: Vec<Outcome>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Outcome {
+    scenario: Scenario,
+    summary: Summary,
+    diff_path: Option<String>,
+    phase_results: Vec<PhaseResult>,
+}
+
+#[derive(Debug, Deserialize)]
+enum Scenario {
+    Baseline,
+    Mutant(Mutant),
+}
+
+/// cargo-mutants' summary of one scenario.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+enum Summary {
+    Success,
+    CaughtMutant,
+    MissedMutant,
+    Timeout,
+    Unviable,
+    Failure,
+}
+
+#[derive(Debug, Deserialize)]
+struct PhaseResult {
+    phase: String,
+    duration: f64,
+}
+
+/// What became of one mutant, as the evidence reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Fate {
+    Caught,
+    Missed,
+    Timeout,
+    Unviable,
+    /// In the equivalent list (not run).
+    Equivalent,
+    /// Listed but in no outcomes given (another shard, or the run was cut short).
+    NotRun,
+}
+
+/// One entry of the equivalent list.
+#[derive(Debug, Clone)]
+struct Equivalent {
+    /// The name without line and column.
+    name: String,
+    /// A piece of the mutated line, if the entry gives one.
+    at: Option<String>,
+    because: String,
+}
+
+fn parse_equivalent(text: &str) -> anyhow::Result<Vec<Equivalent>> {
+    let mut out: Vec<Equivalent> = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim_end();
+        if line.trim().is_empty() || line.trim_start().starts_with('#') {
+            continue;
+        }
+        if !line.starts_with(char::is_whitespace) {
+            out.push(Equivalent {
+                name: line.to_string(),
+                at: None,
+                because: String::new(),
+            });
+            continue;
+        }
+        let Some(e) = out.last_mut() else {
+            bail!("line {}: an indented line before any mutant", i + 1);
+        };
+        let l = line.trim_start();
+        if let Some(w) = l.strip_prefix("where:") {
+            e.at = Some(w.trim().to_string());
+        } else if let Some(b) = l.strip_prefix("because:") {
+            e.because = b.trim().to_string();
+        } else if !e.because.is_empty() {
+            e.because.push(' ');
+            e.because.push_str(l);
+        } else {
+            bail!("line {}: expected `where:` or `because:`", i + 1);
+        }
+    }
+    if let Some(e) = out.iter().find(|e| e.because.is_empty()) {
+        bail!(
+            "{}: no `because:` (every equivalent mutant says why)",
+            e.name
+        );
+    }
+    Ok(out)
+}
+
+/// `gateway/src/x.rs:12:5: replace …` → `gateway/src/x.rs: replace …`.
+fn name_without_position(m: &Mutant) -> String {
+    let rest = m.name.strip_prefix(&m.file).unwrap_or(&m.name);
+    let desc = rest.splitn(4, ':').nth(3).unwrap_or(rest).trim_start();
+    format!("{}: {desc}", m.file)
+}
+
+/// The source line a mutant changes (read from the workspace), if it can be read.
+fn source_line(root: &Path, m: &Mutant) -> Option<String> {
+    let text = std::fs::read_to_string(root.join(&m.file)).ok()?;
+    text.lines()
+        .nth(m.span.start.line.checked_sub(1)?)
+        .map(str::to_string)
+}
+
+/// For each mutant, the equivalent-list entry it matches (index into `list`), and the
+/// entries that match no mutant (stale: the code changed under them).
+fn match_equivalents(
+    root: &Path,
+    mutants: &[Mutant],
+    list: &[Equivalent],
+) -> (BTreeMap<String, usize>, Vec<usize>) {
+    let mut hit = BTreeMap::new();
+    let mut used = vec![false; list.len()];
+    for m in mutants {
+        let name = name_without_position(m);
+        let line = source_line(root, m).unwrap_or_default();
+        let found = list.iter().position(|e| {
+            e.name == name && e.at.as_ref().is_none_or(|w| line.contains(w.as_str()))
+        });
+        if let Some(i) = found {
+            used[i] = true;
+            hit.insert(m.name.clone(), i);
+        }
+    }
+    let stale = (0..list.len()).filter(|i| !used[*i]).collect();
+    (hit, stale)
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> anyhow::Result<T> {
+    let bytes = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
+    serde_json::from_slice(&bytes).with_context(|| format!("parse {}", path.display()))
+}
+
+fn regex_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn exclude(list: &Path, equivalent: &Path) -> anyhow::Result<()> {
+    let mutants: Vec<Mutant> = read_json(list)?;
+    let text = std::fs::read_to_string(equivalent)
+        .with_context(|| format!("read {}", equivalent.display()))?;
+    let eq = parse_equivalent(&text).with_context(|| format!("{}", equivalent.display()))?;
+    let (hit, _) = match_equivalents(&scenarios::workspace(), &mutants, &eq);
+    if hit.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<String> = hit.keys().map(|n| regex_escape(n)).collect();
+    println!("^({})$", names.join("|"));
+    Ok(())
+}
+
+/// One mutant as the evidence lists it.
+#[derive(Debug, Serialize)]
+struct Listed {
+    name: String,
+    file: String,
+    line: usize,
+    function: Option<String>,
+    genre: String,
+    replacement: String,
+    /// The diff cargo-mutants applied (missed and timed-out mutants).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    diff: Option<String>,
+    /// Why it cannot change behaviour (equivalent mutants).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    because: Option<String>,
+}
+
+/// Counts per file (and in total).
+#[derive(Debug, Default, Clone, Serialize)]
+struct Counts {
+    mutants: usize,
+    caught: usize,
+    missed: usize,
+    timeout: usize,
+    unviable: usize,
+    equivalent: usize,
+    not_run: usize,
+    /// (caught + timeout) / (caught + missed + timeout); null when none of them ran.
+    kill_rate: Option<f64>,
+}
+
+impl Counts {
+    fn add(&mut self, f: Fate) {
+        self.mutants += 1;
+        match f {
+            Fate::Caught => self.caught += 1,
+            Fate::Missed => self.missed += 1,
+            Fate::Timeout => self.timeout += 1,
+            Fate::Unviable => self.unviable += 1,
+            Fate::Equivalent => self.equivalent += 1,
+            Fate::NotRun => self.not_run += 1,
+        }
+        let ran = self.caught + self.missed + self.timeout;
+        self.kill_rate = (ran > 0)
+            .then(|| ((self.caught + self.timeout) as f64 / ran as f64 * 1e4).round() / 1e4);
+    }
+}
+
+/// What one outcome cost, in seconds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cost {
+    build_s: f64,
+    test_s: f64,
+}
+
+/// Timing figures of the run (seconds).
+#[derive(Debug, Serialize)]
+struct Timing {
+    /// Wall-clock time of the cargo-mutants run (null when not given).
+    wall_s: Option<f64>,
+    /// Mutants that ran (built or failed to build).
+    mutants_run: usize,
+    /// wall_s / mutants_run.
+    per_mutant_wall_s: Option<f64>,
+    build_s_median: Option<f64>,
+    test_s_median: Option<f64>,
+    /// The unmutated `mutants` test profile, run once before the mutants.
+    baseline_test_s: Option<f64>,
+}
+
+fn median(mut xs: Vec<f64>) -> Option<f64> {
+    xs.sort_by(f64::total_cmp);
+    let v = *xs.get(xs.len() / 2)?;
+    Some((v * 10.0).round() / 10.0)
+}
+
+/// evidence/mutants/result.json.
+#[derive(Debug, Serialize)]
+struct Doc {
+    schema_version: u32,
+    generated_by: &'static str,
+    generated_at: String,
+    started_at: Option<String>,
+    commit: Option<String>,
+    /// Whether the working tree had uncommitted changes when the report was written.
+    dirty: bool,
+    tool: Option<String>,
+    nextest_profile: &'static str,
+    files: Vec<String>,
+    shard: Option<String>,
+    in_diff: Option<String>,
+    /// PASS or FAIL, with the reasons of a FAIL.
+    verdict: &'static str,
+    reasons: Vec<String>,
+    kill_rate_min: f64,
+    totals: Counts,
+    per_file: BTreeMap<String, Counts>,
+    timing: Timing,
+    missed: Vec<Listed>,
+    timeout: Vec<Listed>,
+    equivalent: Vec<Listed>,
+    /// Equivalent-list entries that matched no mutant of the list (the code moved on).
+    stale_equivalent: Vec<String>,
+}
+
+fn fate_of(s: Summary) -> Option<Fate> {
+    match s {
+        Summary::CaughtMutant => Some(Fate::Caught),
+        Summary::MissedMutant => Some(Fate::Missed),
+        Summary::Timeout => Some(Fate::Timeout),
+        Summary::Unviable => Some(Fate::Unviable),
+        Summary::Success | Summary::Failure => None,
+    }
+}
+
+/// Every mutant's outcome (by name) and cost, and its diff, from the outcomes directories.
+type Ran = BTreeMap<String, (Fate, Cost, Option<String>)>;
+
+fn read_outcomes(dirs: &[PathBuf]) -> anyhow::Result<Ran> {
+    let mut ran = Ran::new();
+    for dir in dirs {
+        let o: Outcomes = read_json(&dir.join("outcomes.json"))?;
+        for out in o.outcomes {
+            let Scenario::Mutant(m) = out.scenario else {
+                continue;
+            };
+            let Some(fate) = fate_of(out.summary) else {
+                bail!(
+                    "{}: {} has summary {:?}",
+                    dir.display(),
+                    m.name,
+                    out.summary
+                );
+            };
+            let mut cost = Cost::default();
+            for p in &out.phase_results {
+                match p.phase.as_str() {
+                    "Test" => cost.test_s += p.duration,
+                    _ => cost.build_s += p.duration,
+                }
+            }
+            let diff = match out.diff_path {
+                Some(d) => Some(
+                    std::fs::read_to_string(dir.join(&d))
+                        .with_context(|| format!("read {}", dir.join(&d).display()))?,
+                ),
+                None => None,
+            };
+            ran.insert(m.name.clone(), (fate, cost, diff));
+        }
+    }
+    Ok(ran)
+}
+
+fn listed(m: &Mutant, diff: Option<String>, because: Option<String>) -> Listed {
+    Listed {
+        name: m.name.clone(),
+        file: m.file.clone(),
+        line: m.span.start.line,
+        function: m.function.as_ref().map(|f| f.function_name.clone()),
+        genre: m.genre.clone(),
+        replacement: m.replacement.clone(),
+        diff,
+        because,
+    }
+}
+
+fn report(a: ReportArgs) -> anyhow::Result<bool> {
+    let mutants: Vec<Mutant> = read_json(&a.list)?;
+    let text = std::fs::read_to_string(&a.equivalent)
+        .with_context(|| format!("read {}", a.equivalent.display()))?;
+    let eq = parse_equivalent(&text).with_context(|| format!("{}", a.equivalent.display()))?;
+    let (eq_hit, stale) = match_equivalents(&scenarios::workspace(), &mutants, &eq);
+    let ran = read_outcomes(&a.outcomes)?;
+    let mut totals = Counts::default();
+    let mut per_file: BTreeMap<String, Counts> = BTreeMap::new();
+    let (mut missed, mut timeout, mut equivalent) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut builds, mut tests) = (Vec::new(), Vec::new());
+    for m in &mutants {
+        let outcome = ran.get(&m.name);
+        let fate = match (outcome, eq_hit.get(&m.name)) {
+            (Some((f, _, _)), _) => *f,
+            (None, Some(_)) => Fate::Equivalent,
+            (None, None) => Fate::NotRun,
+        };
+        totals.add(fate);
+        per_file.entry(m.file.clone()).or_default().add(fate);
+        if let Some((_, cost, _)) = outcome {
+            builds.push(cost.build_s);
+            if fate != Fate::Unviable {
+                tests.push(cost.test_s);
+            }
+        }
+        let diff = || outcome.and_then(|o| o.2.clone());
+        let because = eq_hit.get(&m.name).map(|i| eq[*i].because.clone());
+        match fate {
+            Fate::Missed => missed.push(listed(m, diff(), because)),
+            Fate::Timeout => timeout.push(listed(m, diff(), None)),
+            Fate::Equivalent => equivalent.push(listed(m, None, because)),
+            _ => {}
+        }
+    }
+    let mut reasons = Vec::new();
+    // A missed mutant that the list calls equivalent (it was run anyway) is not a failure.
+    let unexplained = missed.iter().filter(|l| l.because.is_none()).count();
+    if unexplained > 0 {
+        reasons.push(format!(
+            "{unexplained} missed mutant(s) not in the equivalent list"
+        ));
+    }
+    match totals.kill_rate {
+        Some(r) if r < KILL_RATE_MIN => {
+            reasons.push(format!("kill rate {r} below {KILL_RATE_MIN}"))
+        }
+        None => reasons.push("no mutant ran".into()),
+        _ => {}
+    }
+    let mutants_run = ran.len();
+    let doc = Doc {
+        schema_version: SCHEMA_VERSION,
+        generated_by: "make mutants",
+        generated_at: scenarios::rfc3339_now(),
+        started_at: a.started_at,
+        commit: scenarios::git(&["rev-parse", "HEAD"]),
+        dirty: scenarios::git(&["status", "--porcelain"]).is_some_and(|s| !s.is_empty()),
+        tool: a.tool,
+        nextest_profile: "mutants",
+        files: a.files,
+        shard: a.shard,
+        in_diff: a.in_diff,
+        verdict: if reasons.is_empty() { "PASS" } else { "FAIL" },
+        reasons,
+        kill_rate_min: KILL_RATE_MIN,
+        totals: totals.clone(),
+        per_file,
+        timing: Timing {
+            wall_s: a.wall_s,
+            mutants_run,
+            per_mutant_wall_s: a
+                .wall_s
+                .filter(|_| mutants_run > 0)
+                .map(|w| (w / mutants_run as f64 * 10.0).round() / 10.0),
+            build_s_median: median(builds),
+            test_s_median: median(tests),
+            baseline_test_s: a.baseline_s,
+        },
+        missed,
+        timeout,
+        equivalent,
+        stale_equivalent: stale.iter().map(|i| eq[*i].name.clone()).collect(),
+    };
+    let json = serde_json::to_string_pretty(&doc)? + "\n";
+    if let Some(dir) = a.out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    harness::util::write_atomic(&a.out, json.as_bytes())?;
+    print_summary(&doc, &a.out);
+    Ok(doc.verdict == "PASS")
+}
+
+fn print_summary(doc: &Doc, out: &Path) {
+    let t = &doc.totals;
+    eprintln!(
+        "mutants: {} mutants: {} caught, {} missed, {} timeout, {} unviable, {} equivalent, {} not run; kill rate {}",
+        t.mutants,
+        t.caught,
+        t.missed,
+        t.timeout,
+        t.unviable,
+        t.equivalent,
+        t.not_run,
+        t.kill_rate.map_or("n/a".into(), |r| format!("{r}"))
+    );
+    for m in &doc.missed {
+        eprintln!("  missed: {}", m.name);
+    }
+    for s in &doc.stale_equivalent {
+        eprintln!("  stale equivalent entry (matches no mutant): {s}");
+    }
+    eprintln!("mutants: {} ({})", doc.verdict, out.display());
+}
+
+fn main() -> ExitCode {
+    let cmd: Cmd = clap::Parser::parse();
+    let r = match cmd {
+        Cmd::Exclude { list, equivalent } => exclude(&list, &equivalent).map(|()| true),
+        Cmd::Report(a) => report(a),
+    };
+    match r {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("mutants: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mutant(name: &str, file: &str, line: usize) -> Mutant {
+        Mutant {
+            name: name.into(),
+            file: file.into(),
+            function: None,
+            span: Span {
+                start: LineCol { line },
+            },
+            replacement: String::new(),
+            genre: String::new(),
+        }
+    }
+
+    #[test]
+    fn names_lose_their_position() {
+        let m = mutant("a/b.rs:12:5: replace x with y in F::g", "a/b.rs", 12);
+        assert_eq!(
+            name_without_position(&m),
+            "a/b.rs: replace x with y in F::g"
+        );
+    }
+
+    #[test]
+    fn equivalent_entries_need_a_reason_and_match_by_line_text() {
+        let text =
+            "# c\na/b.rs: replace < with <= in f\n  where: x < y\n  because: one\n  and two\n";
+        let eq = parse_equivalent(text).unwrap();
+        assert_eq!(eq.len(), 1);
+        assert_eq!(eq[0].because, "one and two");
+        assert!(parse_equivalent("a/b.rs: replace x\n").is_err());
+        assert!(parse_equivalent("  because: x\n").is_err());
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("a")).unwrap();
+        std::fs::write(dir.path().join("a/b.rs"), "fn f() {\n  x < y\n  p < q\n}\n").unwrap();
+        let ms = [
+            mutant("a/b.rs:2:5: replace < with <= in f", "a/b.rs", 2),
+            mutant("a/b.rs:3:5: replace < with <= in f", "a/b.rs", 3),
+        ];
+        let (hit, stale) = match_equivalents(dir.path(), &ms, &eq);
+        assert_eq!(hit.keys().collect::<Vec<_>>(), vec![&ms[0].name]);
+        assert!(stale.is_empty());
+        let (hit, stale) = match_equivalents(dir.path(), &ms[1..], &eq);
+        assert!(hit.is_empty() && stale == vec![0]);
+    }
+
+    #[test]
+    fn kill_rate_counts_timeouts_as_caught_and_ignores_the_rest() {
+        let mut c = Counts::default();
+        for f in [
+            Fate::Caught,
+            Fate::Caught,
+            Fate::Timeout,
+            Fate::Missed,
+            Fate::Unviable,
+            Fate::Equivalent,
+            Fate::NotRun,
+        ] {
+            c.add(f);
+        }
+        assert_eq!(c.kill_rate, Some(0.75));
+        assert_eq!(c.mutants, 7);
+    }
+
+    #[test]
+    fn regex_escapes_metacharacters() {
+        assert_eq!(regex_escape("a.b(c) -> D<'_>"), "a\\.b\\(c\\) \\-> D<'_>");
+    }
+}
