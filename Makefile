@@ -5,7 +5,7 @@ TARGET   := $(or $(CARGO_TARGET_DIR),target)
 # The harness runs target/debug/im-gateway, which must carry the fault points.
 FEATURES := --features im-gateway/faults
 
-.PHONY: setup build test test-containers evidence controls nemesis fuzz up lint repro bench bench-quick clean
+.PHONY: setup build test test-containers evidence controls nemesis mutants fuzz up lint repro bench bench-quick clean
 
 setup:
 	@./scripts/setup.sh
@@ -51,15 +51,25 @@ controls: build
 	touch $(TARGET)/debug/im-gateway
 	$(TARGET)/debug/controls --runs $(RUNS) --nemesis-seeds $(NEMESIS_SEEDS) $(if $(ONLY),--only $(ONLY)) $(if $(MERGE),--merge) $(if $(NEMESIS_ONLY),--nemesis-only)
 
-# make nemesis [SEEDS=20] [SEED=n] [DURATION=ms] (SEED given on the command line or in the
-# environment runs that one seed; the fuzz target's default SEED does not count): seeded random fault schedules over a live
-# workload on the real gateway and throwaway clusters (issue 10), judged by the checker; a
-# failing seed keeps its artefacts under target/nemesis/seed-N/ and is shrunk to
-# minimal.json. Writes evidence/nemesis/result.json (format: evidence/README.md).
-# `target/debug/nemesis --help` for replay (--replay FILE) and the other options.
+# make nemesis [SEEDS=20] [SEED=n] [DURATION=ms] [JOBS=n] [SHARD=k/n] (SEED given on the
+# command line or in the environment runs that one seed; the fuzz target's default SEED does
+# not count): seeded random fault schedules over a live workload on the real gateway and
+# throwaway clusters (issue 10), judged by the checker, JOBS at once (each in its own
+# process, cluster and gateway); SHARD=k/n runs every n-th seed from the k-th, to spread a
+# series over machines. A failing seed keeps its artefacts under target/nemesis/seed-N/ and
+# is shrunk to minimal.json. Writes evidence/nemesis/result.json (format:
+# evidence/README.md). `target/debug/nemesis --help` for replay (--replay FILE) and the rest.
 SEEDS ?= 20
+JOBS ?= 1
 nemesis: build
-	$(TARGET)/debug/nemesis $(if $(filter-out file default undefined,$(origin SEED)),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --shrink --out $(TARGET)/nemesis --summary evidence/nemesis/result.json
+	$(TARGET)/debug/nemesis $(if $(filter-out file default undefined,$(origin SEED)),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --jobs $(JOBS) $(if $(SHARD),--shard $(SHARD)) --shrink --out $(TARGET)/nemesis --summary evidence/nemesis/result.json
+
+# make mutants [SHARD=k/n] [IN_DIFF=rev] [FILES='glob …'] [ALL=1] [MERGE='dir …']: mutation
+# testing (cargo-mutants, installed from crates.io when missing) of the gateway and the
+# harness's delivery core, each mutant judged by nextest's `mutants` profile; writes
+# evidence/mutants/result.json (format: evidence/README.md). scripts/mutants.sh says more.
+mutants: build
+	CARGO='$(CARGO)' TARGET='$(TARGET)' ./scripts/mutants.sh
 
 # make fuzz: the frame parser fuzzed with 10 million generated inputs (release build,
 # seeded: SEED=n repeats a run), then the real gateway's connection state machine over the

@@ -86,6 +86,28 @@ struct Args {
     /// Keep the artefacts of passing runs too.
     #[arg(long)]
     keep_passing: bool,
+    /// Runs at once, each in a process of its own with its own cluster, gateway and
+    /// clients (seeds only; replays and shrinking run one at a time).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=32))]
+    jobs: u32,
+    /// Only shard K of N of the seeds (0-based: seeds whose index in the series is K modulo
+    /// N), to spread a long series over machines.
+    #[arg(long, value_name = "K/N", value_parser = parse_shard)]
+    shard: Option<(u64, u64)>,
+    /// Internal: run the one seed of --seed and keep its directory for the parent process
+    /// of a --jobs series (no summary, no shrinking).
+    #[arg(long, hide = true)]
+    child: bool,
+}
+
+fn parse_shard(s: &str) -> Result<(u64, u64), String> {
+    let (k, n) = s.split_once('/').ok_or("a shard is K/N")?;
+    let k: u64 = k.parse().map_err(|_| "K is not a number")?;
+    let n: u64 = n.parse().map_err(|_| "N is not a number")?;
+    if n == 0 || k >= n {
+        return Err(format!("shard {k}/{n}: K must be below N"));
+    }
+    Ok((k, n))
 }
 
 /// One run in the summary.
@@ -133,6 +155,11 @@ struct Summary {
     fail: u64,
     error: u64,
     wall_s: f64,
+    /// Runs at once (--jobs) and the shard of the series (--shard K/N), if any.
+    jobs: u32,
+    shard: Option<String>,
+    /// runs / wall_s, per hour.
+    seeds_per_hour: f64,
     anomalies_by_kind: BTreeMap<String, u64>,
     faults_by_kind: BTreeMap<String, u64>,
     /// Client operations over all runs, by how they ended.
@@ -222,17 +249,16 @@ fn kinds_of(o: &Outcome) -> BTreeSet<String> {
     o.anomalies.keys().cloned().collect()
 }
 
-async fn main_async(args: Args) -> anyhow::Result<bool> {
-    let opts = options(&args);
-    // Validate the options once (a bad kind is a usage error before anything starts).
-    generate(1, &opts)?;
-    std::fs::create_dir_all(&args.out).with_context(|| format!("create {}", args.out.display()))?;
-    // A missing, stale or fault-less gateway binary stops everything before the first run.
-    tokio::task::spawn_blocking(harness::gateway::require_faults)
-        .await
-        .context("join the gateway binary check")??;
-    let t0 = Instant::now();
-    let mut plan: Vec<(String, Schedule, String)> = Vec::new(); // (dir name, schedule, repeat)
+/// One run to make: its directory name, schedule and repeat command.
+struct Planned {
+    name: String,
+    schedule: Schedule,
+    repeat: String,
+}
+
+/// The runs of this invocation: a replay's repetitions, or the seeds (of the shard).
+fn plan(args: &Args, opts: &Options) -> anyhow::Result<Vec<Planned>> {
+    let mut plan = Vec::new();
     if let Some(file) = &args.replay {
         let text =
             std::fs::read_to_string(file).with_context(|| format!("read {}", file.display()))?;
@@ -241,42 +267,63 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
         let kept = args.out.join(format!("replayed-seed-{}.json", s.seed));
         std::fs::write(&kept, s.to_json())?;
         for k in 1..=args.replays {
-            plan.push((format!("replay-{k}"), s.clone(), repeat_replay(&kept)));
+            plan.push(Planned {
+                name: format!("replay-{k}"),
+                schedule: s.clone(),
+                repeat: repeat_replay(&kept),
+            });
         }
-    } else {
-        let (first, n) = match args.seed {
-            Some(s) => (s, args.seeds.unwrap_or(1)),
-            None => (args.first_seed, args.seeds.unwrap_or(20)),
-        };
-        for seed in first..first.saturating_add(n) {
-            plan.push((
-                format!("seed-{seed}"),
-                generate(seed, &opts)?,
-                repeat_seed(seed, &opts),
-            ));
-        }
+        return Ok(plan);
     }
-    let total = plan.len();
-    let mut lines: Vec<RunLine> = Vec::new();
-    let mut shrunk: Vec<ShrinkLine> = Vec::new();
-    let mut all_pass = true;
-    for (k, (name, schedule, repeat)) in plan.into_iter().enumerate() {
-        let dir = args.out.join(&name);
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).with_context(|| format!("remove {}", dir.display()))?;
+    let (first, n) = match args.seed {
+        Some(s) => (s, args.seeds.unwrap_or(1)),
+        None => (args.first_seed, args.seeds.unwrap_or(20)),
+    };
+    let (k, m) = args.shard.unwrap_or((0, 1));
+    for (i, seed) in (first..first.saturating_add(n)).enumerate() {
+        if i as u64 % m != k {
+            continue;
         }
-        println!("nemesis: seed {} ({name}): {repeat}", schedule.seed);
-        let o = run(&schedule, &dir, repeat.clone()).await;
+        plan.push(Planned {
+            name: format!("seed-{seed}"),
+            schedule: generate(seed, opts)?,
+            repeat: repeat_seed(seed, opts),
+        });
+    }
+    Ok(plan)
+}
+
+/// What the series has seen so far.
+struct Series {
+    lines: Vec<RunLine>,
+    shrunk: Vec<ShrinkLine>,
+    /// Failing runs to shrink once the series is over: (schedule, outcome, directory).
+    to_shrink: Vec<(Schedule, Outcome, PathBuf)>,
+    total: usize,
+    t0: Instant,
+}
+
+impl Series {
+    /// Prints one finished run, keeps or removes its directory, and rewrites the summary.
+    fn record(
+        &mut self,
+        args: &Args,
+        opts: &Options,
+        p: &Planned,
+        o: Outcome,
+    ) -> anyhow::Result<()> {
+        let dir = args.out.join(&p.name);
         let keep = o.failed() || args.keep_passing;
-        let elapsed = t0.elapsed().as_secs_f64();
-        let eta = elapsed / (k + 1) as f64 * (total - k - 1) as f64;
+        let done = self.lines.len() + 1;
+        let elapsed = self.t0.elapsed().as_secs_f64();
+        let eta = elapsed / done as f64 * (self.total - done) as f64;
         println!(
-            "[{:>4}/{total}] seed {}: {}{} ({} faults, {} ops, {} gateway starts, {:.1} s) | {:.0} s elapsed, ~{:.0} s left",
-            k + 1,
+            "[{done:>4}/{}] seed {}: {}{} ({} faults, {} ops, {} gateway starts, {:.1} s) | {:.0} s elapsed, ~{:.0} s left",
+            self.total,
             o.seed,
             o.verdict,
             if o.anomalies.is_empty() { String::new() } else { format!(" {:?}", o.anomalies) },
-            schedule.faults.len(),
+            p.schedule.faults.len(),
             o.ops.values().map(|c| c.invoke).sum::<u64>(),
             o.gateway_starts,
             o.wall_ms as f64 / 1000.0,
@@ -291,7 +338,7 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
         } else {
             let _ = std::fs::remove_dir_all(&dir);
         }
-        lines.push(RunLine {
+        self.lines.push(RunLine {
             seed: o.seed,
             verdict: o.verdict.clone(),
             error: o.error.clone(),
@@ -304,33 +351,182 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
             wall_ms: o.wall_ms,
             dir: keep.then(|| dir.display().to_string()),
         });
-        if o.failed() {
-            all_pass = false;
-            if args.shrink && o.verdict == "FAIL" && args.replay.is_none() {
-                let s = do_shrink(&args, &schedule, &o, &dir).await?;
-                shrunk.push(s);
-            }
+        if o.verdict == "FAIL" && args.shrink && args.replay.is_none() {
+            self.to_shrink.push((p.schedule.clone(), o, dir));
         }
-        if let Some(path) = &args.summary {
-            write_summary(path, &opts, &lines, &shrunk, t0)?;
-        }
-        if o.verdict == "FAIL" && args.stop_at_first_failure {
-            break;
+        self.write(args, opts)
+    }
+
+    fn write(&self, args: &Args, opts: &Options) -> anyhow::Result<()> {
+        match &args.summary {
+            Some(path) => write_summary(path, args, opts, &self.lines, &self.shrunk, self.t0),
+            None => Ok(()),
         }
     }
-    let fails = lines.iter().filter(|l| l.verdict != "PASS").count();
+}
+
+async fn main_async(args: Args) -> anyhow::Result<bool> {
+    let opts = options(&args);
+    // Validate the options once (a bad kind is a usage error before anything starts).
+    generate(1, &opts)?;
+    std::fs::create_dir_all(&args.out).with_context(|| format!("create {}", args.out.display()))?;
+    // A missing, stale or fault-less gateway binary stops everything before the first run.
+    tokio::task::spawn_blocking(harness::gateway::require_faults)
+        .await
+        .context("join the gateway binary check")??;
+    let plan = plan(&args, &opts)?;
+    for p in &plan {
+        let dir = args.out.join(&p.name);
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("remove {}", dir.display()))?;
+        }
+    }
+    if args.child {
+        for p in &plan {
+            run(&p.schedule, &args.out.join(&p.name), p.repeat.clone()).await;
+        }
+        return Ok(true);
+    }
+    let mut series = Series {
+        lines: Vec::new(),
+        shrunk: Vec::new(),
+        to_shrink: Vec::new(),
+        total: plan.len(),
+        t0: Instant::now(),
+    };
+    if args.jobs > 1 && args.replay.is_none() {
+        run_parallel(&args, &opts, plan, &mut series).await?;
+    } else {
+        for p in plan {
+            println!(
+                "nemesis: seed {} ({}): {}",
+                p.schedule.seed, p.name, p.repeat
+            );
+            let o = run(&p.schedule, &args.out.join(&p.name), p.repeat.clone()).await;
+            let stop = o.verdict == "FAIL" && args.stop_at_first_failure;
+            series.record(&args, &opts, &p, o)?;
+            if stop {
+                break;
+            }
+        }
+    }
+    for (schedule, o, dir) in std::mem::take(&mut series.to_shrink) {
+        let s = do_shrink(&args, &schedule, &o, &dir).await?;
+        series.shrunk.push(s);
+        series.write(&args, &opts)?;
+    }
+    let fails = series.lines.iter().filter(|l| l.verdict != "PASS").count();
+    let wall = series.t0.elapsed().as_secs_f64();
     println!(
-        "nemesis: {} runs, {} passed, {} failed or not judged, {:.0} s{}",
-        lines.len(),
-        lines.len() - fails,
+        "nemesis: {} runs, {} passed, {} failed or not judged, {:.0} s ({:.0} seeds/hour at --jobs {}){}",
+        series.lines.len(),
+        series.lines.len() - fails,
         fails,
-        t0.elapsed().as_secs_f64(),
+        wall,
+        series.lines.len() as f64 / wall.max(1e-9) * 3600.0,
+        args.jobs,
         args.summary
             .as_ref()
             .map(|p| format!("; summary: {}", p.display()))
             .unwrap_or_default()
     );
-    Ok(all_pass)
+    Ok(fails == 0)
+}
+
+/// Runs the plan `--jobs` at a time, each in a child process of this binary (`--child`):
+/// runs at once share nothing but the machine (each has its own cluster, gateway, clients
+/// and history). A child's output goes to OUT/NAME.log, kept only when the run failed.
+async fn run_parallel(
+    args: &Args,
+    opts: &Options,
+    plan: Vec<Planned>,
+    series: &mut Series,
+) -> anyhow::Result<()> {
+    let mut pending = plan.into_iter();
+    let mut running = tokio::task::JoinSet::new();
+    let mut stop = false;
+    loop {
+        while !stop && running.len() < args.jobs as usize {
+            let Some(p) = pending.next() else { break };
+            println!(
+                "nemesis: seed {} ({}): {}",
+                p.schedule.seed, p.name, p.repeat
+            );
+            let cmd = child_command(args, &p)?;
+            let out = args.out.clone();
+            running.spawn(async move {
+                let o = run_child(cmd, &out, &p).await;
+                (p, o)
+            });
+        }
+        let Some(joined) = running.join_next().await else {
+            return Ok(());
+        };
+        let (p, o) = joined.context("join a run")?;
+        if o.verdict == "FAIL" && args.stop_at_first_failure {
+            stop = true;
+        }
+        series.record(args, opts, &p, o)?;
+    }
+}
+
+/// `nemesis --child --seed S --out OUT` with this series' options.
+fn child_command(args: &Args, p: &Planned) -> anyhow::Result<tokio::process::Command> {
+    let exe = std::env::current_exe().context("find this binary")?;
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("--child")
+        .arg("--seed")
+        .arg(p.schedule.seed.to_string())
+        .arg("--out")
+        .arg(&args.out);
+    if let Some(d) = args.duration {
+        cmd.arg("--duration").arg(d.to_string());
+    }
+    if let Some(f) = args.faults {
+        cmd.arg("--faults").arg(f.to_string());
+    }
+    if !args.kinds.is_empty() {
+        cmd.arg("--kinds").arg(args.kinds.join(","));
+    }
+    let log = args.out.join(format!("{}.log", p.name));
+    let file = std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
+    cmd.stdout(file.try_clone()?)
+        .stderr(file)
+        .kill_on_drop(true);
+    Ok(cmd)
+}
+
+/// Waits for a child run and reads the outcome it wrote (an ERROR outcome if it wrote none).
+async fn run_child(mut cmd: tokio::process::Command, out: &Path, p: &Planned) -> Outcome {
+    let t0 = Instant::now();
+    let log = out.join(format!("{}.log", p.name));
+    let result = out.join(&p.name).join("result.json");
+    let status = cmd.status().await;
+    let read = std::fs::read_to_string(&result)
+        .map_err(anyhow::Error::from)
+        .and_then(|t| Ok(serde_json::from_str::<Outcome>(&t)?));
+    match read {
+        Ok(o) => {
+            if !o.failed() {
+                let _ = std::fs::remove_file(&log);
+            }
+            o
+        }
+        Err(e) => {
+            let why = anyhow::anyhow!(
+                "the child run ({status:?}) left no readable {}: {e:#}; its output: {}",
+                result.display(),
+                log.display()
+            );
+            Outcome::error(
+                p.schedule.seed,
+                p.repeat.clone(),
+                &why,
+                t0.elapsed(),
+                Vec::new(),
+            )
+        }
+    }
 }
 
 async fn do_shrink(
@@ -426,6 +622,7 @@ async fn do_shrink(
 
 fn write_summary(
     path: &Path,
+    args: &Args,
     opts: &Options,
     lines: &[RunLine],
     shrunk: &[ShrinkLine],
@@ -486,6 +683,10 @@ fn write_summary(
         fail,
         error,
         wall_s: (t0.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+        jobs: args.jobs,
+        shard: args.shard.map(|(k, n)| format!("{k}/{n}")),
+        seeds_per_hour: (lines.len() as f64 / t0.elapsed().as_secs_f64().max(1e-9) * 3600.0)
+            .round(),
         anomalies_by_kind: anomalies,
         faults_by_kind: faults,
         ops,
