@@ -32,7 +32,7 @@ fi
 
 work=$TARGET/mutants/run
 rm -rf "$work"; mkdir -p "$work"
-args=(--workspace --sharding round-robin)
+args=(--workspace)
 for f in $FILES; do args+=(-f "$f"); done
 if [ -n "${IN_DIFF:-}" ]; then
   git diff "$IN_DIFF" > "$work/in.diff" || exit 2
@@ -41,7 +41,7 @@ fi
 # The whole list (every shard): the report marks other shards' mutants `not_run` until
 # their outcomes are merged in.
 "$CARGO" mutants --list --json "${args[@]}" > "$work/list.json" || exit 2
-[ -n "${SHARD:-}" ] && args+=(--shard "$SHARD")
+[ -n "${SHARD:-}" ] && args+=(--shard "$SHARD" --sharding round-robin)
 exclude=$("$TARGET/debug/mutants" exclude --list "$work/list.json" --equivalent mutants/equivalent.txt) || exit 2
 [ -n "$exclude" ] && args+=(--exclude-re "$exclude")
 echo "mutants: $(grep -c '"name"' "$work/list.json" || true) mutants listed (equivalent ones will not run)"

@@ -270,8 +270,8 @@ async fn im06_crash_send_after_commit_before_notify() {
             w.gw().log_text().contains(&dropped),
         );
         let s = b.stats();
-        c.expect("pushes_received (the feed's)", 1, s.pushes_received);
-        c.expect("events_synced (at the reconnect)", 1, s.events_synced);
+        c.expect("pushes_received", 1, s.pushes_received);
+        c.expect("events_synced", 1, s.events_synced);
         c.observe(
             "sweep_hints_received",
             s.hints_received.get("sweep").copied().unwrap_or(0),

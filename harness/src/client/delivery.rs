@@ -216,6 +216,13 @@ impl Delivery {
         self.convs.get(conv).map_or(0, |t| t.cursor)
     }
 
+    /// How many stored seqs above the cursor the core remembers for `conv`: its memory of
+    /// a conversation, never more than the events stored above the cursor (those it has
+    /// covered are forgotten).
+    pub fn held(&self, conv: &str) -> usize {
+        self.convs.get(conv).map_or(0, |t| t.above.len())
+    }
+
     /// What the core believes the server's delivered cursor is (acked or reported).
     pub fn acked(&self, conv: &str) -> i64 {
         self.convs.get(conv).map_or(0, |t| t.acked)
@@ -674,5 +681,371 @@ mod tests {
         // A stale hint after the ack landed: nothing was lost, nothing to ack.
         assert_eq!(d.hint("c", 1), Hinted::Ack);
         assert_eq!(d.begin_ack("c", now), None);
+    }
+
+    /// A seeded pseudo-random number generator (xorshift64*), for the random walks.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        /// Uniform in `0..n` (`n > 0`).
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+
+        fn chance(&mut self, percent: u64) -> bool {
+            self.below(100) < percent
+        }
+    }
+
+    /// The world one random walk runs in: a server's conversation (events `1..=head`, some
+    /// not visible to this device) and the device's store, with what the server believes
+    /// the device acked.
+    struct Model {
+        head: i64,
+        invisible: BTreeSet<i64>,
+        store: BTreeSet<i64>,
+        /// The server's `delivered` (GREATEST of the acks).
+        delivered: i64,
+        /// The `after` of the next page of a sync the core asked for.
+        syncing: Option<i64>,
+        /// An automatic ack the core started and the server has not answered.
+        acking: Option<i64>,
+        now: Instant,
+    }
+
+    impl Model {
+        fn visible(&self, seq: i64) -> bool {
+            seq >= 1 && seq <= self.head && !self.invisible.contains(&seq)
+        }
+
+        /// D3 and the memory bound, after every step: every visible event at or below the
+        /// cursor is stored, the cursor never passes the head, and the core remembers no
+        /// more than the stored events above the cursor.
+        fn check(&self, d: &Delivery, step: &str) {
+            let cursor = d.cursor("c");
+            assert!(
+                cursor <= self.head,
+                "{step}: cursor {cursor} above head {}",
+                self.head
+            );
+            for seq in 1..=cursor {
+                assert!(
+                    !self.visible(seq) || self.store.contains(&seq),
+                    "{step}: D3: cursor {cursor} covers visible seq {seq}, not stored"
+                );
+            }
+            let above = self.store.iter().filter(|&&s| s > cursor).count();
+            assert_eq!(
+                d.held("c"),
+                above,
+                "{step}: memory of seqs above the cursor"
+            );
+        }
+
+        /// The visible seqs a sync page after `after` holds (at most `limit`), and whether
+        /// it is complete.
+        fn page(&self, after: i64, limit: usize) -> (Vec<i64>, bool) {
+            let all: Vec<i64> = (after + 1..=self.head)
+                .filter(|&s| self.visible(s))
+                .collect();
+            let page: Vec<i64> = all.iter().copied().take(limit).collect();
+            (page, all.len() <= limit)
+        }
+    }
+
+    /// One step: the core told to store `new` events now (after a push or a page).
+    fn stored_now(d: &mut Delivery, m: &mut Model) {
+        if d.stored("c", m.now) {
+            begin_ack(d, m);
+        }
+    }
+
+    /// Starts an automatic ack if the core wants one. An ack names the cursor (D3: never
+    /// above what is stored) and only when it is above what the server has or is about to
+    /// have (no pointless cursor writes).
+    fn begin_ack(d: &mut Delivery, m: &mut Model) {
+        let floor = d.acked("c");
+        let inflight = m.acking.is_some();
+        match d.begin_ack("c", m.now) {
+            Some(seq) => {
+                assert!(!inflight, "a second automatic ack while one is on its way");
+                assert_eq!(seq, d.cursor("c"), "an ack names the cursor");
+                assert!(
+                    seq > floor,
+                    "ack of {seq} at or below what the server has ({floor})"
+                );
+                m.acking = Some(seq);
+            }
+            None => assert!(
+                inflight || d.cursor("c") <= floor,
+                "no ack although cursor {} is above acked {floor}",
+                d.cursor("c")
+            ),
+        }
+    }
+
+    /// One step of a walk, drawn from `r`.
+    fn step(d: &mut Delivery, m: &mut Model, r: &mut Rng) {
+        m.now += Duration::from_millis(r.below(30));
+        match r.below(9) {
+            0 | 1 => {
+                m.head += 1;
+                if r.chance(15) {
+                    m.invisible.insert(m.head);
+                }
+            }
+            2 | 3 => push(d, m, r),
+            4 | 5 => page(d, m, r, true),
+            6 => hint(d, m),
+            7 => answer_ack(d, m, r),
+            _ => restart(d, m, r),
+        }
+    }
+
+    fn push(d: &mut Delivery, m: &mut Model, r: &mut Rng) {
+        if m.head == 0 {
+            return;
+        }
+        // Mostly recent events, sometimes an old one again.
+        let back = if r.chance(70) {
+            r.below(3)
+        } else {
+            r.below(m.head as u64)
+        } as i64;
+        let seq = (m.head - back).max(1);
+        if !m.visible(seq) {
+            return;
+        }
+        let cursor = d.cursor("c");
+        let syncing = m.syncing.is_some();
+        match d.push("c", seq) {
+            Pushed::Duplicate => assert!(
+                m.store.contains(&seq),
+                "push {seq}: called a duplicate, not stored (cursor {cursor})"
+            ),
+            Pushed::New { gap, sync_after } => {
+                assert!(
+                    !m.store.contains(&seq),
+                    "push {seq}: stored already, called new"
+                );
+                assert_eq!(
+                    gap,
+                    seq != cursor + 1,
+                    "push {seq} after cursor {cursor}: gap"
+                );
+                match sync_after {
+                    Some(after) => {
+                        assert!(gap && !syncing, "push {seq}: a sync without a gap");
+                        assert_eq!(after, cursor, "a gap syncs from the cursor");
+                        m.syncing = Some(after);
+                    }
+                    None => assert!(!gap || syncing, "push {seq}: a gap and no sync"),
+                }
+                m.store.insert(seq);
+                stored_now(d, m);
+            }
+        }
+    }
+
+    /// The next page of the sync under way; a `hostile` server sometimes fails the request
+    /// or sends a broken page.
+    fn page(d: &mut Delivery, m: &mut Model, r: &mut Rng, hostile: bool) {
+        let Some(after) = m.syncing else { return };
+        if hostile && r.chance(10) {
+            d.sync_failed("c");
+            m.syncing = None;
+            return;
+        }
+        let (mut seqs, complete) = m.page(after, 1 + r.below(4) as usize);
+        let corrupt = hostile && r.chance(10) && !seqs.is_empty();
+        if corrupt {
+            // A broken server: a seq again, one at `after`, or one past the head.
+            match r.below(3) {
+                0 => seqs.push(*seqs.last().unwrap_or(&0)),
+                1 => seqs.insert(0, after),
+                _ => seqs.push(m.head + 1),
+            }
+        }
+        let before = (d.cursor("c"), m.store.clone());
+        let store = m.store.clone();
+        let p = d.synced("c", &seqs, m.head, complete, |s| store.contains(&s));
+        if corrupt {
+            assert_eq!(
+                p.next,
+                NextPage::Disordered {
+                    after,
+                    head: m.head
+                },
+                "{seqs:?}"
+            );
+            assert!(
+                p.new.is_empty() && d.cursor("c") == before.0,
+                "stored nothing"
+            );
+            m.syncing = None;
+            return;
+        }
+        let new: Vec<i64> = p.new.iter().map(|&i| seqs[i]).collect();
+        let want: Vec<i64> = seqs
+            .iter()
+            .copied()
+            .filter(|s| !before.1.contains(s))
+            .collect();
+        assert_eq!(new, want, "page {seqs:?}: the events not stored");
+        assert_eq!(p.duplicates, seqs.len() - want.len());
+        m.store.extend(new);
+        m.syncing = match p.next {
+            NextPage::Done => {
+                assert!(complete);
+                assert_eq!(d.cursor("c"), m.head, "a complete sync reaches the head");
+                None
+            }
+            NextPage::After(last) => {
+                assert!(!complete);
+                assert_eq!(Some(&last), seqs.last());
+                Some(last)
+            }
+            other => panic!("page {seqs:?} after {after}: {other:?}"),
+        };
+        if m.syncing.is_none() {
+            if d.sync_ended("c", m.now) {
+                begin_ack(d, m);
+            }
+        } else {
+            stored_now(d, m);
+        }
+    }
+
+    /// The sweep hints only a device whose delivered cursor is below the visible head.
+    fn hint(d: &mut Delivery, m: &mut Model) {
+        let head = (1..=m.head).rev().find(|&s| m.visible(s)).unwrap_or(0);
+        if m.delivered >= head {
+            return;
+        }
+        let cursor = d.cursor("c");
+        let syncing = m.syncing.is_some();
+        match d.hint("c", head) {
+            Hinted::Ack => {
+                assert!(
+                    head <= cursor,
+                    "hint {head}: an ack though cursor is {cursor}"
+                );
+                assert!(d.acked("c") < head, "the hint says the server lacks {head}");
+                begin_ack(d, m);
+            }
+            Hinted::Sync(after) => {
+                assert!(head > cursor && !syncing);
+                assert_eq!(after, cursor, "a hint syncs from the cursor");
+                m.syncing = Some(after);
+            }
+            Hinted::SyncRunning => assert!(head > cursor && syncing),
+            Hinted::AckComing => panic!("HintAck::Again never leaves an ack coalescing"),
+        }
+    }
+
+    fn answer_ack(d: &mut Delivery, m: &mut Model, r: &mut Rng) {
+        let Some(seq) = m.acking.take() else {
+            if d.due(m.now).contains(&"c".to_string()) || r.chance(30) {
+                begin_ack(d, m);
+            }
+            return;
+        };
+        if r.chance(20) {
+            d.ack_failed("c", r.chance(50), m.now);
+            return;
+        }
+        m.delivered = m.delivered.max(seq);
+        let before = d.acked("c");
+        d.ack_ok("c", seq, m.delivered, m.now);
+        assert_eq!(
+            d.acked("c"),
+            before.max(m.delivered).max(seq),
+            "acked after ack_ok"
+        );
+    }
+
+    /// The device restarts: a new core restored from the store, then `sub` reports what
+    /// the server has.
+    fn restart(d: &mut Delivery, m: &mut Model, r: &mut Rng) {
+        if !r.chance(30) {
+            return;
+        }
+        let cursor = d.cursor("c");
+        let mut fresh = core();
+        // The state file's `delivered` may lag what the server has (an ack answered after
+        // the last write), or be missing.
+        let persisted = (!r.chance(30)).then(|| (m.delivered - r.below(3) as i64).max(0));
+        fresh.restore("c", cursor, m.store.iter().copied(), persisted);
+        assert_eq!(fresh.cursor("c"), cursor);
+        fresh.subscribed("c", m.delivered);
+        assert_eq!(
+            fresh.acked("c"),
+            m.delivered,
+            "sub reports what the server has"
+        );
+        m.syncing = None;
+        m.acking = None;
+        *d = fresh;
+        // After `sub` the client syncs from its cursor, as the pump does.
+        m.syncing = Some(d.sync_begin("c", cursor));
+    }
+
+    /// Random walks over the core against a model of the server and the store: after every
+    /// step D3 holds (the cursor covers only stored events, an ack names the cursor and
+    /// never what the server has already), duplicates are recognised, a gap or a hint above
+    /// the cursor asks for one sync from the cursor, a broken page is refused whole, acks
+    /// follow what the server answered, and the core's memory is the events stored above
+    /// the cursor. Each walk ends with a sync to completion and an ack: the device then
+    /// holds every visible event and the server knows it (D5's end state).
+    #[test]
+    fn random_walks_keep_d3_and_converge() {
+        for seed in 1..=400u64 {
+            let mut r = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut d = core();
+            let mut m = Model {
+                head: 0,
+                invisible: BTreeSet::new(),
+                store: BTreeSet::new(),
+                delivered: 0,
+                syncing: None,
+                acking: None,
+                now: Instant::now(),
+            };
+            for i in 0..200 {
+                step(&mut d, &mut m, &mut r);
+                m.check(&d, &format!("seed {seed} step {i}"));
+            }
+            // Heal: answer any ack, sync to completion, ack.
+            if let Some(seq) = m.acking.take() {
+                m.delivered = m.delivered.max(seq);
+                d.ack_ok("c", seq, m.delivered, m.now);
+            }
+            let after = match m.syncing {
+                Some(a) => a,
+                None => d.sync_begin("c", d.cursor("c")),
+            };
+            m.syncing = Some(after);
+            while m.syncing.is_some() {
+                let before = m.syncing;
+                page(&mut d, &mut m, &mut r, false);
+                assert_ne!(m.syncing, before, "seed {seed}: the sync makes progress");
+            }
+            m.check(&d, &format!("seed {seed} healed"));
+            assert_eq!(d.cursor("c"), m.head, "seed {seed}: cursor at the head");
+            if let Some(seq) = m.acking.take() {
+                m.delivered = m.delivered.max(seq);
+                d.ack_ok("c", seq, m.delivered, m.now);
+            }
+            if d.cursor("c") > d.acked("c") {
+                assert_eq!(d.begin_ack("c", m.now), Some(m.head), "seed {seed}");
+            }
+        }
     }
 }
