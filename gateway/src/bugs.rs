@@ -43,6 +43,26 @@ pub const CURSOR_ON_SYNC: &str = "cursor-on-sync";
 /// after up to three intervals.
 pub const SLOW_SWEEP: &str = "slow-sweep";
 
+/// The commit feed hands nothing to fan-out. Breaks D5: a commit whose NOTIFY failed or was
+/// never sent (or whose gateway died before it) is found only by a full pass, 60 intervals
+/// later, on every gateway.
+pub const NO_FEED: &str = "no-feed";
+/// A lost LISTEN connection, once regained, starts no full pass. Breaks D5: what committed
+/// while the gateway was not listening waits for the routine full pass.
+pub const NO_REGAIN_PASS: &str = "no-regain-pass";
+/// A fan-out read that failed records nothing for the sweep. Breaks D5: its events wait for
+/// the next notification of their conversation or a full pass.
+pub const READ_FAIL_UNRECORDED: &str = "read-fail-unrecorded";
+/// A connection never forgets that its user was a member of a conversation. Breaks the lock
+/// guarantee of `send`: a user who left queues on the conversation's row lock with every send.
+pub const STICKY_MEMBER: &str = "sticky-member";
+/// Pushes queued for an install before it became stale are still written. Breaks the
+/// reinstall's promise: a cut-off install gets what was on its way.
+pub const STALE_BACKLOG: &str = "stale-backlog";
+/// An overflowed connection's queue drains without the overflow hints. Breaks the overflow
+/// repair: the device learns of what it missed only from the sweep.
+pub const NO_OVERFLOW_HINT: &str = "no-overflow-hint";
+
 /// Every bug with a one-line description (`im-gateway bugs` prints this).
 pub const ALL: &[(&str, &str)] = &[
     (
@@ -83,6 +103,30 @@ pub const ALL: &[(&str, &str)] = &[
         "D3: serving a sync page moves the device cursor to the page's last seq",
     ),
     (SLOW_SWEEP, "D5 bound: the sweep runs every 3 x IM_SWEEP_MS"),
+    (
+        NO_FEED,
+        "D5: the commit feed hands nothing on (un-notified commits wait for a full pass)",
+    ),
+    (
+        NO_REGAIN_PASS,
+        "D5: a regained LISTEN connection starts no full pass",
+    ),
+    (
+        READ_FAIL_UNRECORDED,
+        "D5: a failed fan-out read records nothing for the sweep",
+    ),
+    (
+        STICKY_MEMBER,
+        "send: a connection never forgets a membership (a user who left takes the lock)",
+    ),
+    (
+        STALE_BACKLOG,
+        "reinstall: pushes queued before an install became stale are still written",
+    ),
+    (
+        NO_OVERFLOW_HINT,
+        "overflow: the drained queue sends no overflow hints",
+    ),
 ];
 
 #[cfg(all(feature = "bugs", not(debug_assertions)))]

@@ -38,12 +38,29 @@ struct Inner {
 }
 
 /// The record itself, shared through `State::changes`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Changes {
     inner: Mutex<Inner>,
+    /// Most entries of each of its three records ([`PAIRS_MAX`]).
+    max: usize,
+}
+
+impl Default for Changes {
+    fn default() -> Self {
+        Changes::with_max(PAIRS_MAX)
+    }
 }
 
 impl Changes {
+    /// A record of at most `max` entries each of pushed pairs, acked pairs and failed
+    /// conversations.
+    pub fn with_max(max: usize) -> Changes {
+        Changes {
+            inner: Mutex::default(),
+            max,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -65,7 +82,7 @@ impl Changes {
                 .or_insert(seq);
             *s = (*s).max(seq);
         }
-        if g.pushed.len() > PAIRS_MAX {
+        if g.pushed.len() > self.max {
             g.pushed.clear();
             g.full = true;
         }
@@ -76,7 +93,7 @@ impl Changes {
     pub fn read_failed(&self, conv: &str) {
         let mut g = self.lock();
         g.convs.insert(conv.to_string());
-        if g.convs.len() > PAIRS_MAX {
+        if g.convs.len() > self.max {
             g.convs.clear();
             g.full = true;
         }
@@ -93,7 +110,7 @@ impl Changes {
         }
         let d = g.acked.entry(key).or_insert(delivered);
         *d = (*d).max(delivered);
-        if g.acked.len() > PAIRS_MAX {
+        if g.acked.len() > self.max {
             g.acked.clear();
             g.full = true;
         }
@@ -152,20 +169,42 @@ mod tests {
         assert_eq!(d.pushed.get(&("d1".into(), 2, "c1".into())), Some(&6));
     }
 
+    /// Each record holds at most its limit: at the limit nothing is lost; one entry more
+    /// and the record is dropped and a full pass asked for (never wrong, only slower).
+    /// Pushed pairs, acked pairs and failed conversations alike.
     #[test]
-    fn overflow_asks_for_a_full_pass() {
-        let c = Changes::default();
-        {
-            let mut g = c.lock();
-            for i in 0..PAIRS_MAX {
-                g.pushed.insert(("d".into(), i as i64, "c".into()), 1);
+    fn each_record_holds_its_limit_and_one_more_asks_for_a_full_pass() {
+        let max = 50;
+        let fill = |c: &Changes, what: &str, n: usize| {
+            for i in 0..n {
+                let d = format!("d{i}");
+                match what {
+                    "pushed" => c.pushed([(d.as_str(), 1)], "c", 1),
+                    "acked" => c.acked(&d, 1, "c", 1),
+                    _ => c.read_failed(&d),
+                }
             }
+        };
+        for what in ["pushed", "acked", "convs"] {
+            let c = Changes::with_max(max);
+            fill(&c, what, max);
+            let d = c.take();
+            let acks = c.take_acks();
+            let kept = match what {
+                "pushed" => d.pushed.len(),
+                "acked" => acks.len(),
+                _ => d.convs.len(),
+            };
+            assert_eq!((kept, d.full), (max, false), "{what} at its limit");
+            fill(&c, what, max + 1);
+            let d = c.take();
+            let acks = c.take_acks();
+            assert!(d.full, "{what}: one more asks for a full pass");
+            assert!(
+                d.pushed.is_empty() && d.convs.is_empty() && acks.is_empty(),
+                "{what}"
+            );
         }
-        c.pushed([("x", 1)], "c", 1);
-        let d = c.take();
-        assert!(d.full && d.pushed.is_empty());
-        c.read_failed("c9");
-        let d = c.take();
-        assert!(!d.full && d.convs.contains("c9"));
+        assert_eq!(Changes::default().max, PAIRS_MAX);
     }
 }

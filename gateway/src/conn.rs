@@ -53,6 +53,27 @@ const CLOSE_LINGER: Duration = Duration::from_secs(2);
 /// complete, an escaped rid).
 const SYNC_FRAME_OVERHEAD_BYTES: usize = 1024;
 
+/// Most bytes one byte of a string takes in JSON (a control character: `\u0001`).
+const JSON_ESCAPE_MAX: usize = 6;
+
+/// What one event's JSON adds to its escaped body: an escaped cmid, the conversation and
+/// sender ids, the mid, two numbers, the kind and the keys.
+const EVENT_OVERHEAD_BYTES: usize =
+    protocol::CMID_MAX_BYTES * JSON_ESCAPE_MAX + 2 * protocol::ID_MAX_BYTES + 256;
+
+/// The largest `synced` frame a sync with `limit` can produce (what it reserves of the
+/// connection's byte budget before the page is read): `limit` events of `body_max` bytes,
+/// each escaped to the worst, but a page stops at `page_max` bytes of events, keeping at
+/// least one (`store::sync`).
+fn largest_synced_frame(limit: i64, body_max: usize, page_max: usize) -> usize {
+    let event_max = body_max * JSON_ESCAPE_MAX + EVENT_OVERHEAD_BYTES;
+    usize::try_from(limit.max(1))
+        .unwrap_or(usize::MAX)
+        .saturating_mul(event_max)
+        .min(page_max.max(event_max))
+        + SYNC_FRAME_OVERHEAD_BYTES
+}
+
 /// Serves one upgraded connection until the peer leaves, a fatal error, or shutdown.
 pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, peer: SocketAddr) {
     let (sink, mut stream) = ws.split();
@@ -405,6 +426,9 @@ impl Members {
     }
 
     fn forget(&self, conv: &str) {
+        if bugs::active(bugs::STICKY_MEMBER) {
+            return;
+        }
         self.lock().remove(conv);
     }
 }
@@ -568,11 +592,7 @@ impl Session {
                 let page_max = st.cfg.sync_page_max_bytes;
                 // The page's largest frame is reserved before it is read, so pages being
                 // built count against the byte budget as much as queued ones do.
-                let event_max = st.cfg.body_max_bytes * 6 + SYNC_FRAME_OVERHEAD_BYTES;
-                let largest = (limit as usize)
-                    .saturating_mul(event_max)
-                    .min(page_max.max(event_max))
-                    + SYNC_FRAME_OVERHEAD_BYTES;
+                let largest = largest_synced_frame(limit, st.cfg.body_max_bytes, page_max);
                 let Some(reserved) = self.handle.outbox.budget.reserve(largest).await else {
                     return; // the connection is gone
                 };
@@ -673,7 +693,11 @@ async fn writer(
             Some(Out::Frame(q)) => q,
         };
         let point = match next.kind {
-            Kind::Event | Kind::Hint if outbox.is_revoked() => continue,
+            Kind::Event | Kind::Hint
+                if outbox.is_revoked() && !bugs::active(bugs::STALE_BACKLOG) =>
+            {
+                continue
+            }
             Kind::Sent => Some(points::GW_REPLY_SEND),
             Kind::Acked => Some(points::GW_REPLY_ACK),
             Kind::Event => Some(points::GW_PUSH),
@@ -708,6 +732,9 @@ async fn writer(
         // Also after a dropped frame: an overflowed connection must get its hints.
         if rx.is_empty() {
             if let Some(pending) = outbox.take_overflow() {
+                let pending = pending
+                    .into_iter()
+                    .filter(|_| !bugs::active(bugs::NO_OVERFLOW_HINT));
                 for (conv, head) in pending {
                     let why = HintWhy::Overflow;
                     let hint = protocol::render(&Frame::Push(Push::Hint {
@@ -730,5 +757,62 @@ struct CloseBudget<'a>(&'a Outbox);
 impl Drop for CloseBudget<'_> {
     fn drop(&mut self) {
         self.0.budget.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{Event, CMID_MAX_BYTES, ID_MAX_BYTES, RID_MAX_BYTES};
+
+    /// The byte budget's promise for syncs: what a sync reserves before its page is read is
+    /// at least the frame it can produce, whatever the events hold. The worst page is built
+    /// as `store::sync` builds one (events added while the page stays within `page_max`,
+    /// at least one) from events whose body and cmid are control characters (each escaped
+    /// to six bytes), with the longest ids, and rendered by the one renderer.
+    #[test]
+    fn a_sync_reserves_at_least_the_largest_frame_it_can_produce() {
+        let ctl = |n: usize| "\u{1}".repeat(n);
+        let id = |n: usize| "x".repeat(n);
+        for body_max in [1, 100, 1000, 16_384] {
+            for page_max in [1024, 4096, 65_536, 1 << 20] {
+                for limit in [1, 2, 7, 100, 500] {
+                    let ev = Event {
+                        conv: id(ID_MAX_BYTES),
+                        seq: i64::MAX,
+                        kind: "msg".into(),
+                        mid: "00000000-0000-0000-0000-000000000000".into(),
+                        sender: id(ID_MAX_BYTES),
+                        cmid: ctl(CMID_MAX_BYTES),
+                        body: ctl(body_max),
+                        at_ms: i64::MIN,
+                    };
+                    let len = ev.to_json().to_string().len();
+                    let mut events = Vec::new();
+                    let mut bytes = 0;
+                    while events.len() < limit as usize
+                        && (events.is_empty() || bytes + len <= page_max)
+                    {
+                        bytes += len;
+                        events.push(ev.clone());
+                    }
+                    let frame = protocol::reply_frame(
+                        Some(&ctl(RID_MAX_BYTES)),
+                        &Reply::Synced {
+                            conv: id(ID_MAX_BYTES),
+                            events,
+                            head: i64::MAX,
+                            complete: false,
+                        },
+                    );
+                    let reserved = largest_synced_frame(limit, body_max, page_max);
+                    assert!(
+                        frame.len() <= reserved,
+                        "limit {limit}, body {body_max}, page {page_max}: frame {} > reserved {reserved}",
+                        frame.len()
+                    );
+                }
+            }
+        }
     }
 }

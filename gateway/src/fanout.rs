@@ -50,14 +50,25 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
-/// Connects the LISTEN connection (called once before `listening on`, then on every loss).
-pub async fn listen(pool: &sqlx::PgPool) -> Result<PgListener, sqlx::Error> {
+/// A LISTEN connection and the commit feed's mark taken on it just before its LISTEN: every
+/// commit after the mark is found by the feed from the mark on (and those after the LISTEN
+/// are notified to this session too); what committed before it is the full pass's.
+pub struct Listening {
+    listener: PgListener,
+    mark: store::FeedMark,
+}
+
+/// Connects the LISTEN connection (called once before `listening on`, then on every loss)
+/// and takes the commit feed's mark on it (its last statement stays the LISTEN, which is how
+/// `pg_stat_activity` tells it).
+pub async fn listen(pool: &sqlx::PgPool) -> Result<Listening, sqlx::Error> {
     let mut l = PgListener::connect_with(pool).await?;
     l.ignore_pool_close_event(true);
     // A lost connection is rebuilt by `run` (which then sweeps), not inside `try_recv`.
     l.eager_reconnect(false);
+    let mark = store::feed_mark(&mut l).await?;
     l.listen_all([store::CHANNEL, store::ADMIN_CHANNEL]).await?;
-    Ok(l)
+    Ok(Listening { listener: l, mark })
 }
 
 fn parse_line(p: &str) -> Option<(String, i64)> {
@@ -128,49 +139,58 @@ pub const FEED_CONVS_MAX: usize = 10_000;
 /// `send.after_commit_before_notify` and `fanout.notify`), and a commit whose gateway died
 /// before its NOTIFY, wherever the event's audience is connected.
 ///
-/// It looks only while this gateway listens (`session` holds the LISTEN session, `None`
-/// while the connection is down) and starts afresh, from a new mark, in each new session:
-/// a lost LISTEN connection may mean a new server (a promoted standby, whose transaction
-/// ids are not the old primary's), and what committed meanwhile is the full pass's (the
-/// LISTEN loop asks for one at once).
+/// It looks only while this gateway listens (`session` holds the LISTEN session and the
+/// mark taken on its connection, `None` while the connection is down) and starts each new
+/// session from that session's mark: a lost LISTEN connection may mean a new server (a
+/// promoted standby, whose transaction ids may repeat the old primary's), and what
+/// committed before the mark is the full pass's (the LISTEN loop asks for one at once).
 pub async fn feed(
     state: Arc<State>,
     tx: mpsc::Sender<Notified>,
-    mut session: tokio::sync::watch::Receiver<Option<u64>>,
+    mut session: tokio::sync::watch::Receiver<Option<store::FeedMark>>,
 ) {
+    if bugs::active(bugs::NO_FEED) {
+        return;
+    }
     let mut tick = tokio::time::interval(Duration::from_millis(state.cfg.sweep_interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut mark: Option<store::FeedMark> = None;
-    let mut looked_in: Option<u64> = None;
+    let mut mark: Option<store::FeedMark> = session.borrow_and_update().clone();
     loop {
         tokio::select! {
             _ = state.cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let Some(now) = *session.borrow_and_update() else {
+        // A new session (a regained LISTEN connection) starts from its own mark.
+        if session.has_changed().unwrap_or(false) {
+            mark = session.borrow_and_update().clone();
+        }
+        let Some(since) = mark.take() else { continue };
+        if faults::gate(points::FANOUT_FEED, (), ()).await.is_break() {
+            mark = Some(since);
             continue;
-        };
-        if looked_in != Some(now) {
-            mark = None;
-            looked_in = Some(now);
         }
         let look = tokio::time::timeout(
             state.cfg.db_timeout(),
-            store::commits_since(&state.fanout_pool, mark.as_ref(), FEED_CONVS_MAX),
+            store::commits_since(&state.fanout_pool, &since, FEED_CONVS_MAX),
         )
         .await;
         let (next, found) = match look {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "commit feed: look failed; again next interval");
+                mark = Some(since);
                 continue;
             }
             Err(_) => {
                 tracing::debug!("commit feed: look timed out; again next interval");
+                mark = Some(since);
                 continue;
             }
         };
-        mark = Some(next);
+        // Unless the session changed meanwhile: the next tick takes its mark (or none).
+        if !session.has_changed().unwrap_or(false) {
+            mark = Some(next);
+        }
         let Some(found) = found else {
             tracing::warn!(
                 max = FEED_CONVS_MAX,
@@ -200,16 +220,15 @@ pub enum Notified {
 
 /// The LISTEN loop: starts the delivery task and the commit feed, hands every notification
 /// on, and rebuilds the connection whenever it is lost (then sweeps at once, D5).
-pub async fn run(state: Arc<State>, first: PgListener) {
+pub async fn run(state: Arc<State>, first: Listening) {
     let (tx, rx) = mpsc::channel::<Notified>(65_536);
     state.tracker.spawn(deliver(state.clone(), rx));
-    // The LISTEN session the commit feed looks in (`None` while the connection is down).
-    let (session_tx, session_rx) = tokio::sync::watch::channel(Some(0u64));
+    // The LISTEN session's feed mark (`None` while the connection is down).
+    let (session_tx, session_rx) = tokio::sync::watch::channel(Some(first.mark));
     state
         .tracker
         .spawn(feed(state.clone(), tx.clone(), session_rx));
-    let mut listener = Some(first);
-    let mut session = 0u64;
+    let mut listener = Some(first.listener);
     let mut backoff = Duration::from_millis(50);
     loop {
         let mut l = match listener.take() {
@@ -220,16 +239,17 @@ pub async fn run(state: Arc<State>, first: PgListener) {
                     r = relisten(&state) => r,
                 };
                 match r {
-                    Ok(l) => {
+                    Ok(Listening { listener, mark }) => {
                         tracing::info!("LISTEN connection regained: sweeping at once");
                         backoff = Duration::from_millis(50);
-                        state.sweep_now.notify_one();
+                        if !bugs::active(bugs::NO_REGAIN_PASS) {
+                            state.sweep_now.notify_one();
+                        }
                         if tx.send(Notified::NewSession).await.is_err() {
                             return;
                         }
-                        session += 1;
-                        let _ = session_tx.send(Some(session));
-                        l
+                        let _ = session_tx.send(Some(mark));
+                        listener
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "LISTEN reconnect failed");
@@ -254,7 +274,7 @@ pub async fn run(state: Arc<State>, first: PgListener) {
 }
 
 /// One attempt to regain the LISTEN connection (the `fanout.listen` point can fail it).
-async fn relisten(state: &State) -> anyhow::Result<PgListener> {
+async fn relisten(state: &State) -> anyhow::Result<Listening> {
     if faults::gate(points::FANOUT_LISTEN, (), ()).await.is_break() {
         anyhow::bail!("fault point {}", points::FANOUT_LISTEN);
     }
@@ -492,14 +512,20 @@ async fn deliver_batch(state: &State, order: &mut Order, notified: &[(String, i6
         // these again, and the sweep repairs whatever no later read covers.
         // D5: the sweep asks about these conversations at its next interval.
         Ok(Err(e)) => {
-            for r in &ranges {
+            for r in ranges
+                .iter()
+                .filter(|_| !bugs::active(bugs::READ_FAIL_UNRECORDED))
+            {
                 state.changes.read_failed(&r.conv);
             }
             tracing::warn!(ranges = ranges.len(), error = %e, "fan-out read failed; the sweep will hint");
             return;
         }
         Err(_) => {
-            for r in &ranges {
+            for r in ranges
+                .iter()
+                .filter(|_| !bugs::active(bugs::READ_FAIL_UNRECORDED))
+            {
                 state.changes.read_failed(&r.conv);
             }
             tracing::warn!(

@@ -43,6 +43,9 @@ pub mod points {
     /// the attempt (the next one follows after the backoff), so notifications, install
     /// changes included, stay lost for as long as it is armed.
     pub const FANOUT_LISTEN: &str = "fanout.listen";
+    /// A look of the commit feed, about to run: `drop` and `error` skip it (the next look
+    /// asks from the same mark, so nothing is lost, only later).
+    pub const FANOUT_FEED: &str = "fanout.feed";
 
     pub const ALL: &[&str] = &[
         SEND_BEFORE_INSERT,
@@ -56,6 +59,7 @@ pub mod points {
         FANOUT_NOTIFY,
         FANOUT_READ,
         FANOUT_LISTEN,
+        FANOUT_FEED,
     ];
 }
 
@@ -116,6 +120,11 @@ pub const POINT_DOCS: &[(&str, &str, &str)] = &[
         points::FANOUT_LISTEN,
         "fanout::run (LISTEN loop)",
         "an attempt to regain the lost LISTEN connection (drop/error: it fails)",
+    ),
+    (
+        points::FANOUT_FEED,
+        "fanout::feed (the commit feed)",
+        "a look of the commit feed, about to run (drop/error: skipped, the next asks again)",
     ),
 ];
 

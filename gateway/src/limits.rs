@@ -65,13 +65,20 @@ impl AddrCounts {
 struct Buckets<K> {
     per_min: f64,
     map: HashMap<K, (f64, Instant)>,
+    /// Most keys tracked ([`BUCKET_KEYS_MAX`]).
+    cap: usize,
 }
 
 impl<K: Hash + Eq + Clone> Buckets<K> {
     fn new(per_min: u32) -> Self {
+        Buckets::with_cap(per_min, BUCKET_KEYS_MAX)
+    }
+
+    fn with_cap(per_min: u32, cap: usize) -> Self {
         Buckets {
             per_min: f64::from(per_min),
             map: HashMap::new(),
+            cap,
         }
     }
 
@@ -82,17 +89,15 @@ impl<K: Hash + Eq + Clone> Buckets<K> {
 
     /// Takes one token; false if there is none.
     fn take(&mut self, key: &K, now: Instant) -> bool {
-        if !self.map.contains_key(key) && self.map.len() >= BUCKET_KEYS_MAX {
-            let per_min = self.per_min;
+        if !self.map.contains_key(key) && self.map.len() >= self.cap {
+            // Full buckets carry no state (a key not tracked holds a full bucket): drop them.
             let map = std::mem::take(&mut self.map);
-            self.map = map
+            let kept = map
                 .into_iter()
-                .filter(|(_, (t, at))| {
-                    let refill = now.saturating_duration_since(*at).as_secs_f64() * per_min / 60.0;
-                    t + refill < per_min
-                })
+                .filter(|(_, (t, at))| self.level(*t, *at, now) < self.per_min)
                 .collect();
-            if self.map.len() >= BUCKET_KEYS_MAX {
+            self.map = kept;
+            if self.map.len() >= self.cap {
                 return true;
             }
         }
@@ -230,5 +235,33 @@ mod tests {
         }
         assert!(!t.attempt(ip, "y"), "the address's bucket is empty");
         assert!(t.attempt("10.0.0.2".parse().unwrap(), "y"));
+    }
+
+    /// At its key limit a bucket map forgets only full buckets (nobody failing lately): a
+    /// key that used up its tokens a second ago stays throttled however many other keys
+    /// failed since, and a new key it cannot track is let through (fails open); once a
+    /// bucket refills its place is reused.
+    #[test]
+    fn at_its_key_limit_the_map_keeps_every_bucket_that_is_not_full() {
+        let mut b = Buckets::with_cap(3, 4);
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            assert!(b.take(&0u32, t0));
+        }
+        for k in 1..4u32 {
+            assert!(b.take(&k, t0));
+        }
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(
+            b.take(&99u32, t1),
+            "a key the map cannot track is let through"
+        );
+        assert!(!b.take(&0u32, t1), "key 0 still owes its tokens");
+        assert!(b.map.contains_key(&0) && !b.map.contains_key(&99));
+        // A minute on, every bucket refilled: the next new key takes a freed place.
+        let t2 = t0 + Duration::from_secs(61);
+        assert!(b.take(&100u32, t2));
+        assert!(b.map.contains_key(&100) && b.map.len() == 1);
+        assert_eq!(Buckets::<u32>::new(3).cap, BUCKET_KEYS_MAX);
     }
 }

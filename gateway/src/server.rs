@@ -15,7 +15,6 @@ use crate::hub::Hub;
 use crate::limits::{AddrCounts, HelloThrottle};
 use crate::state::{State, FANOUT_POOL_MAX};
 use crate::{conn, fanout, store, sweep};
-use sqlx::postgres::PgListener;
 use sqlx::PgPool;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -62,7 +61,7 @@ pub async fn serve(
     listener: TcpListener,
     cfg: Config,
     pool: PgPool,
-    pg_listener: PgListener,
+    pg_listener: fanout::Listening,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let fanout_pool = store::connect(

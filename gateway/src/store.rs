@@ -898,25 +898,30 @@ UNION ALL
  GROUP BY e.conv_id
  LIMIT $2)";
 
+/// The commit feed's first mark of a LISTEN session, taken on that connection just before
+/// its LISTEN (`fanout::listen`).
+pub async fn feed_mark(
+    conn: impl sqlx::Executor<'_, Database = sqlx::Postgres>,
+) -> Result<FeedMark, sqlx::Error> {
+    let mark: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
+        .fetch_one(conn)
+        .await?;
+    Ok(FeedMark(mark))
+}
+
 /// The commit feed (D5, on every gateway): the events committed since `since` was taken,
 /// as one [`FeedRow`] per conversation (at most `max`; `None` when more conversations than
 /// that committed, so the caller must look some other way), and the mark to ask from next
-/// time. With `since` `None` it only takes a mark.
+/// time.
 ///
 /// A notification that never came (the committing gateway's NOTIFY failed or was never
 /// sent, or that gateway died between COMMIT and NOTIFY) is thereby found by every gateway,
 /// wherever the event's audience is connected.
 pub async fn commits_since(
     pool: &PgPool,
-    since: Option<&FeedMark>,
+    since: &FeedMark,
     max: usize,
 ) -> Result<(FeedMark, Option<Vec<FeedRow>>), sqlx::Error> {
-    let Some(since) = since else {
-        let mark: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
-            .fetch_one(pool)
-            .await?;
-        return Ok((FeedMark(mark), Some(Vec::new())));
-    };
     let rows = sqlx::query(COMMITS_SINCE_SQL)
         .bind(&since.0)
         .bind(i64::try_from(max.saturating_add(1)).unwrap_or(i64::MAX))
@@ -1115,6 +1120,45 @@ mod tests {
         let back: Vec<String> = p.iter().flat_map(|x| x.lines()).map(String::from).collect();
         let want: Vec<String> = many.iter().map(|(c, s)| format!("{c}:{s}")).collect();
         assert_eq!(back, want);
+    }
+
+    /// Payloads are as full as the limit allows and never over it: for random lists of
+    /// `conv:seq` lines (ids of every length the protocol allows), every payload is at
+    /// most [`PAYLOAD_MAX_BYTES`] and could not have taken the next payload's first line
+    /// too, and the lines come back in order, each once.
+    #[test]
+    fn payloads_fill_up_to_the_limit_and_never_past_it() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for _ in 0..200 {
+            let pairs: Vec<(String, i64)> = (0..(1 + next(3000)))
+                .map(|_| ("c".repeat(1 + next(64) as usize), next(1 << 40) as i64))
+                .collect();
+            let p = payloads(&pairs);
+            for (i, x) in p.iter().enumerate() {
+                assert!(
+                    x.len() <= PAYLOAD_MAX_BYTES,
+                    "payload {i}: {} bytes",
+                    x.len()
+                );
+                if let Some(following) = p.get(i + 1) {
+                    let first = following.lines().next().unwrap_or_default();
+                    assert!(
+                        x.len() + 1 + first.len() > PAYLOAD_MAX_BYTES,
+                        "payload {i} ({} bytes) had room for {first:?}",
+                        x.len()
+                    );
+                }
+            }
+            let back: Vec<String> = p.iter().flat_map(|x| x.lines()).map(String::from).collect();
+            let want: Vec<String> = pairs.iter().map(|(c, s)| format!("{c}:{s}")).collect();
+            assert_eq!(back, want);
+        }
     }
 
     /// Every bug's rewrite still applies to the statement it edits (each fragment exactly

@@ -80,18 +80,21 @@ async fn byte_budget_returns_to_baseline_after_every_frame_kind() {
     assert!(v.is_empty(), "{v:?}");
 }
 
-/// The full pass, page by page (`IM_SWEEP_PAGE_INSTALLS=2`): seven devices of seven users
+/// The full pass, page by page (`IM_SWEEP_PAGE_INSTALLS=1`): seven devices of seven users
 /// share a conversation; their gateway loses LISTEN and cannot regain it while a message is
-/// sent, so all seven lag and only a full pass can find them. Once LISTEN is back the full
-/// pass it runs ends, having asked about each of the seven installs once in four pages (its
-/// log line says so), and every device was hinted and caught up.
+/// sent, so all seven lag and only a full pass can find them. Once LISTEN is back the
+/// urgent full pass it runs asks about each of the seven installs once, in seven pages,
+/// and ends within the interval it started in (its pages may use half of each interval,
+/// and seven small pages take far less), so every device is hinted and caught up within
+/// D5's bound of the regained LISTEN.
 #[tokio::test]
 async fn full_pass_ends_and_asks_about_each_install_once() {
     let n = 7;
+    let sweep_ms = 500;
     let w = World::start(GatewayOpts {
-        sweep_ms: Some(200),
+        sweep_ms: Some(sweep_ms),
         control: true,
-        env: vec![("IM_SWEEP_PAGE_INSTALLS".into(), "2".into())],
+        env: vec![("IM_SWEEP_PAGE_INSTALLS".into(), "1".into())],
         ..Default::default()
     })
     .await
@@ -116,7 +119,7 @@ async fn full_pass_ends_and_asks_about_each_install_once() {
         devices.push(c);
     }
     // Every install asked about once as a new subscription; then quiet.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(sweep_ms * 2)).await;
     let f = w.arm_fault(0, "fanout.listen:error").await.unwrap();
     let pid = w
         .listen_backend(0)
@@ -168,9 +171,10 @@ async fn full_pass_ends_and_asks_about_each_install_once() {
             .parse()
             .ok()
     };
-    // Seven subscribed installs (the sender never subscribed): four pages of at most two.
+    // Seven subscribed installs (the sender never subscribed), one a page, in one interval.
     assert_eq!(field("installs"), Some(n as u64), "{ended}");
-    assert_eq!(field("pages"), Some(4), "{ended}");
+    assert_eq!(field("pages"), Some(n as u64), "{ended}");
+    assert!(field("took_ms").is_some_and(|t| t < sweep_ms), "{ended}");
     let r = judge_test(&w).await.unwrap();
     assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
 }
@@ -206,4 +210,63 @@ async fn sync_page_with_an_event_larger_than_the_page_bound_carries_it_alone() {
     }
     let r = judge_test(&w).await.unwrap();
     assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
+}
+
+/// A reply holds only its own bytes of the budget while it waits in the queue: a sync
+/// reserves nearly the whole budget before its page is read (`IM_QUEUE_BYTES_MAX=8192`, a
+/// one-event page of up to 986-byte bodies reserves 8092 bytes), and once the page is read
+/// its reply gives back all but its own length. Here the reply waits behind an `acked` held
+/// in the writer for 500 ms (`gw.reply.ack:delay(500):0:1`) while a message is pushed to the
+/// same connection: the push fits beside it and arrives as a push, not as an overflow.
+#[tokio::test]
+async fn a_waiting_reply_holds_only_its_own_bytes() {
+    let w = World::start(GatewayOpts {
+        control: true,
+        env: vec![
+            ("IM_QUEUE_BYTES_MAX".into(), "8192".into()),
+            ("IM_SYNC_PAGE_MAX_BYTES".into(), "1024".into()),
+            ("IM_BODY_MAX_BYTES".into(), "986".into()),
+        ],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let a = connect(&w, "a1", &ta).await.unwrap();
+    let b = connect(&w, "b1", &tb)
+        .await
+        .unwrap()
+        .with_options(ClientOptions {
+            auto_ack: false,
+            ..Default::default()
+        });
+    b.sub().await.unwrap();
+    a.send("c1", "m1", "x", T).await.unwrap();
+    b.wait_for("the first push", T, |c| c.stats().pushes_received >= 1)
+        .await
+        .unwrap();
+    w.gw()
+        .control("arm gw.reply.ack:delay(500):0:1")
+        .await
+        .unwrap();
+    let (ack, sync, push) = tokio::join!(
+        b.ack("c1", 1, T),
+        async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            b.sync_once("c1", 0, 1, T).await
+        },
+        async {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            a.send("c1", "m2", "x", T).await
+        }
+    );
+    ack.unwrap();
+    sync.unwrap();
+    let seq = push.unwrap()["seq"].as_i64().unwrap();
+    b.wait_for("m2", T, |c| c.stored_seqs("c1").contains(&seq))
+        .await
+        .unwrap();
+    let s = b.stats();
+    assert_eq!(s.pushes_received, 2, "m2 came as a push: {s:?}");
+    assert_eq!(s.hints_received.get("overflow"), None, "no overflow: {s:?}");
 }

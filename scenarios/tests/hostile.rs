@@ -338,6 +338,67 @@ async fn never_reading_sync_flood_is_bounded_in_bytes() {
     }
 }
 
+/// A connection whose peer stopped reading is ended and gives its places back, even with
+/// requests waiting for its byte budget: a device (at most one connection,
+/// `IM_CONNS_PER_DEVICE_MAX=1`) pipelines 400 syncs of 16 KB pages and never reads. Its
+/// writer gives up once a frame is not taken within `IM_WRITE_TIMEOUT_MS` (500 ms); the
+/// budget is then closed, so the requests waiting for it end, the connection ends and the
+/// device may connect again. Pins down a budget left open after its writer ended: the
+/// waiting requests would hold the connection (and the device's one place) forever.
+#[tokio::test]
+async fn a_peer_that_stopped_reading_is_ended_and_its_places_freed() {
+    let w = World::start(GatewayOpts {
+        env: env(&[
+            ("IM_WRITE_TIMEOUT_MS", "500"),
+            ("IM_CONNS_PER_DEVICE_MAX", "1"),
+            ("IM_QUEUE_BYTES_MAX", "65536"),
+            ("IM_SYNC_PAGE_MAX_BYTES", "65536"),
+        ]),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (_ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let pool = w.pool().await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
+         SELECT 'c1', g, 'alice', 'a1', 'fill-' || g, repeat(md5(g::text), 512)
+         FROM generate_series(1, 50) g;
+         UPDATE conversations SET next_seq = 51 WHERE conv_id = 'c1';",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let addr = w.gw().addr();
+    let mut r = Raw::open(addr, Ipv4Addr::LOCALHOST).await.unwrap();
+    let welcome = r.hello("b1", &tb, 1).await;
+    assert_eq!(welcome["t"], "welcome", "{welcome}");
+    let flood = tokio::spawn(async move {
+        for n in 0..400 {
+            let f = json!({"t":"sync","rid":format!("s{n}"),"conv":"c1","after":0,"limit":50});
+            if r.text(&f).await.is_err() {
+                break;
+            }
+        }
+        // Never read; hold the socket.
+        std::future::pending::<()>().await;
+        drop(r);
+    });
+    let again = wait_until("b1 to be let in again", T, async || {
+        let mut c = Raw::open(addr, Ipv4Addr::LOCALHOST).await.map_err(|_| ())?;
+        let v = c.hello("b1", &tb, 1).await;
+        if v["t"] == "welcome" {
+            Ok(())
+        } else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Err(())
+        }
+    })
+    .await;
+    flood.abort();
+    again.unwrap();
+}
+
 /// Item 1 of issue #8, connections per device. Proves that a device cannot hold more than
 /// IM_CONNS_PER_DEVICE_MAX authenticated connections: the next hello is refused (UNAVAILABLE
 /// and a close) and succeeds again once one of them closed. Pins down the bug where a single
@@ -474,6 +535,125 @@ async fn reinstall_closes_the_old_connection_and_it_sees_nothing_more() {
         );
     }
     drop(k);
+}
+
+/// A stale install gets nothing that was queued for it before its reinstall: the old
+/// install's writer is slowed (`gw.push:delay(150)`) so that pushes of eight messages wait in
+/// its queue when `admin reinstall-device` commits. Once the gateway learns of the reinstall
+/// it drops every push still queued: between the reinstall and the STALE_INSTALL error the
+/// old install gets at most the push being written then and one more written before the
+/// notification arrived, never the backlog. (A reinstall is how a user cuts off a lost
+/// device.)
+#[tokio::test]
+async fn a_stale_install_gets_nothing_queued_before_its_reinstall() {
+    let w = World::start(GatewayOpts {
+        control: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let a = connect(&w, "a1", &ta).await.unwrap(); // not subscribed: its replies are not slowed
+    let old = connect(&w, "b1", &tb).await.unwrap();
+    old.sub().await.unwrap();
+    a.send("c1", "warm-up", "x", T).await.unwrap();
+    old.wait_cursor("c1", 1, T).await.unwrap();
+    w.arm_fault(0, "gw.push:delay(150)").await.unwrap();
+    for i in 0..8 {
+        a.send("c1", &format!("backlog-{i}"), "x", T).await.unwrap();
+    }
+    let before = old.frames().len();
+    w.reinstall_device("b1").await.unwrap();
+    old.wait_closed(T).await.unwrap();
+    let frames = old.frames();
+    let err = frames
+        .iter()
+        .position(|(_, f)| f["t"] == "error" && f["code"] == "STALE_INSTALL")
+        .unwrap_or_else(|| panic!("no STALE_INSTALL: {frames:?}"));
+    let late = frames[before.min(err)..err]
+        .iter()
+        .filter(|(_, f)| f["t"] == "event")
+        .count();
+    assert!(
+        late <= 2,
+        "{late} pushes of the backlog reached the stale install"
+    );
+    assert!(
+        frames[err..]
+            .iter()
+            .all(|(_, f)| f["t"] != "event" && f["t"] != "hint"),
+        "nothing after STALE_INSTALL: {frames:?}"
+    );
+}
+
+/// A device's connections are tracked one by one: with three connections of `b1` (two
+/// subscribed, one that then closes), a reinstall closes the two still open, each with
+/// STALE_INSTALL. Pins down a close that took the device's other connections out of the
+/// registry (or left itself in it): a reinstall would then miss live connections of the old
+/// install.
+#[tokio::test]
+async fn a_reinstall_closes_every_open_connection_of_the_device() {
+    let w = World::start(GatewayOpts {
+        env: env(&[("IM_CONNS_PER_DEVICE_MAX", "3")]),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (_ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let mut open = Vec::new();
+    for name in ["b1-x", "b1-y"] {
+        let mut c = Client::create(&w.state_path(name), "b1", &tb, 1).unwrap();
+        c.connect(&w.ws_url()).await.unwrap();
+        c.sub().await.unwrap();
+        open.push(c);
+    }
+    let mut z = Client::create(&w.state_path("b1-z"), "b1", &tb, 1).unwrap();
+    z.connect(&w.ws_url()).await.unwrap();
+    z.close().await;
+    w.reinstall_device("b1").await.unwrap();
+    for c in &open {
+        c.wait_closed(T).await.unwrap();
+        assert!(
+            c.frames()
+                .iter()
+                .any(|(_, f)| f["t"] == "error" && f["code"] == "STALE_INSTALL"),
+            "{}: STALE_INSTALL",
+            c.state_path().display()
+        );
+    }
+}
+
+/// An install notification that changed no install closes nothing: bulk SQL that rewrites
+/// `devices.install_epoch` with the value it had (the trigger announces every such update)
+/// makes the gateway look the device up, find its install current, and leave the
+/// connection of that install open and serving. Pins down a look-up that took the device
+/// for gone and closed its current install.
+#[tokio::test]
+async fn an_install_notification_that_changed_nothing_closes_nothing() {
+    let w = World::start(GatewayOpts::default()).await.unwrap();
+    let (_a, b) = alice_and_bob(&w).await.unwrap();
+    let pool = w.pool().await.unwrap();
+    sqlx::query("UPDATE devices SET install_epoch = install_epoch WHERE device_id = 'b1'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    wait_until("the gateway to look b1 up", T, async || {
+        let log = w.gw().log_text();
+        match log
+            .lines()
+            .find(|l| l.contains("device install changed") && l.contains("device=\"b1\""))
+        {
+            Some(l) => Ok(l.to_string()),
+            None => Err(()),
+        }
+    })
+    .await
+    .unwrap();
+    let r = b.request(json!({"t":"sub"}), T).await;
+    assert!(
+        r.is_ok() && b.is_connected(),
+        "b1's current install still serves: {r:?}"
+    );
 }
 
 /// Item 3 of issue #8, slowloris. With IM_MAX_CONNECTIONS=200, an attacker on 127.0.0.2
@@ -833,6 +1013,73 @@ async fn outsider_send_does_not_take_the_conversation_lock() {
     lock.rollback().await.unwrap();
     let r = a.send("c1", "second", "x", T).await.unwrap();
     assert_eq!(r["seq"], 2, "P1: the outsider consumed no seq");
+}
+
+/// A user who left a conversation waits on its row lock at most once: the first send after
+/// the `leave` (from a connection that saw its sends commit, so it skips the membership read
+/// before the transaction) queues on the lock and is answered NOT_MEMBER once the lock is
+/// free; every later send, a resend of an old cmid (`dup`) in between included, is answered
+/// NOT_MEMBER while the lock is still held. So a former member cannot slow the members'
+/// sends by sending. Pins down a connection that kept (or regained, from a `dup`) its
+/// belief that the user is a member.
+#[tokio::test]
+async fn a_user_who_left_waits_on_the_conversation_lock_at_most_once() {
+    let w = World::start(GatewayOpts {
+        db_timeout_ms: Some(30_000),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    a.send("c1", "before-leave", "x", T).await.unwrap();
+    w.leave("c1", "alice").await.unwrap();
+    let pool = w.pool().await.unwrap();
+    let hold = 600;
+    // Holds the conversation's row lock for `hold` ms from now, on its own connection.
+    struct Held(tokio::task::JoinHandle<()>);
+    let lock = || {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query("SELECT 1 FROM conversations WHERE conv_id = 'c1' FOR UPDATE")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            Held(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(hold)).await;
+                tx.rollback().await.unwrap();
+            }))
+        }
+    };
+    let send = |cmid: &'static str| {
+        let a = &a;
+        async move {
+            let t0 = Instant::now();
+            let r = a.send("c1", cmid, "x", Duration::from_secs(5)).await;
+            (r, t0.elapsed())
+        }
+    };
+    // The first send after the leave may queue on the lock (once).
+    let held = lock().await;
+    let (r, _) = send("after-leave-1").await;
+    assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"), "{r:?}");
+    held.0.await.unwrap();
+    // From then on: never again, not even after a resend answered `dup`.
+    for cmid in ["after-leave-2", "before-leave", "after-leave-3"] {
+        let held = lock().await;
+        let (r, took) = send(cmid).await;
+        if cmid == "before-leave" {
+            let r = r.unwrap();
+            assert_eq!(r["dup"], true, "a resend of a committed cmid: {r}");
+        } else {
+            assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"), "{cmid}: {r:?}");
+        }
+        assert!(
+            took < Duration::from_millis(hold / 2),
+            "{cmid} waited {took:?} on the lock a former member must not take again"
+        );
+        held.0.await.unwrap();
+    }
 }
 
 /// Item 6 of issue #8, frame-level conformance. Proves: a malformed or binary frame before

@@ -688,6 +688,100 @@ async fn commit_feed_pushes_an_event_committed_without_a_notification() {
     assert!(v.is_empty(), "database invariants violated: {v:?}");
 }
 
+/// The durability guard's source: the gateway's start-up line reports what its database
+/// sessions run under, as the server answers a session of the gateway's: on the harness's
+/// clusters `synchronous_commit`, `fsync` and `full_page_writes` all `on`. (Every crash and
+/// power-cut check rests its verdict on this line: a gateway that misreported it would turn
+/// them into NOT_RUN, or pass them on a cluster that does not flush.)
+#[tokio::test]
+async fn the_gateway_reports_the_durability_its_sessions_run_under() {
+    let w = world().await;
+    let reported = w.gw().session_durability();
+    let want: std::collections::BTreeMap<String, String> =
+        ["synchronous_commit", "fsync", "full_page_writes"]
+            .iter()
+            .map(|k| (k.to_string(), "on".to_string()))
+            .collect();
+    assert_eq!(reported, want, "{}", w.gw().log_text());
+}
+
+/// The notifier batches: while one NOTIFY is under way (the first is held 100 ms,
+/// `fanout.notify:delay(100):0:1`), the commits that arrive meanwhile go out together in the
+/// next. 40 concurrent sends reach a listener of `im_events` as fewer notifications than
+/// commits, at least one carrying several `conv:seq` lines, and every commit exactly once.
+#[tokio::test]
+async fn the_notifier_batches_commits_that_arrive_during_a_notify() {
+    let w = World::start(GatewayOpts {
+        control: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, _tb) = provision_alice_and_bob(&w).await.unwrap();
+    let a = connect(&w, "a1", &ta).await.unwrap();
+    let mut l = sqlx::postgres::PgListener::connect(w.db_url())
+        .await
+        .unwrap();
+    l.listen("im_events").await.unwrap();
+    w.gw()
+        .control("arm fanout.notify:delay(100):0:1")
+        .await
+        .unwrap();
+    let n = 40;
+    let sends = (0..n).map(|i| {
+        let a = &a;
+        async move { a.send("c1", &format!("m{i}"), "x", T).await.unwrap() }
+    });
+    join_all(sends).await;
+    let mut lines = Vec::new();
+    let mut notifications = 0;
+    while lines.len() < n {
+        let got = tokio::time::timeout(T, l.recv()).await.unwrap().unwrap();
+        notifications += 1;
+        lines.extend(got.payload().lines().map(str::to_string));
+    }
+    lines.sort();
+    let mut want: Vec<String> = (1..=n).map(|s| format!("c1:{s}")).collect();
+    want.sort();
+    assert_eq!(lines, want, "every commit notified exactly once");
+    assert!(
+        notifications < n,
+        "{notifications} notifications for {n} commits: no batching"
+    );
+}
+
+/// `IM_FANOUT_BATCH_MAX` bounds what one fan-out read covers: at 1, six notified events
+/// waiting behind a slow read (`fanout.read:delay(100)`) are read one at a time, six reads
+/// (the point's hit count), and still all pushed in order.
+#[tokio::test]
+async fn fanout_reads_cover_at_most_the_batch_limit() {
+    let w = World::start(GatewayOpts {
+        control: true,
+        sweep_ms: Some(10_000),
+        env: vec![("IM_FANOUT_BATCH_MAX".into(), "1".into())],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let a = connect(&w, "a1", &ta).await.unwrap();
+    let b = connect(&w, "b1", &tb).await.unwrap();
+    b.sub().await.unwrap();
+    w.gw().control("arm fanout.read:delay(100)").await.unwrap();
+    for i in 0..6 {
+        a.send("c1", &format!("m{i}"), "x", T).await.unwrap();
+    }
+    b.wait_server_delivered("c1", 6, T).await.unwrap();
+    assert_eq!(b.stats().pushes_applied, 6, "{:?}", b.stats());
+    let list = w.gw().control("list").await.unwrap();
+    let hits: Option<u64> = list
+        .split_whitespace()
+        .find(|s| s.starts_with("fanout.read:"))
+        .and_then(|s| s.rsplit_once('='))
+        .and_then(|(_, h)| h.parse().ok());
+    assert_eq!(hits, Some(6), "one read per notification: {list}");
+}
+
 /// Bad input never breaks the connection: malformed JSON, a non-object, an unknown type,
 /// missing and mistyped fields, a binary frame and an over-long rid all get BAD_REQUEST and
 /// the next request works; an oversize body is TOO_LARGE without a close; an oversize frame

@@ -367,6 +367,126 @@ async fn overflow(two: bool) -> anyhow::Result<()> {
     s.judge().await
 }
 
+/// The commit feed after a promotion: the standby that replaces the primary never got the
+/// primary's last 300 transactions (its replication link was cut before them), so it hands
+/// out those transaction ids again. The gateway regains LISTEN on the new primary and its
+/// commit feed starts from the mark taken on that connection: a commit whose notification
+/// is then dropped (`send.after_commit_before_notify`), made while the feed's looks are
+/// held (`fanout.feed:drop`, from before the failover), is found by the first look after
+/// and pushed within D5's bound. A feed that went on from the old primary's snapshot would
+/// take the reused id for a transaction it saw committed long ago, and never report it.
+#[tokio::test]
+async fn repair_dropped_notify_after_a_promotion() {
+    use harness::world::{Replication, WorldOpts};
+    let opts = GatewayOpts {
+        sweep_ms: Some(SWEEP_MS),
+        db_timeout_ms: Some(1000),
+        control: true,
+        ..Default::default()
+    };
+    let mut w = World::start_with(
+        WorldOpts {
+            replication: Some(Replication {
+                synchronous: false,
+                link_delay: Duration::from_millis(1),
+            }),
+            ..Default::default()
+        },
+        opts,
+    )
+    .await
+    .unwrap();
+    w.add_user("alice").await.unwrap();
+    w.add_user("bob").await.unwrap();
+    let ta = w.add_device("a1", "alice").await.unwrap();
+    let tb = w.add_device("b1", "bob").await.unwrap();
+    w.add_conv("c1", &["alice", "bob"]).await.unwrap();
+    let a = join(&w, 0, "a1", &ta, false).await.unwrap();
+    let b = join(&w, 0, "b1", &tb, true).await.unwrap();
+    a.send("c1", "m1", "replicated", T).await.unwrap();
+    b.wait_server_delivered("c1", 1, T).await.unwrap();
+    // Everything so far reaches the standby; then its link is cut.
+    let standby = w.failover.as_ref().unwrap().standby.pool().await.unwrap();
+    wait_until("the standby to hold the first message", T, async || {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events")
+            .fetch_one(&standby)
+            .await
+            .map_err(|_| ())?;
+        if n >= 1 {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await
+    .unwrap();
+    standby.close().await;
+    // Cut for good: the link now leads nowhere (port 1 refuses), so the standby cannot
+    // reconnect and fetch what follows.
+    w.failover
+        .as_ref()
+        .unwrap()
+        .link
+        .switch(std::net::SocketAddr::from(([127, 0, 0, 1], 1)));
+    // 300 transaction ids the standby will never know of, then the feed's next look.
+    let pool = w.pool().await.unwrap();
+    for _ in 0..300 {
+        sqlx::query("SELECT pg_current_xact_id()")
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let burned_to: String =
+        sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    tokio::time::sleep(Duration::from_millis(SWEEP_MS * 3)).await;
+    // The feed's looks wait until m2 is in: its first look on the new primary must find
+    // it from the new session's mark.
+    let held = w.arm_fault(0, "fanout.feed:drop").await.unwrap();
+    w.failover().await.unwrap();
+    wait_until("the gateway to listen on the new primary", T, async || {
+        if w.gw().log_text().contains("LISTEN connection regained") {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await
+    .unwrap();
+    // Idle: the pass at the regained LISTEN is long over.
+    tokio::time::sleep(Duration::from_millis(SWEEP_MS * IDLE_INTERVALS as u64)).await;
+    let before = b.stats();
+    let f = w
+        .arm_fault(0, "send.after_commit_before_notify:drop:0:1")
+        .await
+        .unwrap();
+    let r = a.send("c1", "m2", "after the promotion", T).await.unwrap();
+    let seq = r["seq"].as_i64().unwrap();
+    let reused: bool =
+        sqlx::query_scalar("SELECT xid < $1::text::xid8 FROM events WHERE cmid = 'm2'")
+            .bind(&burned_to)
+            .fetch_one(&w.pool().await.unwrap())
+            .await
+            .unwrap();
+    assert!(
+        reused,
+        "m2 took a transaction id the old primary had used (below {burned_to})"
+    );
+    let t0 = std::time::Instant::now();
+    w.disarm_fault(held).await.unwrap();
+    b.wait_server_delivered("c1", seq, bound()).await.unwrap();
+    println!("found {:?} after the feed was let go", t0.elapsed());
+    w.disarm_fault(f).await.unwrap();
+    let d = delta(&before, &b.stats());
+    assert!(
+        d.pushes == 1 && d.synced == 0,
+        "the feed's push: {:?}",
+        b.stats()
+    );
+}
+
 macro_rules! both {
     ($one:ident, $two:ident, $f:ident) => {
         #[tokio::test]

@@ -400,8 +400,21 @@ fn fate_of(s: Summary) -> Option<Fate> {
 /// Every mutant's outcome (by name) and cost, and its diff, from the outcomes directories.
 type Ran = BTreeMap<String, (Fate, Cost, Option<String>)>;
 
-fn read_outcomes(dirs: &[PathBuf]) -> anyhow::Result<Ran> {
+/// The mutants to report: the list, and any mutant the outcomes name that the list lacks
+/// (a tree that changed between the list and the run): nothing that ran goes uncounted.
+fn all_mutants(mut list: Vec<Mutant>, outcome_mutants: Vec<Mutant>) -> Vec<Mutant> {
+    let known: std::collections::BTreeSet<String> = list.iter().map(|m| m.name.clone()).collect();
+    list.extend(
+        outcome_mutants
+            .into_iter()
+            .filter(|m| !known.contains(&m.name)),
+    );
+    list
+}
+
+fn read_outcomes(dirs: &[PathBuf]) -> anyhow::Result<(Ran, Vec<Mutant>)> {
     let mut ran = Ran::new();
+    let mut mutants = Vec::new();
     for dir in dirs {
         let o: Outcomes = read_json(&dir.join("outcomes.json"))?;
         for out in o.outcomes {
@@ -431,9 +444,10 @@ fn read_outcomes(dirs: &[PathBuf]) -> anyhow::Result<Ran> {
                 None => None,
             };
             ran.insert(m.name.clone(), (fate, cost, diff));
+            mutants.push(m);
         }
     }
-    Ok(ran)
+    Ok((ran, mutants))
 }
 
 fn listed(m: &Mutant, diff: Option<String>, because: Option<String>) -> Listed {
@@ -450,12 +464,12 @@ fn listed(m: &Mutant, diff: Option<String>, because: Option<String>) -> Listed {
 }
 
 fn report(a: ReportArgs) -> anyhow::Result<bool> {
-    let mutants: Vec<Mutant> = read_json(&a.list)?;
+    let (ran, ran_mutants) = read_outcomes(&a.outcomes)?;
+    let mutants = all_mutants(read_json(&a.list)?, ran_mutants);
     let text = std::fs::read_to_string(&a.equivalent)
         .with_context(|| format!("read {}", a.equivalent.display()))?;
     let eq = parse_equivalent(&text).with_context(|| format!("{}", a.equivalent.display()))?;
     let (eq_hit, stale) = match_equivalents(&scenarios::workspace(), &mutants, &eq);
-    let ran = read_outcomes(&a.outcomes)?;
     let mut totals = Counts::default();
     let mut per_file: BTreeMap<String, Counts> = BTreeMap::new();
     let (mut missed, mut timeout, mut equivalent) = (Vec::new(), Vec::new(), Vec::new());
