@@ -60,7 +60,7 @@ controls: build
 # is shrunk to minimal.json. Writes evidence/nemesis/result.json (format:
 # evidence/README.md). `target/debug/nemesis --help` for replay (--replay FILE) and the rest.
 SEEDS ?= 20
-JOBS ?= 1
+JOBS ?= 4
 nemesis: build
 	$(TARGET)/debug/nemesis $(if $(filter-out file default undefined,$(origin SEED)),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --jobs $(JOBS) $(if $(SHARD),--shard $(SHARD)) --shrink --out $(TARGET)/nemesis --summary evidence/nemesis/result.json
 
