@@ -11,52 +11,16 @@
 //! mutant) thereby leaves a fresh `target/debug/im-gateway` with fault points for the
 //! scenario tests that run it.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
 /// The binary cargo built for this test.
 fn gateway() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_im-gateway"))
 }
 
-/// Runs `bin args` with only `PATH` and `env` set, killed after `within`; returns its
-/// output and how long it took.
-fn run(bin: &Path, args: &[&str], env: &[(&str, &str)], within: Duration) -> (Output, Duration) {
-    let mut cmd = Command::new(bin);
-    cmd.args(args)
-        .env_clear()
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if let Some(path) = std::env::var_os("PATH") {
-        cmd.env("PATH", path);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let started = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
-    let deadline = started + within;
-    while child.try_wait().expect("wait").is_none() {
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("output");
-            panic!(
-                "`{} {}` did not exit within {within:?}: stdout {} stderr {}",
-                bin.display(),
-                args.join(" "),
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let took = started.elapsed();
-    (child.wait_with_output().expect("output"), took)
-}
+/// [`harness::util::run_cleared`].
+use harness::util::run_cleared as run;
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()

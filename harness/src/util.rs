@@ -118,6 +118,51 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> 
     Ok(())
 }
 
+/// Runs `bin args` with a cleared environment plus `PATH` and `env`, stdin closed, killed
+/// after `within` (then a panic naming the command and what it printed): its output and
+/// how long it took. For the command-line tests, which run the binaries as a user would.
+pub fn run_cleared(
+    bin: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    within: std::time::Duration,
+) -> (std::process::Output, std::time::Duration) {
+    use std::process::{Command, Stdio};
+    let mut cmd = Command::new(bin);
+    cmd.args(args)
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(path) = std::env::var_os("PATH") {
+        cmd.env("PATH", path);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let started = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
+    let deadline = started + within;
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("output");
+            panic!(
+                "`{} {}` did not exit within {within:?}: stdout {} stderr {}",
+                bin.display(),
+                args.join(" "),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let took = started.elapsed();
+    (child.wait_with_output().expect("output"), took)
+}
+
 /// `2026-11-30T09:38:33Z` for a Unix time in seconds (UTC, whole seconds, no date
 /// library: Howard Hinnant's civil_from_days).
 pub fn rfc3339(unix_s: i64) -> String {

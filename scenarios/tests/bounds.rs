@@ -4,7 +4,7 @@
 //! larger than the page bound still carries that event, alone. (The throttles are in
 //! `hostile.rs`, SIGTERM under pipelined load too.)
 
-use harness::client::ClientOptions;
+use harness::client::{Client, ClientOptions};
 use harness::gateway::GatewayOpts;
 use harness::util::wait_until;
 use harness::world::World;
@@ -13,6 +13,22 @@ use serde_json::json;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
+
+/// alice's `a1` connected (not subscribed) and bob's `b1` subscribed, never acking by
+/// itself (so the sweep keeps hinting it and every ack is the test's).
+async fn sender_and_silent_receiver(w: &World) -> (Client, Client) {
+    let (ta, tb) = provision_alice_and_bob(w).await.unwrap();
+    let a = connect(w, "a1", &ta).await.unwrap();
+    let b = connect(w, "b1", &tb)
+        .await
+        .unwrap()
+        .with_options(ClientOptions {
+            auto_ack: false,
+            ..Default::default()
+        });
+    b.sub().await.unwrap();
+    (a, b)
+}
 
 /// The byte budget (`IM_QUEUE_BYTES_MAX`, here its least, 4 KiB) across every frame kind:
 /// a receiver that never acks by itself (so the sweep hints it every 100 ms, and it syncs on
@@ -37,16 +53,7 @@ async fn byte_budget_returns_to_baseline_after_every_frame_kind() {
     })
     .await
     .unwrap();
-    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
-    let a = connect(&w, "a1", &ta).await.unwrap();
-    let b = connect(&w, "b1", &tb)
-        .await
-        .unwrap()
-        .with_options(ClientOptions {
-            auto_ack: false,
-            ..Default::default()
-        });
-    b.sub().await.unwrap();
+    let (a, b) = sender_and_silent_receiver(&w).await;
     for i in 1..=rounds {
         a.send("c1", &format!("m{i}"), "p", T).await.unwrap();
         b.wait_for(&format!("push {i}"), T, |c| c.stats().pushes_received >= i)
@@ -231,16 +238,7 @@ async fn a_waiting_reply_holds_only_its_own_bytes() {
     })
     .await
     .unwrap();
-    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
-    let a = connect(&w, "a1", &ta).await.unwrap();
-    let b = connect(&w, "b1", &tb)
-        .await
-        .unwrap()
-        .with_options(ClientOptions {
-            auto_ack: false,
-            ..Default::default()
-        });
-    b.sub().await.unwrap();
+    let (a, b) = sender_and_silent_receiver(&w).await;
     a.send("c1", "m1", "x", T).await.unwrap();
     b.wait_for("the first push", T, |c| c.stats().pushes_received >= 1)
         .await

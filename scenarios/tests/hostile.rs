@@ -229,6 +229,32 @@ fn parse_frame(b: &[u8]) -> Option<(u8, Vec<u8>, usize)> {
     Some((opcode, b[at..at + len].to_vec(), at + len))
 }
 
+/// Writes `n` events of 16 KB bodies into the (empty) conversation `conv` straight in SQL,
+/// as sent by `user` from `device`: a large history to sync, without `n` sends.
+async fn fill_with_16k_events(w: &World, conv: &str, user: &str, device: &str, n: i64) {
+    let pool = w.pool().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
+         SELECT $1, g, $2, $3, 'fill-' || g, repeat(md5(g::text), 512)
+         FROM generate_series(1, $4) g",
+    )
+    .bind(conv)
+    .bind(user)
+    .bind(device)
+    .bind(n)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE conversations SET next_seq = $2 + 1 WHERE conv_id = $1")
+        .bind(conv)
+        .bind(n)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
 /// Item 1 of issue #8, memory per connection bounded in bytes. Proves that 8 connections
 /// each sending 400 `sync{limit:500}` over a conversation of 16 KB bodies and never reading
 /// keep the gateway's RSS under a stated bound (baseline + 96 MiB, with the default
@@ -251,16 +277,7 @@ async fn never_reading_sync_flood_is_bounded_in_bytes() {
         tokens.push((d, w.add_device(d, "mallory").await.unwrap()));
     }
     w.add_conv("big", &["mallory"]).await.unwrap();
-    let pool = w.pool().await.unwrap();
-    sqlx::raw_sql(
-        "INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
-         SELECT 'big', g, 'mallory', 'm0', 'fill-' || g, repeat(md5(g::text), 512)
-         FROM generate_series(1, 300) g;
-         UPDATE conversations SET next_seq = 301 WHERE conv_id = 'big';",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    fill_with_16k_events(&w, "big", "mallory", "m0", 300).await;
     // Warm up the healthy path, then take the baseline.
     for i in 0..5 {
         a.send("c1", &format!("warm-{i}"), "x", T).await.unwrap();
@@ -359,16 +376,7 @@ async fn a_peer_that_stopped_reading_is_ended_and_its_places_freed() {
     .await
     .unwrap();
     let (_ta, tb) = provision_alice_and_bob(&w).await.unwrap();
-    let pool = w.pool().await.unwrap();
-    sqlx::raw_sql(
-        "INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
-         SELECT 'c1', g, 'alice', 'a1', 'fill-' || g, repeat(md5(g::text), 512)
-         FROM generate_series(1, 50) g;
-         UPDATE conversations SET next_seq = 51 WHERE conv_id = 'c1';",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    fill_with_16k_events(&w, "c1", "alice", "a1", 50).await;
     let addr = w.gw().addr();
     let mut r = Raw::open(addr, Ipv4Addr::LOCALHOST).await.unwrap();
     let welcome = r.hello("b1", &tb, 1).await;
