@@ -62,6 +62,14 @@ pub const STALE_BACKLOG: &str = "stale-backlog";
 /// An overflowed connection's queue drains without the overflow hints. Breaks the overflow
 /// repair: the device learns of what it missed only from the sweep.
 pub const NO_OVERFLOW_HINT: &str = "no-overflow-hint";
+/// A closing connection lets its socket go as soon as its writer is done, without reading
+/// what the peer still sends. Breaks the close's promise: with input unread the kernel resets
+/// the connection and throws away what was written but not yet taken, the last replies
+/// and the close frame.
+pub const NO_CLOSE_DRAIN: &str = "no-close-drain";
+/// A connection remembers no conversation its user sent to. Breaks the members' fast path
+/// of `send`: every send reads the membership before its transaction.
+pub const FORGETFUL_MEMBER: &str = "forgetful-member";
 
 /// Every bug with a one-line description (`im-gateway bugs` prints this).
 pub const ALL: &[(&str, &str)] = &[
@@ -126,6 +134,14 @@ pub const ALL: &[(&str, &str)] = &[
     (
         NO_OVERFLOW_HINT,
         "overflow: the drained queue sends no overflow hints",
+    ),
+    (
+        NO_CLOSE_DRAIN,
+        "close: the socket is let go unread (a reset loses the last replies and the close)",
+    ),
+    (
+        FORGETFUL_MEMBER,
+        "send: a connection remembers no membership (every send reads it first)",
     ),
 ];
 

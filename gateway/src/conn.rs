@@ -237,7 +237,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     // finishes; then linger at most CLOSE_LINGER. Dropping the socket with unread data
     // would make the kernel send a reset, and the peer would lose what is still in flight.
     let drain = async {
-        if code == CloseCode::Abnormal {
+        if code == CloseCode::Abnormal || bugs::active(bugs::NO_CLOSE_DRAIN) {
             return;
         }
         while let Some(m) = stream.next().await {
@@ -418,6 +418,9 @@ impl Members {
     }
 
     fn seen(&self, conv: &str) {
+        if bugs::active(bugs::FORGETFUL_MEMBER) {
+            return;
+        }
         let mut m = self.lock();
         if m.len() >= MEMBERS_MAX {
             m.clear();

@@ -331,10 +331,6 @@ impl ConnHandle {
         }
     }
 
-    pub fn is_subscribed(&self) -> bool {
-        self.subscribed.load(Ordering::Acquire)
-    }
-
     /// `device:epoch`, as fan-out's audience query names current installs.
     pub fn install_key(&self) -> String {
         format!("{}:{}", self.who.device, self.who.epoch)

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use anyhow::{bail, Context};
 use nix::sys::signal::Signal;
@@ -34,8 +34,6 @@ const READY_TIMEOUT: Duration = Duration::from_secs(20);
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long we wait for the stdout reader thread to copy the last lines after an exit.
 const READER_DRAIN: Duration = Duration::from_secs(1);
-/// Interval of every polling loop in this module.
-const POLL_INTERVAL: Duration = Duration::from_millis(10);
 /// Lines of a gateway log quoted in errors.
 const LOG_TAIL_LINES: usize = 40;
 /// The readiness line `serve` prints on stdout, followed by the bound address.
@@ -235,35 +233,8 @@ fn gateway_version() -> anyhow::Result<String> {
 
 fn run_version() -> anyhow::Result<String> {
     let bin = gateway_bin()?;
-    let mut cmd = Command::new(&bin);
-    cmd.arg("version")
-        .env_clear()
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if let Some(path) = std::env::var_os("PATH") {
-        cmd.env("PATH", path);
-    }
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("run {} version", bin.display()))?;
-    // The output is one short line: it fits in the pipe, so reading after exit is safe.
-    let deadline = Instant::now() + COMMAND_TIMEOUT;
-    while child
-        .try_wait()
-        .context("wait for im-gateway version")?
-        .is_none()
-    {
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!("`im-gateway version` did not exit within {COMMAND_TIMEOUT:?}");
-        }
-        std::thread::sleep(POLL_INTERVAL);
-    }
-    let out = child
-        .wait_with_output()
-        .context("read im-gateway version")?;
+    let (out, _) = crate::util::try_run_cleared(&bin, &["version"], &[], COMMAND_TIMEOUT)
+        .context("run im-gateway version")?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         bail!(

@@ -119,14 +119,16 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> 
 }
 
 /// Runs `bin args` with a cleared environment plus `PATH` and `env`, stdin closed, killed
-/// after `within` (then a panic naming the command and what it printed): its output and
-/// how long it took. For the command-line tests, which run the binaries as a user would.
-pub fn run_cleared(
+/// after `within`: its output and how long it took. An error if it cannot be started or
+/// did not exit in time (then naming the command and what it printed). Its output must fit
+/// in the pipes (it is read after the exit): for short outputs, such as a CLI's.
+pub fn try_run_cleared(
     bin: &std::path::Path,
     args: &[&str],
     env: &[(&str, &str)],
     within: std::time::Duration,
-) -> (std::process::Output, std::time::Duration) {
+) -> anyhow::Result<(std::process::Output, std::time::Duration)> {
+    use anyhow::Context as _;
     use std::process::{Command, Stdio};
     let mut cmd = Command::new(bin);
     cmd.args(args)
@@ -143,13 +145,17 @@ pub fn run_cleared(
     let started = Instant::now();
     let mut child = cmd
         .spawn()
-        .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
+        .with_context(|| format!("spawn {}", bin.display()))?;
     let deadline = started + within;
-    while child.try_wait().expect("wait").is_none() {
+    while child
+        .try_wait()
+        .with_context(|| format!("wait for {}", bin.display()))?
+        .is_none()
+    {
         if Instant::now() >= deadline {
             let _ = child.kill();
-            let out = child.wait_with_output().expect("output");
-            panic!(
+            let out = child.wait_with_output().context("read its output")?;
+            anyhow::bail!(
                 "`{} {}` did not exit within {within:?}: stdout {} stderr {}",
                 bin.display(),
                 args.join(" "),
@@ -160,7 +166,21 @@ pub fn run_cleared(
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     let took = started.elapsed();
-    (child.wait_with_output().expect("output"), took)
+    let out = child
+        .wait_with_output()
+        .with_context(|| format!("read the output of {}", bin.display()))?;
+    Ok((out, took))
+}
+
+/// [`try_run_cleared`] for the command-line tests, which run the binaries as a user would:
+/// a failure to start or to exit in time is a panic.
+pub fn run_cleared(
+    bin: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    within: std::time::Duration,
+) -> (std::process::Output, std::time::Duration) {
+    try_run_cleared(bin, args, env, within).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// `2026-11-30T09:38:33Z` for a Unix time in seconds (UTC, whole seconds, no date

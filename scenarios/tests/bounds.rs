@@ -9,7 +9,7 @@ use harness::gateway::GatewayOpts;
 use harness::util::wait_until;
 use harness::world::World;
 use scenarios::{connect, db_invariant_violations, judge_test, provision_alice_and_bob};
-use serde_json::json;
+use serde_json::{json, Value};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
@@ -217,6 +217,59 @@ async fn sync_page_with_an_event_larger_than_the_page_bound_carries_it_alone() {
     }
     let r = judge_test(&w).await.unwrap();
     assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
+}
+
+/// A sync page fills up to its byte bound, not short of it: with
+/// `IM_SYNC_PAGE_MAX_BYTES=4096` and twenty events of 300-byte bodies (about 450 bytes of
+/// JSON each), every page but the last holds events whose JSON adds up to at most 4096
+/// bytes, and the next page's first event would not have fitted; the pages together are
+/// seqs 1 to 20 once each. Pins down a page that ends early (every extra page is one more
+/// round trip for a device catching up).
+#[tokio::test]
+async fn sync_pages_fill_up_to_their_byte_bound() {
+    let w = World::start(GatewayOpts {
+        env: vec![("IM_SYNC_PAGE_MAX_BYTES".into(), "4096".into())],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let a = connect(&w, "a1", &ta).await.unwrap();
+    for i in 1..=20 {
+        a.send("c1", &format!("m{i}"), &"p".repeat(300), T)
+            .await
+            .unwrap();
+    }
+    let c = connect(&w, "b1", &tb).await.unwrap();
+    let mut pages: Vec<Vec<Value>> = Vec::new();
+    let mut after = 0;
+    loop {
+        let p = c.sync_once("c1", after, 100, T).await.unwrap();
+        let evs = p["events"].as_array().unwrap().clone();
+        assert!(!evs.is_empty(), "an empty page before the end: {p}");
+        after = evs.last().unwrap()["seq"].as_i64().unwrap();
+        pages.push(evs);
+        if p["complete"] == true {
+            break;
+        }
+        assert!(pages.len() < 20, "more pages than events");
+    }
+    let seqs: Vec<i64> = pages
+        .iter()
+        .flatten()
+        .map(|e| e["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(seqs, (1..=20).collect::<Vec<i64>>());
+    let len = |e: &Value| e.to_string().len();
+    for (i, pair) in pages.windows(2).enumerate() {
+        let bytes: usize = pair[0].iter().map(len).sum();
+        assert!(bytes <= 4096, "page {i}: {bytes} bytes of events");
+        assert!(
+            bytes + len(&pair[1][0]) > 4096,
+            "page {i} ended at {bytes} bytes ({} events) although the next event fitted",
+            pair[0].len()
+        );
+    }
 }
 
 /// A reply holds only its own bytes of the budget while it waits in the queue: a sync

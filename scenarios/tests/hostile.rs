@@ -34,6 +34,19 @@ fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// A gateway whose devices may hold three connections at once
+/// (`IM_CONNS_PER_DEVICE_MAX=3`), with alice and bob provisioned: the world and their tokens.
+async fn alice_and_bob_with_three_conns_per_device() -> (World, String, String) {
+    let w = World::start(GatewayOpts {
+        env: env(&[("IM_CONNS_PER_DEVICE_MAX", "3")]),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    (w, ta, tb)
+}
+
 /// The gateway's resident set (VmRSS of /proc/PID/status), in KiB.
 fn rss_kib(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -413,13 +426,7 @@ async fn a_peer_that_stopped_reading_is_ended_and_its_places_freed() {
 /// device could open connections without limit (each with its own queue).
 #[tokio::test]
 async fn connections_per_device_are_capped() {
-    let w = World::start(GatewayOpts {
-        env: env(&[("IM_CONNS_PER_DEVICE_MAX", "3")]),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (ta, _tb) = provision_alice_and_bob(&w).await.unwrap();
+    let (w, ta, _tb) = alice_and_bob_with_three_conns_per_device().await;
     let mut open = Vec::new();
     for i in 0..3 {
         let mut c = Client::create(&w.state_path(&format!("a1-{i}")), "a1", &ta, 1).unwrap();
@@ -601,13 +608,7 @@ async fn a_stale_install_gets_nothing_queued_before_its_reinstall() {
 /// install.
 #[tokio::test]
 async fn a_reinstall_closes_every_open_connection_of_the_device() {
-    let w = World::start(GatewayOpts {
-        env: env(&[("IM_CONNS_PER_DEVICE_MAX", "3")]),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (_ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let (w, _ta, tb) = alice_and_bob_with_three_conns_per_device().await;
     let mut open = Vec::new();
     for name in ["b1-x", "b1-y"] {
         let mut c = Client::create(&w.state_path(name), "b1", &tb, 1).unwrap();
@@ -869,6 +870,86 @@ async fn sigterm_under_load_delivers_every_committed_reply_and_1001() {
     }
 }
 
+/// SIGTERM while a client has more input in flight than the gateway read: a client
+/// pipelines 40 syncs of 320 KB pages and reads nothing, the gateway is told to stop, and
+/// the client then sends 100 more requests (which nobody reads: the connection no longer
+/// takes requests) and only then reads. The gateway answers what it took, sends its close
+/// frame, and reads (discarding) what is still unread before it lets the socket go, so
+/// the kernel ends the connection with a FIN and all that was written reaches the client:
+/// replies to a prefix of the requests, in order, then close 1001, then EOF. Pins down a
+/// close that drops the socket with unread input (or without waiting for its writer): the
+/// kernel then answers with a reset and throws away what the gateway wrote but the client
+/// had not taken yet, the last replies and the close frame.
+#[tokio::test]
+async fn sigterm_with_unread_input_still_delivers_all_it_wrote() {
+    let mut w = World::start(GatewayOpts {
+        env: env(&[("IM_WRITE_TIMEOUT_MS", "120000")]),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    w.add_user("mallory").await.unwrap();
+    let token = w.add_device("m0", "mallory").await.unwrap();
+    w.add_conv("big", &["mallory"]).await.unwrap();
+    fill_with_16k_events(&w, "big", "mallory", "m0", 300).await;
+    let mut r = Raw::open(w.gw().addr(), Ipv4Addr::LOCALHOST).await.unwrap();
+    let welcome = r.hello("m0", &token, 1).await;
+    assert_eq!(welcome["t"], "welcome", "{welcome}");
+    let sync =
+        |n: usize| json!({"t":"sync","rid":format!("s{n}"),"conv":"big","after":0,"limit":20});
+    for n in 0..40 {
+        r.text(&sync(n)).await.unwrap();
+    }
+    let term = async { w.gw_mut().terminate(Duration::from_secs(30)).await.unwrap() };
+    let client = async {
+        // The scenario: SIGTERM lands while this client reads nothing; what it sends then
+        // stays unread by the connection.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for n in 40..140 {
+            if r.text(&sync(n)).await.is_err() {
+                break;
+            }
+        }
+        let mut rids = Vec::new();
+        loop {
+            match r.next(T).await {
+                Got::Frame {
+                    opcode: OP_TEXT,
+                    payload,
+                } => {
+                    let v: Value = serde_json::from_slice(&payload).unwrap();
+                    rids.push(v["rid"].as_str().unwrap_or("?").to_string());
+                }
+                Got::Frame {
+                    opcode: OP_PING, ..
+                } => {}
+                Got::Frame {
+                    opcode: OP_CLOSE,
+                    payload,
+                } => {
+                    let code =
+                        (payload.len() >= 2).then(|| u16::from_be_bytes([payload[0], payload[1]]));
+                    let after = r.next(T).await;
+                    return (rids, Ok((code, after)));
+                }
+                other => return (rids, Err(other)),
+            }
+        }
+    };
+    let (status, (rids, end)) = tokio::join!(term, client);
+    assert_eq!(status.code(), Some(0));
+    let want: Vec<String> = (0..rids.len()).map(|n| format!("s{n}")).collect();
+    assert!(!rids.is_empty(), "no reply at all: {end:?}");
+    assert_eq!(rids, want, "replies to a prefix of the requests, in order");
+    match end {
+        Ok((code, Got::Eof)) => assert_eq!(code, Some(1001)),
+        other => panic!(
+            "after {} replies: {other:?} instead of close 1001 then EOF",
+            rids.len()
+        ),
+    }
+}
+
 /// Item 5 of issue #8, enumeration. Proves a `hello` that does not prove an install is
 /// answered identically (same code, same message, then a close) whatever the device or the
 /// epoch: an unknown device, a wrong token at the current, an older or a future epoch.
@@ -1023,6 +1104,63 @@ async fn outsider_send_does_not_take_the_conversation_lock() {
     assert_eq!(r["seq"], 2, "P1: the outsider consumed no seq");
 }
 
+/// Takes the row lock of `conv` on a connection of its own and holds it for `hold_ms` from
+/// now: the task that lets it go.
+async fn hold_conversation_lock(
+    pool: &sqlx::PgPool,
+    conv: &str,
+    hold_ms: u64,
+) -> tokio::task::JoinHandle<()> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM conversations WHERE conv_id = $1 FOR UPDATE")
+        .bind(conv)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(hold_ms)).await;
+        tx.rollback().await.unwrap();
+    })
+}
+
+/// A connection remembers every conversation its user's sends committed to (up to
+/// `MEMBERS_MAX`), so a member's send skips the membership read before the transaction:
+/// one round trip less a send. It shows in one place only, the first send after a leave:
+/// alice sends to c1, then to c2; she leaves c1 while its row lock is held, and her next
+/// send to c1 queues on that lock (no read told the connection she left) before it is
+/// answered NOT_MEMBER (S1: the test after the lock decides). Pins down a connection that
+/// forgets what it saw (it keeps only the last conversation, or nothing): every send
+/// then pays the extra read.
+#[tokio::test]
+async fn a_members_send_skips_the_membership_read() {
+    let w = World::start(GatewayOpts {
+        db_timeout_ms: Some(30_000),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    w.add_conv("c2", &["alice", "bob"]).await.unwrap();
+    a.send("c1", "one", "x", T).await.unwrap();
+    a.send("c2", "two", "x", T).await.unwrap();
+    w.leave("c1", "alice").await.unwrap();
+    let pool = w.pool().await.unwrap();
+    let hold = 600;
+    let held = hold_conversation_lock(&pool, "c1", hold).await;
+    let t0 = Instant::now();
+    let r = a
+        .send("c1", "after-leave", "x", Duration::from_secs(5))
+        .await;
+    let took = t0.elapsed();
+    held.await.unwrap();
+    assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"), "S1: {r:?}");
+    assert!(
+        took >= Duration::from_millis(hold / 2),
+        "answered in {took:?} without waiting for the lock: the connection read the \
+         membership first, although alice's send to c1 had committed on it"
+    );
+}
+
 /// A user who left a conversation waits on its row lock at most once: the first send after
 /// the `leave` (from a connection that saw its sends commit, so it skips the membership read
 /// before the transaction) queues on the lock and is answered NOT_MEMBER once the lock is
@@ -1043,22 +1181,7 @@ async fn a_user_who_left_waits_on_the_conversation_lock_at_most_once() {
     w.leave("c1", "alice").await.unwrap();
     let pool = w.pool().await.unwrap();
     let hold = 600;
-    // Holds the conversation's row lock for `hold` ms from now, on its own connection.
-    struct Held(tokio::task::JoinHandle<()>);
-    let lock = || {
-        let pool = pool.clone();
-        async move {
-            let mut tx = pool.begin().await.unwrap();
-            sqlx::query("SELECT 1 FROM conversations WHERE conv_id = 'c1' FOR UPDATE")
-                .execute(&mut *tx)
-                .await
-                .unwrap();
-            Held(tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(hold)).await;
-                tx.rollback().await.unwrap();
-            }))
-        }
-    };
+    let lock = || hold_conversation_lock(&pool, "c1", hold);
     let send = |cmid: &'static str| {
         let a = &a;
         async move {
@@ -1071,7 +1194,7 @@ async fn a_user_who_left_waits_on_the_conversation_lock_at_most_once() {
     let held = lock().await;
     let (r, _) = send("after-leave-1").await;
     assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"), "{r:?}");
-    held.0.await.unwrap();
+    held.await.unwrap();
     // From then on: never again, not even after a resend answered `dup`.
     for cmid in ["after-leave-2", "before-leave", "after-leave-3"] {
         let held = lock().await;
@@ -1086,7 +1209,7 @@ async fn a_user_who_left_waits_on_the_conversation_lock_at_most_once() {
             took < Duration::from_millis(hold / 2),
             "{cmid} waited {took:?} on the lock a former member must not take again"
         );
-        held.0.await.unwrap();
+        held.await.unwrap();
     }
 }
 

@@ -181,10 +181,6 @@ impl Delivery {
         }
     }
 
-    pub fn policy(&self) -> AckPolicy {
-        self.policy
-    }
-
     pub fn set_policy(&mut self, policy: AckPolicy) {
         self.policy = policy;
     }
@@ -312,10 +308,12 @@ impl Delivery {
         let mut new = Vec::new();
         let mut duplicates = 0;
         let mut last: Option<i64> = None;
+        // The page is strictly ascending (checked above), so no seq comes twice in it, and
+        // the cursor moves to its last seq below: nothing of it needs keeping in `above`.
         for (i, &seq) in seqs.iter().enumerate() {
             last = Some(last.map_or(seq, |l| l.max(seq)));
             let stored = if seq <= t.cursor {
-                have(seq) || new.iter().any(|&j: &usize| seqs[j] == seq)
+                have(seq)
             } else {
                 t.above.contains(&seq)
             };
@@ -323,9 +321,6 @@ impl Delivery {
                 duplicates += 1;
             } else {
                 new.push(i);
-                if seq > t.cursor {
-                    t.above.insert(seq);
-                }
             }
         }
         if let Some(last) = last {
@@ -493,11 +488,6 @@ impl Delivery {
             .map(|(c, _)| c.clone())
             .collect()
     }
-
-    /// Conversations the core has state for.
-    pub fn convs(&self) -> impl Iterator<Item = &str> {
-        self.convs.keys().map(String::as_str)
-    }
 }
 
 #[cfg(test)]
@@ -585,6 +575,88 @@ mod tests {
         let page = d.synced("c", &[1, 2], 5, true, |_| true);
         assert_eq!(page.next, NextPage::Done);
         assert_eq!(d.cursor("c"), 5);
+    }
+
+    /// A sync's acks are coalesced like a push's (SPEC section 5): a sync that stored
+    /// fewer than `every` new events arms the timer instead of acking at once, one that
+    /// stored `every` acks now, and with automatic acks off none is ever due.
+    #[test]
+    fn a_sync_acks_as_the_policy_says() {
+        let mut d = core();
+        let now = Instant::now();
+        d.restore("c", 0, [], None);
+        assert_eq!(d.sync_begin("c", 0), 0);
+        let page = d.synced("c", &[1, 2], 2, true, |_| false);
+        assert_eq!((page.new.len(), page.next), (2, NextPage::Done));
+        assert!(!d.sync_ended("c", now), "2 of 4: coalesced, not due yet");
+        assert!(d.due(now).is_empty());
+        let later = now + AckPolicy::default().after;
+        assert_eq!(d.due(later), vec!["c".to_string()], "due by the timer");
+        d.sync_begin("c", 2);
+        d.synced("c", &[3, 4], 4, true, |_| false);
+        assert!(d.sync_ended("c", now), "4 of 4: due now");
+
+        let mut off = Delivery::new(
+            AckPolicy {
+                auto: false,
+                ..AckPolicy::default()
+            },
+            false,
+        );
+        off.restore("c", 0, [], None);
+        off.sync_begin("c", 0);
+        off.synced("c", &[1, 2, 3, 4, 5], 5, true, |_| false);
+        assert!(!off.sync_ended("c", now), "automatic acks off");
+        assert!(off.due(later).is_empty());
+    }
+
+    /// A page that does not go past the `after` it answers (here a page of old events
+    /// handed to a core that was not told of the request, as the bench's pipelined syncs
+    /// are) ends the sync as stuck: the next request never goes backwards, so every sync
+    /// ends.
+    #[test]
+    fn a_page_below_its_after_ends_the_sync_as_stuck() {
+        let mut d = core();
+        d.restore("c", 10, 1..=10, Some(10));
+        let page = d.synced("c", &[3, 4], 20, false, |_| true);
+        assert_eq!(page.next, NextPage::Stuck { after: 10 });
+        assert_eq!((page.new.len(), page.duplicates), (0, 2));
+        assert_eq!(d.cursor("c"), 10);
+    }
+
+    /// The events of an ack that failed still count toward the next one: with `every` 4,
+    /// an ack of 4 events that fails for good (not retryable) leaves them unacked, so the
+    /// next stored event makes an ack due at once, not 4 events later.
+    #[test]
+    fn a_failed_acks_events_count_toward_the_next_ack() {
+        let mut d = core();
+        let now = Instant::now();
+        for seq in 1..=4 {
+            d.push("c", seq);
+        }
+        assert!(d.stored("c", now));
+        assert_eq!(d.begin_ack("c", now), Some(4));
+        d.ack_failed("c", false, now);
+        assert_eq!(d.next_due(), None, "not retryable: no retry timer");
+        d.push("c", 5);
+        assert!(d.stored("c", now), "5 events unacked: due now");
+        assert_eq!(d.begin_ack("c", now), Some(5));
+    }
+
+    /// A due ack that cannot be sent now (the state file is behind memory) is tried again
+    /// `ACK_RETRY_MIN` later, not on the ack timer: a failing disk gets no retry storm.
+    #[test]
+    fn a_postponed_ack_waits_the_retry_minimum() {
+        let mut d = core();
+        let now = Instant::now();
+        d.push("c", 1);
+        assert!(!d.stored("c", now));
+        let after = AckPolicy::default().after;
+        assert!(after < ACK_RETRY_MIN);
+        assert_eq!(d.due(now + after), vec!["c".to_string()]);
+        d.postpone_ack("c", now + after);
+        assert!(d.due(now + after + after).is_empty(), "postponed");
+        assert_eq!(d.next_due(), Some(now + after + ACK_RETRY_MIN));
     }
 
     #[test]

@@ -75,6 +75,8 @@ fn designed_catcher(bug: &str) -> &'static [&'static str] {
         ],
         "sticky-member" => &["a_user_who_left_waits_on_the_conversation_lock_at_most_once"],
         "stale-backlog" => &["a_stale_install_gets_nothing_queued_before_its_reinstall"],
+        "no-close-drain" => &["sigterm_with_unread_input_still_delivers_all_it_wrote"],
+        "forgetful-member" => &["a_members_send_skips_the_membership_read"],
         "no-overflow-hint" => &[
             "repair_overflow_one_gateway",
             "repair_overflow_two_gateways",
