@@ -1068,7 +1068,14 @@ mod tests {
             .spawn()?;
         let id = root.id();
         let deadline = Instant::now() + Duration::from_secs(5);
-        while processes().iter().filter(|p| p.1 == id).count() < 2 && Instant::now() < deadline {
+        // Both children there, one of them already in its own session (`setsid` forks,
+        // then calls setsid(2): a moment in which it is still in the group's session).
+        let ready = || {
+            let children: Vec<_> = processes().into_iter().filter(|p| p.1 == id).collect();
+            let sessions: BTreeSet<u32> = children.iter().map(|p| p.2).collect();
+            children.len() >= 2 && sessions.len() >= 2
+        };
+        while !ready() && Instant::now() < deadline {
             std::thread::sleep(POLL);
         }
         let pids = stop_tree(id);
