@@ -553,8 +553,9 @@ async fn reinstall_closes_the_old_connection_and_it_sees_nothing_more() {
 }
 
 /// A stale install gets nothing that was queued for it before its reinstall: the old
-/// install's writer is slowed (`gw.push:delay(150)`) so that pushes of eight messages wait in
-/// its queue when `admin reinstall-device` commits. Once the gateway learns of the reinstall
+/// install's writer is slowed (`gw.push:delay(1000)`, so the backlog lasts 8 s: the
+/// reinstall, a process of its own, lands within it even on a loaded machine) so that
+/// pushes of eight messages wait in its queue when `admin reinstall-device` commits. Once the gateway learns of the reinstall
 /// it drops every push still queued: between the reinstall and the STALE_INSTALL error the
 /// old install gets at most the push being written then and one more written before the
 /// notification arrived, never the backlog. (A reinstall is how a user cuts off a lost
@@ -573,7 +574,7 @@ async fn a_stale_install_gets_nothing_queued_before_its_reinstall() {
     old.sub().await.unwrap();
     a.send("c1", "warm-up", "x", T).await.unwrap();
     old.wait_cursor("c1", 1, T).await.unwrap();
-    w.arm_fault(0, "gw.push:delay(150)").await.unwrap();
+    w.arm_fault(0, "gw.push:delay(1000)").await.unwrap();
     for i in 0..8 {
         a.send("c1", &format!("backlog-{i}"), "x", T).await.unwrap();
     }
