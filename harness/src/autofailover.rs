@@ -991,7 +991,7 @@ fn rel_ms(t0: Instant, at: Instant) -> f64 {
 }
 
 /// `(pid, ppid, pgid, state)` of every process.
-fn processes() -> Vec<(u32, u32, u32, char)> {
+pub(crate) fn processes() -> Vec<(u32, u32, u32, char)> {
     let Ok(dir) = fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -1011,7 +1011,7 @@ fn processes() -> Vec<(u32, u32, u32, char)> {
 /// SIGSTOPs `root`, its process group and every descendant (PostgreSQL backends run in
 /// sessions of their own, so a group signal misses them), rescanning until no new process
 /// appears; returns them all. Stopped, none can fork, exit or act any more.
-fn stop_tree(root: u32) -> BTreeSet<u32> {
+pub(crate) fn stop_tree(root: u32) -> BTreeSet<u32> {
     let mut found: BTreeSet<u32> = BTreeSet::new();
     loop {
         let procs = processes();
@@ -1040,14 +1040,14 @@ fn stop_tree(root: u32) -> BTreeSet<u32> {
 }
 
 /// `kill(pid, sig)`, ignoring a process that is already gone.
-fn signal(pid: u32, sig: Signal) {
+pub(crate) fn signal(pid: u32, sig: Signal) {
     if let Ok(pid) = i32::try_from(pid) {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
     }
 }
 
 /// Whether any of `pids` still exists and is not a zombie (one scan of /proc).
-fn any_alive(pids: &BTreeSet<u32>) -> bool {
+pub(crate) fn any_alive(pids: &BTreeSet<u32>) -> bool {
     processes()
         .iter()
         .any(|&(p, _, _, state)| pids.contains(&p) && state != 'Z' && state != 'X')

@@ -754,6 +754,14 @@ impl Cluster {
             bail!("kill: the postmaster on port {} is not running", self.port);
         };
         let pgid = child.id();
+        // PostgreSQL's backends run in sessions of their own (setsid): a group signal misses
+        // them, and they linger until they notice the postmaster is gone, holding the data
+        // directory (under load, longer than a power cut's unmount waits). Stop the whole
+        // tree first (while the backends are still the postmaster's children), then kill it.
+        let tree = crate::autofailover::stop_tree(pgid);
+        for &pid in &tree {
+            crate::autofailover::signal(pid, Signal::SIGKILL);
+        }
         kill_group(pgid, Signal::SIGKILL);
         let deadline = Instant::now() + CRASH_TIMEOUT;
         loop {
@@ -764,7 +772,7 @@ impl Cluster {
             if reaped {
                 self.child = None;
             }
-            if reaped && !group_alive(pgid) {
+            if reaped && !group_alive(pgid) && !crate::autofailover::any_alive(&tree) {
                 return Ok(());
             }
             if Instant::now() >= deadline {
