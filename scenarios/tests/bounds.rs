@@ -1,7 +1,9 @@
 //! Bounds as checks (issue 18, item 4): the byte budget of one connection is charged and
 //! given back for every kind of frame, so a long run never wears it down; the sweep's full
-//! pass ends and asks about each install once, page by page; a sync page whose one event is
-//! larger than the page bound still carries that event, alone. (The throttles are in
+//! pass ends and asks about each install once, page by page, and a routine one keeps to its
+//! tenth of each interval; the sweep's question about conversations whose read failed names
+//! at most 100 a statement; a sync page whose one event is larger than the page bound still
+//! carries that event, alone. (The throttles are in
 //! `hostile.rs`, SIGTERM under pipelined load too.)
 
 use harness::client::{Client, ClientOptions};
@@ -184,6 +186,266 @@ async fn full_pass_ends_and_asks_about_each_install_once() {
     assert!(field("took_ms").is_some_and(|t| t < sweep_ms), "{ended}");
     let r = judge_test(&w).await.unwrap();
     assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
+}
+
+/// The routine full pass keeps to its tenth of each interval, so a safety net over many
+/// installs never holds up an interval's own work (D5's one-interval bound for what the
+/// record of changes names). Forty installs of forty users, each user a member of the same
+/// 1,000 conversations, one install a page (`IM_SWEEP_PAGE_INSTALLS=1`): each page is two
+/// queries over 1,000 pairs. The test times those same two queries for every install itself
+/// (`sweep::installs_page`, the gateway's page), before the pass and after it, and takes
+/// the quickest as the least a page can cost. An interval stops starting pages once its pass has used the budget, so it runs
+/// at most `budget / page + 1` pages; with the page cost quartered for safety that must be
+/// under forty (or the setup is too cheap to show anything here, and the test says so),
+/// while a pass that ignored its budget runs all forty in one interval. The
+/// gateway's per-interval report (`RUST_LOG=im_gateway::sweep=debug`) says how many pages
+/// each interval ran; the pass still ends, and asks about each install once.
+#[tokio::test]
+async fn routine_full_pass_keeps_to_its_share_of_each_interval() {
+    let n = 40;
+    let convs: i32 = 1000;
+    let sweep_ms: u64 = 100;
+    let budget = Duration::from_millis(sweep_ms / 10);
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(sweep_ms),
+        env: vec![
+            ("IM_SWEEP_PAGE_INSTALLS".into(), "1".into()),
+            (
+                "RUST_LOG".into(),
+                "info,sqlx=warn,im_gateway::sweep=debug".into(),
+            ),
+        ],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut devices = Vec::new();
+    let mut users = Vec::new();
+    let mut tokens = Vec::new();
+    for i in 0..n {
+        let (u, d) = (format!("u{i}"), format!("d{i}"));
+        w.add_user(&u).await.unwrap();
+        tokens.push(w.add_device(&d, &u).await.unwrap());
+        users.push(u);
+        devices.push(d);
+    }
+    let pool = w.pool().await.unwrap();
+    sqlx::query(
+        "INSERT INTO conversations (conv_id) SELECT 'k' || g FROM generate_series(1, $1) g",
+    )
+    .bind(convs)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO memberships (conv_id, user_id, from_seq)
+         SELECT 'k' || g, u, 1 FROM generate_series(1, $1) g, unnest($2::text[]) u",
+    )
+    .bind(convs)
+    .bind(&users)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE").execute(&pool).await.unwrap();
+    let mut clients = Vec::new();
+    for (d, t) in devices.iter().zip(&tokens) {
+        let c = connect(&w, d, t).await.unwrap();
+        let subbed = c.sub().await.unwrap();
+        assert_eq!(
+            subbed["convs"].as_array().map(Vec::len),
+            Some(convs as usize)
+        );
+        clients.push(c);
+    }
+    // The least a page costs here: each install's page, as the gateway asks it, timed (now,
+    // and again after the pass, so a quiet moment on either side counts).
+    let least_page = async || {
+        let mut least = Duration::MAX;
+        for (d, u) in devices.iter().zip(&users) {
+            let t = std::time::Instant::now();
+            im_gateway::sweep::installs_page(
+                &pool,
+                T,
+                std::slice::from_ref(d),
+                std::slice::from_ref(u),
+                &[1],
+            )
+            .await
+            .unwrap();
+            least = least.min(t.elapsed());
+        }
+        least
+    };
+    let before = least_page().await;
+    // A routine pass over all forty (the first one may have begun before all subscribed).
+    let ended = wait_until(
+        "a routine full pass over every install",
+        Duration::from_secs(40),
+        async || {
+            let log = w.gw().log_text();
+            match log.lines().find(|l| {
+                l.contains("full pass ended")
+                    && l.contains("routine")
+                    && l.contains(&format!("installs={n} "))
+            }) {
+                Some(l) => Ok(l.to_string()),
+                None => Err(()),
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        ended.contains(&format!("pages={n} ")),
+        "one install a page: {ended}"
+    );
+    let least = before.min(least_page().await);
+    // A quarter of the least cost seen: the gateway's pages may run at a quieter moment.
+    let most_pages = (budget.as_secs_f64() / (least.as_secs_f64() / 4.0)) as usize + 1;
+    assert!(
+        most_pages < n,
+        "a page costs {least:?} here: too cheap for a {budget:?} budget to show (at most \
+         {most_pages} pages an interval)"
+    );
+    let log = w.gw().log_text();
+    let per_interval: Vec<usize> = log
+        .lines()
+        .filter(|l| l.contains("Interval {"))
+        .filter_map(|l| {
+            let at = l.find("pages: ")? + "pages: ".len();
+            l[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    let busiest = per_interval.iter().copied().max().unwrap_or(0);
+    let with_pages = per_interval.iter().filter(|&&p| p > 0).count();
+    println!(
+        "page ≥ {least:?}; {} intervals reported, {with_pages} ran pages, at most {busiest} \
+         (allowed {most_pages}); {ended}",
+        per_interval.len()
+    );
+    assert!(
+        with_pages >= 2 && busiest <= most_pages,
+        "an interval ran {busiest} full-pass pages of at least {least:?} each: over its \
+         {budget:?} share (at most {most_pages})"
+    );
+    drop(clients);
+}
+
+/// The sweep's question about conversations whose fan-out read failed is bounded: however
+/// many conversations failed at once, each statement names at most 100 of them (a
+/// hundredth of a pairs page: one conversation may hold thousands of members' installs),
+/// and together the statements name every one. 600 conversations of alice and bob commit
+/// in one transaction made straight in the database (no gateway sends it, so no NOTIFY: the
+/// commit feed hands all 600 to fan-out at once), while every fan-out read fails
+/// (`fanout.read:error`): the next interval's sweep must ask about all 600. The statements
+/// are read back from the server's own log (`log_statement = 'all'`, with their parameters),
+/// and bob, hinted, syncs every one of the 600 events.
+#[tokio::test]
+async fn a_failed_read_of_many_conversations_is_asked_about_in_bounded_statements() {
+    use sqlx::Connection;
+    let convs: usize = 600;
+    let per_statement = 100;
+    let opts = || GatewayOpts {
+        sweep_ms: Some(250),
+        control: true,
+        ..Default::default()
+    };
+    let mut w = World::start(opts()).await.unwrap();
+    let (_ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let pool = w.pool().await.unwrap();
+    sqlx::query(
+        "INSERT INTO conversations (conv_id) SELECT 'k' || g FROM generate_series(1, $1) g",
+    )
+    .bind(convs as i32)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO memberships (conv_id, user_id, from_seq)
+         SELECT 'k' || g, u, 1 FROM generate_series(1, $1) g, unnest('{alice,bob}'::text[]) u",
+    )
+    .bind(convs as i32)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ALTER SYSTEM SET log_statement = 'all'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_reload_conf()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // A session open at the reload may run one more statement unlogged; a new session
+    // logs from its first. So: once new sessions show it, a gateway with new sessions only.
+    wait_until("log_statement = all in force", T, async || {
+        let mut c = sqlx::PgConnection::connect(w.db_url())
+            .await
+            .map_err(|_| ())?;
+        let v: String = sqlx::query_scalar("SHOW log_statement")
+            .fetch_one(&mut c)
+            .await
+            .map_err(|_| ())?;
+        if v == "all" {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await
+    .unwrap();
+    w.restart_gateway(opts()).await.unwrap();
+    let b = connect(&w, "b1", &tb).await.unwrap();
+    b.sub().await.unwrap();
+    let f = w.arm_fault(0, "fanout.read:error").await.unwrap();
+    sqlx::query(
+        "WITH s AS (UPDATE conversations SET next_seq = next_seq + 1 WHERE conv_id LIKE 'k%'
+                    RETURNING conv_id, next_seq - 1 AS seq)
+         INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
+         SELECT conv_id, seq, 'alice', 'a1', 'direct-' || conv_id, 'x' FROM s",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for g in 1..=convs {
+        b.wait_server_delivered(&format!("k{g}"), 1, T)
+            .await
+            .unwrap();
+    }
+    w.disarm_fault(f).await.unwrap();
+    assert_eq!(
+        b.stats().pushes_received,
+        0,
+        "every read failed: {:?}",
+        b.stats()
+    );
+    // Each logged execution of the conversations question, with its array of conversations.
+    let log = w.pg.server_log();
+    let question = "m.conv_id = ANY ($1::text[])";
+    let sizes: Vec<usize> = log
+        .match_indices(question)
+        .filter_map(|(at, _)| {
+            let rest = &log[at..];
+            let p = rest.find("parameters: $1 = '{")? + "parameters: $1 = '{".len();
+            let end = rest[p..].find('}')?;
+            Some(rest[p..p + end].split(',').count())
+        })
+        .collect();
+    println!("conversations per statement: {sizes:?}");
+    assert!(
+        sizes.iter().sum::<usize>() >= convs,
+        "every conversation asked about: {sizes:?}"
+    );
+    assert!(
+        sizes.iter().all(|&n| n <= per_statement),
+        "a sweep statement named more than {per_statement} conversations: {sizes:?}"
+    );
+    let v = db_invariant_violations(&pool).await.unwrap();
+    assert!(v.is_empty(), "{v:?}");
 }
 
 /// A sync page is bounded in bytes (`IM_SYNC_PAGE_MAX_BYTES=1024`), yet an event larger

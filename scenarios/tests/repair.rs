@@ -15,6 +15,7 @@
 //! | failed fan-out read | `fanout.read:error` (receiver's) | the sweep asks about the conversation | sweep hint, sync |
 //! | lost LISTEN | LISTEN backend terminated, `fanout.listen:error` (receiver's) | full pass when LISTEN is regained | sweep hint, sync |
 //! | stale install | the same, and the receiver reinstalled meanwhile | full pass closes the stale install | close; the new install syncs |
+//! | stale request | the same; the old install sends before any pass | the request's own install check | STALE_INSTALL, close |
 //! | overflow | `gw.push:delay(40)`, 4 queued frames (receiver's) | overflow hint once the queue drained | overflow hint, sync |
 
 use harness::client::{Client, ClientStats};
@@ -340,6 +341,44 @@ async fn stale_install(two: bool) -> anyhow::Result<()> {
     s.judge().await
 }
 
+/// A stale install's request (S1): b1 is reinstalled while its gateway does not listen, so
+/// no notification closes its old install and no full pass is due (the one at the regained
+/// LISTEN waits for the disarm). The old install's next request must still be refused at
+/// once, by the request's own check of the install: its send gets STALE_INSTALL (not
+/// NOT_MEMBER or a `sent`), writes nothing, and its connection closes (1008) at once (the
+/// routine full pass is still tens of intervals away).
+async fn stale_request(two: bool) -> anyhow::Result<()> {
+    let s = Steady::start(two, &[]).await?;
+    let f = s.lose_listen().await?;
+    s.w.reinstall_device("b1").await?;
+    s.idle(2).await;
+    anyhow::ensure!(
+        s.b.is_connected(),
+        "nothing but the request may close the stale install"
+    );
+    let r = s.b.send("c1", "from-the-old-install", "stale", T).await;
+    anyhow::ensure!(
+        r.as_ref().err().and_then(|e| e.code()) == Some("STALE_INSTALL"),
+        "the stale install's send: {r:?}"
+    );
+    let t0 = Instant::now();
+    s.b.wait_closed(Duration::from_secs(2)).await?;
+    anyhow::ensure!(
+        s.b.frames()
+            .iter()
+            .any(|(_, f)| f["t"] == "_close" && f["code"] == 1008),
+        "closed with 1008 after {:?}: {:?}",
+        t0.elapsed(),
+        s.b.frames()
+    );
+    anyhow::ensure!(
+        s.w.count_events("c1").await? == 1,
+        "the stale install wrote nothing (only the warm-up is in c1)"
+    );
+    s.w.disarm_fault(f).await?;
+    s.judge().await
+}
+
 /// Overflow: the receiver's queue holds 4 frames and its pushes are slowed
 /// (`gw.push:delay(40)`); a burst of 30 messages overflows it. Once the queue drained the
 /// writer sends `hint{why:"overflow"}` and the receiver syncs: everything within D5's bound
@@ -529,6 +568,11 @@ both!(
     repair_stale_install_one_gateway,
     repair_stale_install_two_gateways,
     stale_install
+);
+both!(
+    repair_stale_request_one_gateway,
+    repair_stale_request_two_gateways,
+    stale_request
 );
 both!(
     repair_overflow_one_gateway,
