@@ -271,10 +271,12 @@ async fn fill_with_16k_events(w: &World, conv: &str, user: &str, device: &str, n
 /// Item 1 of issue #8, memory per connection bounded in bytes. Proves that 8 connections
 /// each sending 400 `sync{limit:500}` over a conversation of 16 KB bodies and never reading
 /// keep the gateway's RSS under a stated bound (baseline + 96 MiB, with the default
-/// IM_QUEUE_BYTES_MAX), while a healthy subscribed client keeps getting its events within
-/// 100 ms (median; an event counts from the first frame that brought it, its push or, when
-/// a sweep's hint beat a push that a loaded machine made late, the synced page). Pins down the bug where the outbound queue was bounded in frames only
-/// (256 frames of up to 1 MiB each: ~271 MiB held for one such connection).
+/// IM_QUEUE_BYTES_MAX), while a healthy subscribed client keeps getting its events by push
+/// within 100 ms (median; an event counts from the first frame that brought it: its push
+/// or, when a sweep's hint beat a push that a loaded machine made late, the synced page;
+/// at most 4 of the 40 may come that way). Pins down the bug where the outbound queue was
+/// bounded in frames only (256 frames of up to 1 MiB each: ~271 MiB held for one such
+/// connection).
 #[tokio::test]
 async fn never_reading_sync_flood_is_bounded_in_bytes() {
     let w = World::start(GatewayOpts {
@@ -380,6 +382,12 @@ async fn never_reading_sync_flood_is_bounded_in_bytes() {
     assert!(
         p50 <= 100.0,
         "delivery to a healthy client slowed to p50 {p50:.1} ms ({} of 40 by a sync: {repaired:?})",
+        repaired.len()
+    );
+    // The push path itself keeps working: the sweep's repair is the exception.
+    assert!(
+        repaired.len() <= 4,
+        "{} of 40 events reached the healthy client only by a sync: {repaired:?}",
         repaired.len()
     );
     for t in attackers {
