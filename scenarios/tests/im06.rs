@@ -1247,6 +1247,9 @@ struct Load {
     acked: std::sync::Arc<std::sync::Mutex<Vec<(String, i64)>>>,
     latencies_ms: std::sync::Arc<std::sync::Mutex<Vec<f64>>>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Set once [`Load::wait_acked`] returned: the caller injects its fault next, so a
+    /// send that fails from then on ends its sender.
+    faulting: std::sync::Arc<std::sync::atomic::AtomicBool>,
     started: Instant,
 }
 
@@ -1256,27 +1259,33 @@ impl Load {
             acked: Default::default(),
             latencies_ms: Default::default(),
             stop: Default::default(),
+            faulting: Default::default(),
             started: Instant::now(),
         }
     }
 
     /// Every sender sends `keep me` messages (cmid `s<i>-<n>`) until `stop` or its first
-    /// failed send (the fault took the database away under it).
+    /// failed send once the fault is due (the fault took the database away under it).
+    /// Before that, a send that timed out (a loaded machine stalled it past 3 s) is sent
+    /// again under its cmid, not given up: four senders stalled at once would otherwise all
+    /// end, and the load never reach what the fault waits for.
     async fn run(&self, senders: &[Client]) {
+        use std::sync::atomic::Ordering::SeqCst;
         let runs = senders.iter().enumerate().map(|(i, s)| async move {
             let mut n = 0;
-            while !self.stop.load(std::sync::atomic::Ordering::SeqCst) && n < 2000 {
+            while !self.stop.load(SeqCst) && n < 2000 {
                 let cmid = format!("s{i}-{n}");
-                n += 1;
                 let t = Instant::now();
                 match s.send("c1", &cmid, "keep me", Duration::from_secs(3)).await {
                     Ok(r) => {
+                        n += 1;
                         self.latencies_ms.lock().unwrap().push(ms(t.elapsed()));
                         self.acked
                             .lock()
                             .unwrap()
                             .push((cmid, r["seq"].as_i64().unwrap_or(-1)));
                     }
+                    Err(ClientError::Timeout) if !self.faulting.load(SeqCst) => {}
                     Err(_) => break,
                 }
             }
@@ -1296,6 +1305,8 @@ impl Load {
             },
         )
         .await;
+        self.faulting
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let k = self.acked.lock().unwrap().len();
         k as f64 / self.started.elapsed().as_secs_f64()
     }

@@ -559,8 +559,16 @@ async fn sweep_hints_a_device_that_missed_events() {
         a.send("c1", &format!("m{i}"), "x", T).await.unwrap();
     }
     // Fan-out is done with seq 3 once the sender's own device has its push: after that, b's
-    // only way to learn of 1..3 is the sweep.
-    a.wait_cursor("c1", 3, T).await.unwrap();
+    // only way to learn of 1..3 is the sweep. The push itself, not a1's cursor: on a loaded
+    // machine a sweep can hint a1 and its sync reach seq 3 before the fan-out ran, which
+    // would then push 1..3 to b1 once it subscribed.
+    a.wait_for("a1 has the push of seq 3", T, |c| {
+        c.frames()
+            .iter()
+            .any(|(_, f)| f["t"] == "event" && f["ev"]["conv"] == "c1" && f["ev"]["seq"] == 3)
+    })
+    .await
+    .unwrap();
     let mut b = Client::load(&state).unwrap();
     b.connect(&w.ws_url()).await.unwrap();
     b.request(json!({"t":"sub"}), T).await.unwrap(); // raw sub: the client does not sync by itself
