@@ -57,9 +57,13 @@ const SYNC_FRAME_OVERHEAD_BYTES: usize = 1024;
 const JSON_ESCAPE_MAX: usize = 6;
 
 /// What one event's JSON adds to its escaped body: an escaped cmid, the conversation and
-/// sender ids, the mid, two numbers, the kind and the keys.
+/// sender ids, and 192 bytes for the rest. The rest of the worst event is 154 bytes (the
+/// 36-byte mid, `seq` and `at` as 19 and 20 characters, kind `msg`, the keys and the comma
+/// between events; `a_sync_reserves_at_least_the_largest_frame_it_can_produce` renders
+/// it): a reservation too small would only be given back and taken anew (`Outbox::reply`),
+/// but the reservation is what bounds a page while it is read.
 const EVENT_OVERHEAD_BYTES: usize =
-    protocol::CMID_MAX_BYTES * JSON_ESCAPE_MAX + 2 * protocol::ID_MAX_BYTES + 256;
+    protocol::CMID_MAX_BYTES * JSON_ESCAPE_MAX + 2 * protocol::ID_MAX_BYTES + 192;
 
 /// The largest `synced` frame a sync with `limit` can produce (what it reserves of the
 /// connection's byte budget before the page is read): `limit` events of `body_max` bytes,
@@ -666,6 +670,10 @@ async fn writer(
     gone: CancellationToken,
 ) {
     let _gone = gone.drop_guard();
+    // The frame being written keeps its bytes of the budget until it is written or dropped.
+    // Declared before the guard, so on any exit the budget is closed before those bytes
+    // come back: no request still waiting for them gets them and runs for nobody.
+    let mut writing: Option<hub::Queued> = None;
     let _closed = CloseBudget(&outbox);
     loop {
         let next = tokio::select! {
@@ -706,7 +714,7 @@ async fn writer(
             Kind::Event => Some(points::GW_PUSH),
             Kind::Welcome | Kind::Subbed | Kind::Synced | Kind::Error | Kind::Hint => None,
         };
-        // `next` keeps its bytes of the budget until it is written or dropped.
+        let next = writing.insert(next);
         let mut text = Some(next.text.as_str());
         let replaced;
         if let Some(point) = point {
@@ -731,7 +739,7 @@ async fn writer(
                 return;
             }
         }
-        drop(next);
+        writing = None;
         // Also after a dropped frame: an overflowed connection must get its hints.
         if rx.is_empty() {
             if let Some(pending) = outbox.take_overflow() {

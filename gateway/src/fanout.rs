@@ -419,11 +419,25 @@ impl Order {
     /// Records `conv:seq` as pushed; a panic (which ends the process) if it is not above
     /// the last seq pushed for `conv` in this session.
     fn pushed(&mut self, conv: &str, seq: i64) {
-        if let Some(last) = self.last.get_mut(conv) {
+        if let Some(last) = self.last.get(conv) {
             assert!(
                 !self.checked || seq > *last,
                 "P1 broken: push {conv}:{seq} after {conv}:{last} in one LISTEN session"
             );
+        }
+        self.remember(conv, seq);
+    }
+
+    /// A range was read: nothing of it is read again in this session (an event missing
+    /// from it, which only a promoted standby could cause, is left to the sweep).
+    fn read(&mut self, r: &store::Range) {
+        self.remember(&r.conv, r.upto);
+    }
+
+    /// `seq` of `conv` was pushed or read. At most [`ORDER_CONVS_MAX`] conversations are
+    /// remembered: a new one past it starts over, as a new session would.
+    fn remember(&mut self, conv: &str, seq: i64) {
+        if let Some(last) = self.last.get_mut(conv) {
             *last = (*last).max(seq);
             return;
         }
@@ -431,13 +445,6 @@ impl Order {
             self.last.clear();
         }
         self.last.insert(conv.to_string(), seq);
-    }
-
-    /// A range was read: nothing of it is read again in this session (an event missing
-    /// from it, which only a promoted standby could cause, is left to the sweep).
-    fn read(&mut self, r: &store::Range) {
-        let e = self.last.entry(r.conv.clone()).or_insert(r.upto);
-        *e = (*e).max(r.upto);
     }
 }
 
@@ -623,6 +630,26 @@ mod tests {
             o.ranges(&n(&[("a", far)])),
             vec![r("a", far - RANGE_EVENTS_MAX, far)]
         );
+    }
+
+    /// The record is bounded: it holds up to ORDER_CONVS_MAX conversations, pushed or read,
+    /// forgetting none of them (a forgotten one would be read and pushed again when the
+    /// commit feed announces what NOTIFY already delivered); one more starts it over.
+    #[test]
+    fn order_remembers_at_most_its_bound_of_conversations() {
+        let mut o = Order::new();
+        for i in 0..super::ORDER_CONVS_MAX {
+            if i % 2 == 0 {
+                o.pushed(&format!("c{i}"), 3);
+            } else {
+                o.read(&r(&format!("c{i}"), 0, 3));
+            }
+        }
+        assert_eq!(o.last.len(), super::ORDER_CONVS_MAX);
+        assert_eq!(o.ranges(&n(&[("c0", 3), ("c1", 2)])), vec![]);
+        o.read(&r("new", 0, 1));
+        assert_eq!(o.last.len(), 1);
+        assert_eq!(o.ranges(&n(&[("c0", 3)])), vec![r("c0", 2, 3)]);
     }
 
     /// A failed read records nothing: the next notification reads the range again.

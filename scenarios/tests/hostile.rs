@@ -399,13 +399,18 @@ async fn never_reading_sync_flood_is_bounded_in_bytes() {
 /// requests waiting for its byte budget: a device (at most one connection,
 /// `IM_CONNS_PER_DEVICE_MAX=1`) pipelines 400 syncs of 16 KB pages and never reads. Its
 /// writer gives up once a frame is not taken within `IM_WRITE_TIMEOUT_MS` (500 ms); the
-/// budget is then closed, so the requests waiting for it end, the connection ends and the
-/// device may connect again. Pins down a budget left open after its writer ended: the
-/// waiting requests would hold the connection (and the device's one place) forever.
+/// budget is then closed, so the requests waiting for it (up to 256 in flight) end without
+/// touching the database, the connection ends and the device may connect again. Once the
+/// writer gave up, the test locks `events` (ACCESS EXCLUSIVE, held to the end;
+/// `IM_DB_TIMEOUT_MS` is a minute): a waiting sync that got the budget's bytes back and ran
+/// for nobody would wait on that lock and hold the connection. Pins down a budget left open after its writer ended (or
+/// closed only after the stuck frame gave its bytes back).
 #[tokio::test]
 async fn a_peer_that_stopped_reading_is_ended_and_its_places_freed() {
     let w = World::start(GatewayOpts {
         env: env(&[
+            ("IM_DB_TIMEOUT_MS", "60000"),
+            ("IM_CONN_INFLIGHT_MAX", "256"),
             ("IM_WRITE_TIMEOUT_MS", "500"),
             ("IM_CONNS_PER_DEVICE_MAX", "1"),
             ("IM_QUEUE_BYTES_MAX", "65536"),
@@ -432,6 +437,22 @@ async fn a_peer_that_stopped_reading_is_ended_and_its_places_freed() {
         std::future::pending::<()>().await;
         drop(r);
     });
+    // Polled every 5 ms (not `wait_until`'s backoff): the lock must be in place long before
+    // 256 waiting syncs could have read their pages one after another.
+    let deadline = Instant::now() + T;
+    while !w
+        .gw()
+        .log_text()
+        .contains("peer did not read within IM_WRITE_TIMEOUT_MS")
+    {
+        assert!(Instant::now() < deadline, "the writer never gave up");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut lock = w.pool().await.unwrap().begin().await.unwrap();
+    sqlx::query("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
     let again = wait_until("b1 to be let in again", T, async || {
         let mut c = Raw::open(addr, Ipv4Addr::LOCALHOST).await.map_err(|_| ())?;
         let v = c.hello("b1", &tb, 1).await;
@@ -444,6 +465,7 @@ async fn a_peer_that_stopped_reading_is_ended_and_its_places_freed() {
     })
     .await;
     flood.abort();
+    lock.rollback().await.unwrap();
     again.unwrap();
 }
 
@@ -899,7 +921,8 @@ async fn sigterm_under_load_delivers_every_committed_reply_and_1001() {
 }
 
 /// SIGTERM while a client has more input in flight than the gateway read: a client
-/// pipelines 40 syncs of 320 KB pages and reads nothing, the gateway is told to stop, and
+/// pipelines 40 syncs of 320 KB pages and reads nothing, the gateway (once its first reply
+/// is arriving) is told to stop, and
 /// the client then sends 100 more requests (which nobody reads: the connection no longer
 /// takes requests) and only then reads. The gateway answers what it took, sends its close
 /// frame, and reads (discarding) what is still unread before it lets the socket go, so

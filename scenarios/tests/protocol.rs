@@ -813,8 +813,9 @@ async fn fanout_reads_together_what_waits() {
 
 /// Bad input never breaks the connection: malformed JSON, a non-object, an unknown type,
 /// missing and mistyped fields, a binary frame and an over-long rid all get BAD_REQUEST and
-/// the next request works; an oversize body is TOO_LARGE without a close; an oversize frame
-/// is TOO_LARGE and a close. The gateway stays up for everyone else.
+/// the next request works; an oversize body is TOO_LARGE without a close; a frame near the
+/// cap is taken; an oversize frame is TOO_LARGE and a close. The gateway stays up for
+/// everyone else.
 #[tokio::test]
 async fn bad_input_is_bad_request_and_oversize_is_too_large() {
     let mut w = World::start(GatewayOpts {
@@ -859,6 +860,13 @@ async fn bad_input_is_bad_request_and_oversize_is_too_large() {
     assert_eq!(code(&r).as_deref(), Some("TOO_LARGE"));
     let ok = a.send("c1", "fine", "still works", T).await.unwrap();
     assert_eq!(ok["seq"], 1);
+    // A frame near the cap is taken: 600 control characters (a body of 600 bytes) are
+    // escaped to 3,600, a frame of about 3.7 KB of the 4 KB allowed.
+    let near = a
+        .send("c1", "near-cap", &"\u{1}".repeat(600), T)
+        .await
+        .unwrap();
+    assert_eq!(near["seq"], 2);
 
     a.send_text(&format!(
         r#"{{"t":"send","rid":"big","conv":"c1","cmid":"huge","body":"{}"}}"#,

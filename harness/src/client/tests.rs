@@ -545,7 +545,9 @@ async fn single_push_acked_after_delay_and_crash_drops_pending_ack() -> anyhow::
     Ok(())
 }
 
-/// Proves `close` flushes a coalescing ack before its close frame.
+/// Proves `close` flushes a coalescing ack before its close frame: the options given
+/// (`with_options`, an `ack_after` of 30 s) hold the ack back until the close, so the ack
+/// that comes is the close's flush, not the default 50 ms coalescing timer's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_flushes_pending_ack() -> anyhow::Result<()> {
     let dir = TestDir::new("close")?;
@@ -558,6 +560,7 @@ async fn close_flushes_pending_ack() -> anyhow::Result<()> {
     c.connect(&s.url).await?;
     s.push.send(push_ev("a", 1))?;
     c.wait_cursor("a", 1, WAIT).await?;
+    expect_none(&mut s.got, Duration::from_millis(300), is("ack")).await?;
     c.close().await;
     let (_, ack) = expect(&mut s.got, WAIT, is("ack")).await?;
     assert_eq!(ack["seq"], json!(1));
