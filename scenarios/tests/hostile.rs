@@ -921,8 +921,7 @@ async fn sigterm_under_load_delivers_every_committed_reply_and_1001() {
 }
 
 /// SIGTERM while a client has more input in flight than the gateway read: a client
-/// pipelines 40 syncs of 320 KB pages and reads nothing, the gateway (once its first reply
-/// is arriving) is told to stop, and
+/// pipelines 40 syncs of 320 KB pages and reads nothing, the gateway is told to stop, and
 /// the client then sends 100 more requests (which nobody reads: the connection no longer
 /// takes requests) and only then reads. The gateway answers what it took, sends its close
 /// frame, and reads (discarding) what is still unread before it lets the socket go, so
