@@ -500,45 +500,35 @@ async fn deliver_batch(state: &State, order: &mut Order, notified: &[(String, i6
         }
         return;
     }
+    // A failed read and a timed-out one are the same to D5: one path records both.
     let read = match faults::gate(points::FANOUT_READ, (), ()).await {
-        ControlFlow::Break(()) => Ok(Err(sqlx::Error::Protocol(format!(
-            "fault point {}",
-            points::FANOUT_READ
-        )))),
-        ControlFlow::Continue(()) => {
-            tokio::time::timeout(
-                state.cfg.db_timeout(),
-                store::events_with_audience(&state.fanout_pool, &ranges),
-            )
-            .await
-        }
+        ControlFlow::Break(()) => Err(format!("fault point {}", points::FANOUT_READ)),
+        ControlFlow::Continue(()) => match tokio::time::timeout(
+            state.cfg.db_timeout(),
+            store::events_with_audience(&state.fanout_pool, &ranges),
+        )
+        .await
+        {
+            Ok(read) => read.map_err(|e| e.to_string()),
+            Err(_) => Err(format!(
+                "timed out after IM_DB_TIMEOUT_MS ({} ms)",
+                state.cfg.db_timeout().as_millis()
+            )),
+        },
     };
     let events = match read {
-        Ok(Ok(events)) => events,
+        Ok(events) => events,
         // Nothing recorded as read: a later notification of the same conversation reads
         // these again, and the sweep repairs whatever no later read covers.
         // D5: the sweep asks about these conversations at its next interval.
-        Ok(Err(e)) => {
+        Err(error) => {
             for r in ranges
                 .iter()
                 .filter(|_| !bugs::active(bugs::READ_FAIL_UNRECORDED))
             {
                 state.changes.read_failed(&r.conv);
             }
-            tracing::warn!(ranges = ranges.len(), error = %e, "fan-out read failed; the sweep will hint");
-            return;
-        }
-        Err(_) => {
-            for r in ranges
-                .iter()
-                .filter(|_| !bugs::active(bugs::READ_FAIL_UNRECORDED))
-            {
-                state.changes.read_failed(&r.conv);
-            }
-            tracing::warn!(
-                ranges = ranges.len(),
-                "fan-out read timed out; the sweep will hint"
-            );
+            tracing::warn!(ranges = ranges.len(), %error, "fan-out read failed; the sweep will hint");
             return;
         }
     };
