@@ -1108,11 +1108,13 @@ struct PendingHint {
 /// other nemesis action (a pause, a network fault, a killed backend: hints received while
 /// one is in force are not judged; membership changes, the heal, a client crash and a
 /// frame dropped or refused by the gateway other than an ack's reply leave the sweep
-/// alone and do not count, `fault_leaves_the_sweep_alone`) and no ack reply reaching
+/// alone and do not count, `fault_leaves_the_sweep_alone`), no stall of the harness itself
+/// (`observer-stall`: hints it recorded late) and no ack reply reaching
 /// the first hint's head in between must be at most `sweep_ms + 1 s` apart, and, given at
 /// least three gaps of one device and conv under one `sweep_ms`, their median at most
 /// `1.5 × sweep_ms`. Returns every gap for the statistics.
 fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
+    let stalls = observer_stalls(cx.h);
     let mut sweep_ms: Option<u64> = None;
     // device → (conv, instance) → the last sweep hint.
     let mut pending: HashMap<&str, HashMap<(&str, u64), PendingHint>> = HashMap::new();
@@ -1194,6 +1196,13 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
                 let Some(h1) = prev else { continue };
                 let gap = e.t_ms - h1.t_ms;
                 all.push(gap);
+                if stalls
+                    .iter()
+                    .any(|&(from, to)| from < e.t_ms && to > h1.t_ms)
+                {
+                    // The harness itself was not running on time in between.
+                    continue;
+                }
                 let g = groups.entry(((device, conv), h1.sweep_ms)).or_default();
                 g.0.push(gap);
                 g.1.extend([h1.line, e.i]);
@@ -1246,6 +1255,19 @@ fn fault_leaves_the_sweep_alone(v: &Value) -> bool {
 
 /// Keeps the set of nemesis periods in force: a `start` line opens one (by op id), its
 /// `end` closes it; instants open nothing.
+/// The windows in which the harness itself was stalled (`observer-stall` lines, written by
+/// `History`): what it recorded in them was recorded late, so no time bound is judged
+/// across one. `(from_ms, to_ms)`.
+fn observer_stalls(h: &[Entry]) -> Vec<(f64, f64)> {
+    h.iter()
+        .filter(|e| e.kind == Type::Nemesis && e.op == "observer-stall")
+        .filter_map(|e| {
+            let at = |k: &str| e.value.get(k).and_then(Value::as_f64);
+            Some((at("from_ms")?, at("to_ms")?))
+        })
+        .collect()
+}
+
 fn track_period(e: &Entry, open: &mut HashSet<u64>) {
     let Some(id) = e.op_id else { return };
     match s(&e.value, "phase") {
@@ -2296,6 +2318,47 @@ mod tests {
                 max: Some(2501.0)
             }
         );
+    }
+
+    /// Seed 829's shape: the harness stalled 1.7 s, then recorded the queued hints; its
+    /// watchdog's `observer-stall` line may come after them. The gap is not judged, and the
+    /// same gap with the stall elsewhere still is.
+    #[test]
+    fn d5_sweep_gap_across_an_observer_stall_is_not_judged() {
+        for (stall_inside, want) in [(true, 0), (false, 1)] {
+            let mut b = B::new();
+            b.gateway_start(500);
+            b.hint("b1", "c1", 2, "sweep");
+            let t1 = b.t;
+            b.wait(1900.0);
+            b.hint("b1", "c1", 2, "sweep");
+            let (from, to) = if stall_inside {
+                (t1 + 100.0, t1 + 1850.0)
+            } else {
+                (b.t + 10.0, b.t + 400.0)
+            };
+            b.wait(500.0);
+            b.line(
+                "harness",
+                0,
+                Type::Nemesis,
+                "observer-stall",
+                None,
+                json!({"phase": "instant", "from_ms": from, "to_ms": to,
+                       "cause": "the harness was not run"}),
+            );
+            let r = check(&b.h, &two_rows());
+            let late = r
+                .anomalies
+                .iter()
+                .filter(|a| a.kind == Kind::D5SweepLate)
+                .count();
+            assert_eq!(
+                late, want,
+                "stall inside the gap: {stall_inside}: {:?}",
+                r.anomalies
+            );
+        }
     }
 
     #[test]

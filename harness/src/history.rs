@@ -26,6 +26,17 @@ use serde_json::{json, Value};
 /// Version of the history line format; the checker refuses any other.
 pub const SCHEMA_VERSION: u32 = 1;
 
+/// A recorder that waited this long for the history (a write the kernel held up holds the
+/// lock), or a watchdog tick this late (the process was not run), writes an
+/// `observer-stall` line `{from_ms, to_ms, cause}`: what arrived in that window was
+/// recorded late, so the checker judges no time bound across it. Seen once in 1,000
+/// nemesis seeds at `--jobs 4` (seed 829): 1.7 s without a line, then every device's
+/// queued hints at once.
+pub const OBSERVER_STALL_MS: f64 = 250.0;
+
+/// The watchdog's period ([`History::watch_stalls`]).
+const WATCH_TICK: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// What kind of line an entry is (see evidence/README.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -194,10 +205,42 @@ impl History {
         op_id: Option<u64>,
         value: Value,
     ) -> u64 {
+        let asked = self.now_ms();
         let mut w = self.inner.w.lock().unwrap_or_else(PoisonError::into_inner);
+        let t_ms = self.now_ms();
+        if t_ms - asked > OBSERVER_STALL_MS {
+            let stall = json!({"phase": "instant", "from_ms": asked, "to_ms": t_ms,
+                               "cause": "waited for the history"});
+            self.append(
+                &mut w,
+                t_ms,
+                "harness",
+                0,
+                Type::Nemesis,
+                "observer-stall",
+                None,
+                stall,
+            );
+        }
+        self.append(&mut w, t_ms, process, instance, kind, op, op_id, value)
+    }
+
+    /// Writes one line under the lock.
+    #[allow(clippy::too_many_arguments)]
+    fn append(
+        &self,
+        w: &mut Writer,
+        t_ms: f64,
+        process: &str,
+        instance: u64,
+        kind: Type,
+        op: &str,
+        op_id: Option<u64>,
+        value: Value,
+    ) -> u64 {
         let e = Entry {
             i: w.next_i,
-            t_ms: self.now_ms(),
+            t_ms,
             wall_us: wall_us_now(),
             process: process.to_string(),
             instance,
@@ -221,6 +264,35 @@ impl History {
         let i = e.i;
         w.entries.push(e);
         i
+    }
+
+    /// Starts the stall watchdog on the current tokio runtime (nothing without one): a task
+    /// that wakes every 50 ms and, woken more than [`OBSERVER_STALL_MS`] late (this process
+    /// was not run, so nothing it observed meanwhile was recorded on time), writes an
+    /// `observer-stall` line. It ends with the history.
+    pub fn watch_stalls(&self) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inner = Arc::downgrade(&self.inner);
+        rt.spawn(async move {
+            let mut due = Instant::now() + WATCH_TICK;
+            loop {
+                tokio::time::sleep_until(due.into()).await;
+                let Some(inner) = inner.upgrade() else { return };
+                let h = History { inner };
+                let late = due.elapsed().as_secs_f64() * 1e3;
+                if late > OBSERVER_STALL_MS {
+                    let to_ms = h.now_ms();
+                    h.nemesis_instant(
+                        "observer-stall",
+                        json!({"from_ms": to_ms - late, "to_ms": to_ms,
+                               "cause": "the harness was not run"}),
+                    );
+                }
+                due = Instant::now() + WATCH_TICK;
+            }
+        });
     }
 
     /// A nemesis action that has a duration: writes `start` now and returns the op id for
