@@ -208,38 +208,8 @@ impl History {
         let asked = self.now_ms();
         let mut w = self.inner.w.lock().unwrap_or_else(PoisonError::into_inner);
         let t_ms = self.now_ms();
-        if t_ms - asked > OBSERVER_STALL_MS {
-            let stall = json!({"phase": "instant", "from_ms": asked, "to_ms": t_ms,
-                               "cause": "waited for the history"});
-            self.append(
-                &mut w,
-                t_ms,
-                "harness",
-                0,
-                Type::Nemesis,
-                "observer-stall",
-                None,
-                stall,
-            );
-        }
-        self.append(&mut w, t_ms, process, instance, kind, op, op_id, value)
-    }
-
-    /// Writes one line under the lock.
-    #[allow(clippy::too_many_arguments)]
-    fn append(
-        &self,
-        w: &mut Writer,
-        t_ms: f64,
-        process: &str,
-        instance: u64,
-        kind: Type,
-        op: &str,
-        op_id: Option<u64>,
-        value: Value,
-    ) -> u64 {
-        let e = Entry {
-            i: w.next_i,
+        let line = |process: &str, instance, kind, op: &str, op_id, value| Entry {
+            i: 0,
             t_ms,
             wall_us: wall_us_now(),
             process: process.to_string(),
@@ -249,6 +219,18 @@ impl History {
             op_id,
             value,
         };
+        if t_ms - asked > OBSERVER_STALL_MS {
+            let stall = json!({"phase": "instant", "from_ms": asked, "to_ms": t_ms,
+                               "cause": "waited for the history"});
+            let e = line("harness", 0, Type::Nemesis, "observer-stall", None, stall);
+            self.append(&mut w, e);
+        }
+        self.append(&mut w, line(process, instance, kind, op, op_id, value))
+    }
+
+    /// Writes one line under the lock, numbering it (`e.i` is set here).
+    fn append(&self, w: &mut Writer, mut e: Entry) -> u64 {
+        e.i = w.next_i;
         w.next_i += 1;
         let line = serde_json::to_string(&e).unwrap_or_else(|_| "{}".into());
         let ok = writeln!(w.out, "{line}").and_then(|_| w.out.flush());

@@ -333,7 +333,7 @@ async fn full_pass_keeps_to_its_share(pass: Pass) {
         Duration::from_secs(40),
         async || {
             let log = w.gw().log_text();
-            match log[from..].lines().find(|l| {
+            match since(&log, from).lines().find(|l| {
                 l.contains("full pass ended")
                     && l.contains(&format!("why=\"{why}\""))
                     && l.contains(&format!("installs={n} "))
@@ -358,7 +358,7 @@ async fn full_pass_keeps_to_its_share(pass: Pass) {
          {most_pages} pages an interval)"
     );
     let log = w.gw().log_text();
-    let per_interval: Vec<usize> = log[from..]
+    let per_interval: Vec<usize> = since(&log, from)
         .lines()
         .filter(|l| l.contains("Interval {"))
         .filter_map(|l| {
@@ -632,4 +632,10 @@ async fn a_waiting_reply_holds_only_its_own_bytes() {
     let s = b.stats();
     assert_eq!(s.pushes_received, 2, "m2 came as a push: {s:?}");
     assert_eq!(s.hints_received.get("overflow"), None, "no overflow: {s:?}");
+}
+
+/// The gateway's log after byte `from` (a length it had before: the log only grows).
+fn since(log: &str, from: usize) -> &str {
+    log.get(from..)
+        .unwrap_or_else(|| panic!("the gateway log shrank below {from} bytes"))
 }
