@@ -496,6 +496,7 @@ async fn deliver_batch(state: &State, order: &mut Order, notified: &[(String, i6
         // Nobody to push to: nothing to read. A connection that subscribes later gets these
         // events from its `sub` (head above its cursor, it syncs).
         for r in &ranges {
+            tracing::debug!(conv = %r.conv, upto = r.upto, "nobody subscribed: not read");
             order.read(r);
         }
         return;

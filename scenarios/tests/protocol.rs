@@ -781,12 +781,68 @@ async fn fanout_reads_for_six_events(batch_max: &str) -> u64 {
     b.wait_server_delivered("c1", 6, T).await.unwrap();
     assert_eq!(b.stats().pushes_applied, 6, "{:?}", b.stats());
     assert_eq!(b.stored_seqs("c1"), (1..=6).collect::<Vec<i64>>());
+    fanout_read_hits(&w).await
+}
+
+/// Hits of the armed `fanout.read` point (from the control socket's `list`).
+async fn fanout_read_hits(w: &World) -> u64 {
     let list = w.gw().control("list").await.unwrap();
     list.split_whitespace()
         .find(|s| s.starts_with("fanout.read:"))
         .and_then(|s| s.rsplit_once('='))
         .and_then(|(_, h)| h.parse().ok())
         .unwrap_or_else(|| panic!("no hit count of fanout.read in {list}"))
+}
+
+/// Fan-out reads nothing for nobody (a cost bound of a send-only gateway): while no
+/// connection is subscribed, notifications cost no fan-out read. `fanout.read` is armed
+/// out of reach (an `error` after a million hits) only to count the reads. Five sends with
+/// nobody subscribed: fan-out handles their notifications (its debug line says so for seq
+/// 5) without a read. Then b subscribes and a sixth send is read and pushed: exactly one
+/// read, so the count can move and the five really cost none.
+#[tokio::test]
+async fn fanout_reads_nothing_while_nobody_is_subscribed() {
+    let w = World::start(GatewayOpts {
+        control: true,
+        sweep_ms: Some(10_000),
+        env: vec![("RUST_LOG".into(), "info,im_gateway::fanout=debug".into())],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let a = connect(&w, "a1", &ta).await.unwrap();
+    w.gw()
+        .control("arm fanout.read:error:1000000")
+        .await
+        .unwrap();
+    for i in 1..=5 {
+        a.send("c1", &format!("m{i}"), "x", T).await.unwrap();
+    }
+    wait_until("fan-out to pass seq 5 unread", T, async || {
+        let log = w.gw().log_text();
+        let done = log
+            .lines()
+            .any(|l| l.contains("nobody subscribed: not read") && l.contains("upto=5"));
+        if done {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(fanout_read_hits(&w).await, 0, "a read for nobody");
+    let b = connect(&w, "b1", &tb).await.unwrap();
+    b.sub().await.unwrap();
+    // b catches up on the five by its own sync (no fan-out read) before m6.
+    b.wait_server_delivered("c1", 5, T).await.unwrap();
+    a.send("c1", "m6", "x", T).await.unwrap();
+    b.wait_server_delivered("c1", 6, T).await.unwrap();
+    assert_eq!(b.stats().pushes_applied, 1, "m6 pushed: {:?}", b.stats());
+    assert_eq!(fanout_read_hits(&w).await, 1, "one read for m6");
+    let r = judge_test(&w).await.unwrap();
+    assert!(r.anomalies.is_empty(), "{:?}", r.anomalies);
 }
 
 /// `IM_FANOUT_BATCH_MAX` bounds what one fan-out read covers: at 1, six notified events
