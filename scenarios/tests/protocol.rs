@@ -943,7 +943,8 @@ async fn bad_input_is_bad_request_and_oversize_is_too_large() {
     );
 }
 
-/// IM_MAX_CONNECTIONS: connections above the cap are refused at the handshake, and served
+/// IM_MAX_CONNECTIONS: connections above the cap are refused at the handshake with an HTTP
+/// 503 (a client or a load balancer can tell "full" from a network failure), and served
 /// again once one closes.
 #[tokio::test]
 async fn connection_cap_refuses_extra_connections() {
@@ -955,9 +956,13 @@ async fn connection_cap_refuses_extra_connections() {
     .unwrap();
     let (a, _b) = alice_and_bob(&w).await.unwrap();
     let mut third = Client::create(&w.state_path("third"), "a1", "x", 1).unwrap();
+    let refused = third
+        .connect_raw(&w.ws_url())
+        .await
+        .expect_err("third connection refused");
     assert!(
-        third.connect_raw(&w.ws_url()).await.is_err(),
-        "third connection refused"
+        format!("{refused:#}").contains("503"),
+        "refused with a 503: {refused:#}"
     );
     a.close().await;
     let mut fourth = Client::create(&w.state_path("fourth"), "a1", "x", 1).unwrap();
