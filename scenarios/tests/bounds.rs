@@ -536,10 +536,12 @@ async fn sync_page_with_an_event_larger_than_the_page_bound_carries_it_alone() {
 /// JSON each), every page but the last holds events whose JSON adds up to at most 4096
 /// bytes, and the next page's first event would not have fitted; the pages together are
 /// seqs 1 to 20 once each. Pins down a page that ends early (every extra page is one more
-/// round trip for a device catching up).
+/// round trip for a device catching up). And the bound is inclusive: a second gateway on
+/// the same database, whose bound is exactly the JSON of seqs 1 to 3, answers a page of
+/// those three (and `complete:false`), not two.
 #[tokio::test]
 async fn sync_pages_fill_up_to_their_byte_bound() {
-    let w = World::start(GatewayOpts {
+    let mut w = World::start(GatewayOpts {
         env: vec![("IM_SYNC_PAGE_MAX_BYTES".into(), "4096".into())],
         ..Default::default()
     })
@@ -582,6 +584,28 @@ async fn sync_pages_fill_up_to_their_byte_bound() {
             pair[0].len()
         );
     }
+    let three: usize = pages.iter().flatten().take(3).map(len).sum();
+    let exact = w
+        .start_gateway(GatewayOpts {
+            env: vec![("IM_SYNC_PAGE_MAX_BYTES".into(), three.to_string())],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut d = harness::client::Client::create(&w.state_path("b1-exact"), "b1", &tb, 1).unwrap();
+    d.connect(&w.ws_url_at(exact)).await.unwrap();
+    let p = d.sync_once("c1", 0, 100, T).await.unwrap();
+    let seqs: Vec<i64> = p["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        (seqs, p["complete"].clone()),
+        (vec![1, 2, 3], Value::Bool(false)),
+        "a bound of exactly {three} bytes holds seqs 1 to 3"
+    );
 }
 
 /// A reply holds only its own bytes of the budget while it waits in the queue: a sync
