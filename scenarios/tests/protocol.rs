@@ -974,6 +974,28 @@ async fn connection_cap_refuses_extra_connections() {
     .unwrap();
 }
 
+/// IM_CONNS_PER_ADDR_MAX: a source address over its share is refused before any handshake
+/// with an HTTP 503 that says why (not a dropped socket, which a client would take for a
+/// network failure and retry at once), and the other addresses' connections go on.
+#[tokio::test]
+async fn per_address_cap_refuses_with_a_503() {
+    let w = World::start(GatewayOpts {
+        env: vec![("IM_CONNS_PER_ADDR_MAX".into(), "2".into())],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    let mut third = Client::create(&w.state_path("third"), "a1", "x", 1).unwrap();
+    let refused = third
+        .connect_raw(&w.ws_url())
+        .await
+        .expect_err("a third connection from 127.0.0.1 refused");
+    let why = format!("{refused:#}");
+    assert!(why.contains("503"), "refused with a 503: {why}");
+    a.send("c1", "still-served", "x", T).await.unwrap();
+}
+
 /// The database killed (immediate shutdown) under a running gateway: requests answer
 /// UNAVAILABLE within IM_DB_TIMEOUT_MS (measured at the client), the gateway keeps running, and once PostgreSQL is
 /// back it serves again (sends, pushes, acks) without a restart.
