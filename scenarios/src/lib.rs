@@ -574,6 +574,21 @@ pub use harness::util::rfc3339_now;
 /// ([`harness::util::percentile`]).
 pub use harness::util::percentile as quantile;
 
+/// The seqs of a `synced` page's events, in the order the page holds them (a panic on a
+/// page without `events` or an event without `seq`).
+pub fn page_seqs(page: &serde_json::Value) -> Vec<i64> {
+    page["events"]
+        .as_array()
+        .unwrap_or_else(|| panic!("a page without events: {page}"))
+        .iter()
+        .map(|e| {
+            e["seq"]
+                .as_i64()
+                .unwrap_or_else(|| panic!("an event without seq: {e}"))
+        })
+        .collect()
+}
+
 /// Milliseconds with one decimal, for evidence.
 pub fn ms(d: std::time::Duration) -> f64 {
     (d.as_secs_f64() * 10_000.0).round() / 10.0

@@ -10,7 +10,7 @@ use harness::client::{Client, ClientOptions};
 use harness::gateway::GatewayOpts;
 use harness::util::wait_until;
 use harness::world::World;
-use scenarios::{connect, db_invariant_violations, judge_test, provision_alice_and_bob};
+use scenarios::{connect, db_invariant_violations, judge_test, page_seqs, provision_alice_and_bob};
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -595,12 +595,7 @@ async fn sync_pages_fill_up_to_their_byte_bound() {
     let mut d = harness::client::Client::create(&w.state_path("b1-exact"), "b1", &tb, 1).unwrap();
     d.connect(&w.ws_url_at(exact)).await.unwrap();
     let p = d.sync_once("c1", 0, 100, T).await.unwrap();
-    let seqs: Vec<i64> = p["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["seq"].as_i64().unwrap())
-        .collect();
+    let seqs = page_seqs(&p);
     assert_eq!(
         (seqs, p["complete"].clone()),
         (vec![1, 2, 3], Value::Bool(false)),

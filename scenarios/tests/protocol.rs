@@ -8,7 +8,7 @@ use harness::gateway::GatewayOpts;
 use harness::util::{poll, wait_until};
 use harness::world::World;
 use scenarios::{
-    alice_and_bob, connect, db_invariant_violations, judge_test, provision_alice_and_bob,
+    alice_and_bob, connect, db_invariant_violations, judge_test, page_seqs, provision_alice_and_bob,
 };
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -405,12 +405,7 @@ async fn membership_periods_bound_what_a_device_sees_s1() {
     let r = b.send("c1", "b-1", "still here?", T).await;
     assert_eq!(code(&r).as_deref(), Some("NOT_MEMBER"));
     let page = b.sync_once("c1", 0, 10, T).await.unwrap();
-    let seqs: Vec<i64> = page["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["seq"].as_i64().unwrap())
-        .collect();
+    let seqs = page_seqs(&page);
     assert_eq!(
         (seqs, page["head"].clone(), page["complete"].clone()),
         (vec![1], json!(1), json!(true))
@@ -501,23 +496,13 @@ async fn sub_and_sync_paging() {
     assert_eq!(s["convs"][0]["head"], 20);
 
     let p = b.sync_once("c1", 0, 1000, T).await.unwrap();
-    let seqs: Vec<i64> = p["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["seq"].as_i64().unwrap())
-        .collect();
+    let seqs = page_seqs(&p);
     assert_eq!(
         (seqs, p["complete"].clone(), p["head"].clone()),
         ((1..=7).collect(), json!(false), json!(20))
     );
     let p = b.sync_once("c1", 14, 7, T).await.unwrap();
-    let seqs: Vec<i64> = p["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["seq"].as_i64().unwrap())
-        .collect();
+    let seqs = page_seqs(&p);
     assert_eq!(
         (seqs, p["complete"].clone()),
         ((15..=20).collect(), json!(true))
@@ -948,22 +933,7 @@ async fn bad_input_is_bad_request_and_oversize_is_too_large() {
 /// again once one closes.
 #[tokio::test]
 async fn connection_cap_refuses_extra_connections() {
-    let w = World::start(GatewayOpts {
-        env: vec![("IM_MAX_CONNECTIONS".into(), "2".into())],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (a, _b) = alice_and_bob(&w).await.unwrap();
-    let mut third = Client::create(&w.state_path("third"), "a1", "x", 1).unwrap();
-    let refused = third
-        .connect_raw(&w.ws_url())
-        .await
-        .expect_err("third connection refused");
-    assert!(
-        format!("{refused:#}").contains("503"),
-        "refused with a 503: {refused:#}"
-    );
+    let (w, a, _b) = third_refused_with_a_503("IM_MAX_CONNECTIONS").await;
     a.close().await;
     let mut fourth = Client::create(&w.state_path("fourth"), "a1", "x", 1).unwrap();
     let url = w.ws_url();
@@ -979,21 +949,29 @@ async fn connection_cap_refuses_extra_connections() {
 /// network failure and retry at once), and the other addresses' connections go on.
 #[tokio::test]
 async fn per_address_cap_refuses_with_a_503() {
+    let (_w, a, _b) = third_refused_with_a_503("IM_CONNS_PER_ADDR_MAX").await;
+    a.send("c1", "still-served", "x", T).await.unwrap();
+}
+
+/// A gateway with the cap `var` at 2 and alice and bob connected (from 127.0.0.1): a third
+/// connection is refused with an HTTP 503. Returns the world and both clients (still
+/// connected: each holds its slot).
+async fn third_refused_with_a_503(var: &str) -> (World, Client, Client) {
     let w = World::start(GatewayOpts {
-        env: vec![("IM_CONNS_PER_ADDR_MAX".into(), "2".into())],
+        env: vec![(var.into(), "2".into())],
         ..Default::default()
     })
     .await
     .unwrap();
-    let (a, _b) = alice_and_bob(&w).await.unwrap();
+    let (a, b) = alice_and_bob(&w).await.unwrap();
     let mut third = Client::create(&w.state_path("third"), "a1", "x", 1).unwrap();
     let refused = third
         .connect_raw(&w.ws_url())
         .await
-        .expect_err("a third connection from 127.0.0.1 refused");
+        .expect_err("a third connection refused");
     let why = format!("{refused:#}");
-    assert!(why.contains("503"), "refused with a 503: {why}");
-    a.send("c1", "still-served", "x", T).await.unwrap();
+    assert!(why.contains("503"), "{var}=2: refused with a 503: {why}");
+    (w, a, b)
 }
 
 /// The database killed (immediate shutdown) under a running gateway: requests answer
