@@ -1267,9 +1267,11 @@ impl Load {
 
     /// Every sender sends `keep me` messages (cmid `s<i>-<n>`) until `stop` or its first
     /// failed send once the fault is due (the fault took the database away under it).
-    /// Before that, a send that timed out (a loaded machine stalled it past 3 s) is sent
-    /// again under its cmid, not given up: four senders stalled at once would otherwise all
-    /// end, and the load never reach what the fault waits for.
+    /// Before that, a send that timed out (a loaded machine stalled it past 3 s) or was
+    /// answered UNAVAILABLE (the database passed the gateway's deadline: a commit waiting
+    /// on a synchronous standby stalled past 1 s on a loaded machine) is sent again under
+    /// its cmid, 100 ms later, not given up: four senders stalled at once would otherwise
+    /// all end, and the load never reach what the fault waits for.
     async fn run(&self, senders: &[Client]) {
         use std::sync::atomic::Ordering::SeqCst;
         let runs = senders.iter().enumerate().map(|(i, s)| async move {
@@ -1286,7 +1288,13 @@ impl Load {
                             .unwrap()
                             .push((cmid, r["seq"].as_i64().unwrap_or(-1)));
                     }
-                    Err(ClientError::Timeout) if !self.faulting.load(SeqCst) => {}
+                    Err(e)
+                        if !self.faulting.load(SeqCst)
+                            && (matches!(e, ClientError::Timeout)
+                                || e.code() == Some("UNAVAILABLE")) =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
                     Err(_) => break,
                 }
             }
