@@ -1021,6 +1021,11 @@ async fn sigterm_with_unread_input_still_delivers_all_it_wrote() {
     );
     match end {
         Ok((code, Got::Eof)) => assert_eq!(code, Some(1001)),
+        Ok((code, Got::Reset(kind))) => panic!(
+            "after {} replies and close {code:?}: a reset ({kind:?}) instead of a clean EOF: \
+             the socket was let go with input unread",
+            rids.len()
+        ),
         other => panic!(
             "after {} replies: {other:?} instead of close 1001 then EOF",
             rids.len()
