@@ -14,7 +14,6 @@
 //! Internal subcommands (run by the bench itself): `repair-child` (part 4 with the fault
 //! build, see `repair`) and `ws-ceiling-server` (the fan-out ceiling, see `fanout`).
 
-mod conns;
 mod cpu;
 mod env;
 mod fanout;
@@ -105,9 +104,6 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
         two_gateways_conversations: 16,
         two_gateways_receivers: 4,
         two_gateways_s: 3.0,
-        conns_target: 50_000,
-        conns_send_s: 5.0,
-        conns_rate_per_s: 100.0,
     };
     Ok(match mode {
         "full" => full,
@@ -129,8 +125,6 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
             repair_trials: vec![20, 8, 4],
             repair_lanes: 4,
             two_gateways_s: 2.0,
-            conns_target: 2_000,
-            conns_send_s: 2.0,
             ..full
         },
         "smoke" => Params {
@@ -157,9 +151,6 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
             two_gateways_conversations: 4,
             two_gateways_receivers: 2,
             two_gateways_s: 1.0,
-            conns_target: 50,
-            conns_send_s: 1.0,
-            conns_rate_per_s: 20.0,
             ..full
         },
         other => bail!("unknown mode {other:?} (full, quick, smoke)"),
@@ -217,8 +208,8 @@ struct Args {
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Parts to run (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "send,fanout,sweep,repair,two_gateways,conns",
-          value_parser = ["send", "fanout", "sweep", "repair", "two_gateways", "conns"])]
+    #[arg(long, value_delimiter = ',', default_value = "send,fanout,sweep,repair,two_gateways",
+          value_parser = ["send", "fanout", "sweep", "repair", "two_gateways"])]
     only: Vec<String>,
     /// An extra IM_NAME=VALUE for the send and fan-out gateway (repeatable; experiments).
     #[arg(long = "gateway-env", value_name = "IM_NAME=VALUE", value_parser = parse_env)]
@@ -439,18 +430,6 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     } else {
         Section::not_run("not selected (--only)")
     };
-    // Last: it raises the open-file limit and leaves tens of thousands of rows behind.
-    let conns = if on("conns") {
-        timed(conns::run(
-            &ctx,
-            params.conns_target,
-            params.conns_send_s,
-            params.conns_rate_per_s,
-        ))
-        .await
-    } else {
-        Section::not_run("not selected (--only)")
-    };
     util::progress_done();
 
     let mut r = BenchResult {
@@ -469,7 +448,6 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         sweep,
         repair,
         two_gateways,
-        conns,
     };
     // The fan-out's second ceiling: what pgbench with NOTIFY commits, times the frames each
     // message makes.
@@ -494,7 +472,6 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
             &r.two_gateways.status,
             &r.two_gateways.reason,
         ),
-        ("conns", &r.conns.status, &r.conns.reason),
     ] {
         if status != "ok" {
             failures.push(format!(
@@ -528,7 +505,7 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     if let Some(sp) = &r.send_path.data {
         if sp.pgbench_check.result != "PASS" {
             failures.push(format!(
-                "send_path: pgbench logged {} messages but {} rows exist",
+                "send_path: pgbench logged {} transactions but {} rows exist",
                 sp.pgbench_check.logged, sp.pgbench_check.rows
             ));
         }
@@ -690,7 +667,6 @@ mod tests {
             sweep: ok(sweep),
             repair: ok(repair),
             two_gateways: ok(twogw::TwoGateways::default()),
-            conns: ok(conns::Conns::default()),
         }
     }
 
