@@ -20,7 +20,6 @@
 //! read-idle timeout ([`conn`]).
 
 pub mod admin;
-pub mod batch;
 pub mod bugs;
 pub mod changes;
 pub mod config;
