@@ -192,7 +192,8 @@ impl Raw {
         }
     }
 
-    /// Reads until a close frame (its code) then EOF. `Err` says what came instead.
+    /// Reads until a close frame and returns its code (what follows it is not read). `Err`
+    /// says what came instead.
     async fn expect_close(&mut self, within: Duration) -> Result<u16, String> {
         let mut seen = Vec::new();
         loop {
