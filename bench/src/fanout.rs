@@ -24,7 +24,10 @@ use tokio_tungstenite::tungstenite::Message;
 use crate::cpu::{self, per_op};
 use crate::pgss;
 use crate::provision::{self, Device};
-use crate::result::{DataCheck, Fanout, FanoutDiagnostic, FanoutRatios, FanoutStep, WsCeiling};
+use crate::result::{
+    DataCheck, Fanout, FanoutDiagnostic, FanoutRatios, FanoutStep, WsCeiling,
+    DELIVERED_MIN_FRACTION,
+};
 use crate::util::{now_us, progress, r3, ratio, secs, summarize_us, Rng};
 use crate::wire::{self, RecvLog};
 use crate::Ctx;
@@ -387,9 +390,22 @@ impl Rig {
                 push.p99_ms, p.fanout_p99_limit_ms
             ));
         }
-        if frames_per_s < 0.9 * target_frames {
+        if frames_per_s < DELIVERED_MIN_FRACTION * target_frames {
             why.push(format!(
-                "delivered {frames_per_s:.0} frames/s < 90% of {target_frames:.0}"
+                "delivered {frames_per_s:.0} frames/s < {:.0}% of {target_frames:.0}",
+                DELIVERED_MIN_FRACTION * 100.0
+            ));
+        }
+        if via_sync > 0 {
+            why.push(format!(
+                "{via_sync} events reached a device by sync before their push"
+            ));
+        }
+        let send = summarize_us(&mut send_lat);
+        if send.p99_ms > p.fanout_p99_limit_ms {
+            why.push(format!(
+                "send p99 {} ms > {} ms (senders queue)",
+                send.p99_ms, p.fanout_p99_limit_ms
             ));
         }
         let passed = why.is_empty();
@@ -404,7 +420,7 @@ impl Rig {
             messages_per_s: r3(msgs as f64 / step_s),
             send_errors,
             sends_skipped: skipped,
-            send_latency: summarize_us(&mut send_lat),
+            send_latency: send,
             frames_expected: expected,
             frames_received: received,
             frames_pushed: agg.pushes,

@@ -59,6 +59,8 @@ pub fn label(q: &str) -> &'static str {
         "begin"
     } else if q.eq_ignore_ascii_case("rollback") {
         "rollback"
+    } else if has("im_send_batch") {
+        "send_batch"
     } else if has("UPDATE conversations SET next_seq") {
         "seq_update"
     } else if has("INSERT INTO events") && has("pg_notify") {

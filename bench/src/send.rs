@@ -305,8 +305,8 @@ async fn pgbench_round(
 }
 
 /// Round trips on one idle connection: a bare protocol Sync (what sqlx's `ping` sends,
-/// which the gateway's pool does before every acquire: `test_before_acquire(true)`) and a
-/// `SELECT 1`. Each costs what one extra round trip per request costs on this machine.
+/// which the gateway's pool does before handing out a connection idle for 1 s or more) and
+/// a `SELECT 1`. Each costs what one extra round trip per request costs on this machine.
 async fn round_trips(pool: &sqlx::PgPool, n: usize) -> anyhow::Result<(Latency, Latency)> {
     use sqlx::Connection;
     let mut conn = pool.acquire().await.context("acquire a connection")?;
@@ -324,6 +324,9 @@ async fn round_trips(pool: &sqlx::PgPool, n: usize) -> anyhow::Result<(Latency, 
     }
     Ok((summarize_us(&mut ping), summarize_us(&mut select)))
 }
+
+/// The gateway's `IM_BATCH_SLOTS` default: senders spread over this many batch slots.
+const BATCH_SLOTS: usize = 2;
 
 pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
     let p = &ctx.params;
@@ -346,24 +349,29 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
     let mut acked_all: Vec<(String, String)> = Vec::new();
     let mut levels = Vec::new();
     let mut pgbench_logged = 0u64;
-    let drivers: [(&str, Option<(&String, bool)>); 4] = [
-        ("gateway", None),
-        ("pgbench_plain", Some((&script_a, false))),
-        ("pgbench_notify", Some((&script_b, false))),
-        // (c) is (b) with synchronous_commit=off for pgbench's sessions only: what the WAL
-        // flush at commit costs (the server setting stays on).
-        ("pgbench_notify_async_commit", Some((&script_b, true))),
-    ];
     let rounds = p.send_rounds.max(1);
     for (li, &c) in p.send_concurrency.iter().enumerate() {
+        // (d) issue 19's true ceiling: pgbench committing the gateway's batch size, as the
+        // gateway would gather it (its senders spread over IM_BATCH_SLOTS slots).
+        let batch_rows = (c / BATCH_SLOTS).max(1);
+        let script_d = crate::pgbench::batch_script(p.send_conversations, &body, batch_rows);
+        let drivers: [(&str, Option<(&String, bool)>); 5] = [
+            ("gateway", None),
+            ("pgbench_plain", Some((&script_a, false))),
+            ("pgbench_notify", Some((&script_b, false))),
+            // (c) is (b) with synchronous_commit=off for pgbench's sessions only: what the
+            // WAL flush at commit costs (the server setting stays on).
+            ("pgbench_notify_async_commit", Some((&script_b, true))),
+            ("pgbench_batch", Some((&script_d, false))),
+        ];
         // Rounds in ABBA order (gateway, a, b, c, then c, b, a, gateway, ...): a load that
         // drifts during the level weighs on every driver alike, so the ratios hold.
         let mut got: Vec<Vec<Round>> = vec![Vec::new(); drivers.len()];
         for r in 0..rounds {
             let order: Vec<usize> = if r % 2 == 0 {
-                vec![0, 1, 2, 3]
+                vec![0, 1, 2, 3, 4]
             } else {
-                vec![3, 2, 1, 0]
+                vec![4, 3, 2, 1, 0]
             };
             for d in order {
                 let (tag, script) = drivers[d];
@@ -387,16 +395,29 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
                         let Some(bin) = ctx.pgbench.as_ref() else {
                             continue;
                         };
+                        // (d) runs as many transactions at once as the gateway runs
+                        // batches (its slots), each of the batch the gateway gathers.
+                        let clients = if tag == "pgbench_batch" {
+                            c.min(BATCH_SLOTS)
+                        } else {
+                            c
+                        };
                         let round = pgbench_round(
                             ctx,
                             bin,
                             script,
-                            c,
+                            clients,
                             async_commit,
                             &format!("{tag}-c{c}-r{r}"),
                         )
                         .await?;
-                        pgbench_logged += round.ops_total;
+                        // A batch transaction stores `batch_rows` messages.
+                        let per_tx = if tag == "pgbench_batch" {
+                            batch_rows
+                        } else {
+                            1
+                        };
+                        pgbench_logged += round.ops_total * per_tx as u64;
                         round
                     }
                 };
@@ -411,6 +432,13 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
                     .then(|| merge(tag, rs, p.send_duration_s * rounds as u64, script.is_some()))
             })
             .collect();
+        let pgbench_batch = runs.pop().flatten().map(|mut r| {
+            // Messages, not transactions (latency and the per-op figures stay per
+            // transaction of `batch_rows` messages).
+            r.ops *= batch_rows as u64;
+            r.ops_per_s = crate::util::r3(r.ops_per_s * batch_rows as f64);
+            r
+        });
         let pgbench_notify_async_commit = runs.pop().flatten();
         let pgbench_notify = runs.pop().flatten();
         let pgbench_plain = runs.pop().flatten();
@@ -419,6 +447,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
         let ratios = SendRatios {
             gateway_vs_pgbench_notify_throughput: ratio(gateway.ops_per_s, tps(&pgbench_notify)),
             gateway_vs_pgbench_plain_throughput: ratio(gateway.ops_per_s, tps(&pgbench_plain)),
+            gateway_vs_pgbench_batch_throughput: ratio(gateway.ops_per_s, tps(&pgbench_batch)),
             pgbench_notify_vs_plain_throughput: ratio(tps(&pgbench_notify), tps(&pgbench_plain)),
             pgbench_sync_vs_async_commit_throughput: ratio(
                 tps(&pgbench_notify),
@@ -437,6 +466,8 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
             pgbench_plain,
             pgbench_notify,
             pgbench_notify_async_commit,
+            pgbench_batch,
+            pgbench_batch_rows: batch_rows,
             ratios,
         });
     }
@@ -446,7 +477,8 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
     let acknowledged = acked_all.len() as u64;
     let lost = acknowledged.saturating_sub(found);
     let rows: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM events WHERE conv_id LIKE 'sp-c%' AND (cmid LIKE 'pa-%' OR cmid LIKE 'pb-%')",
+        "SELECT count(*) FROM events WHERE conv_id LIKE 'sp-c%'
+           AND (cmid LIKE 'pa-%' OR cmid LIKE 'pb-%' OR cmid LIKE 'pc-%')",
     )
     .fetch_one(&ctx.pool)
     .await

@@ -71,6 +71,20 @@ pub const NO_CLOSE_DRAIN: &str = "no-close-drain";
 /// of `send`: every send reads the membership before its transaction.
 pub const FORGETFUL_MEMBER: &str = "forgetful-member";
 
+/// Group commit: a batch whose COMMIT did not happen (the `send.batch.before_commit` point
+/// failed it, or COMMIT failed) still answers its rows with the seqs and mids of the
+/// rolled-back inserts. Breaks D1: a `sent` for a message that was never stored.
+pub const BATCH_REPLY_ROLLED_BACK: &str = "batch-reply-rolled-back";
+/// Group commit: a batch that failed answers every row with its error instead of sending
+/// each again on its own. Breaks the batch's promise: a send fails for another row's fault
+/// (or for the batch's), though alone it would have been stored.
+pub const BATCH_FAILS_INNOCENTS: &str = "batch-fails-innocents";
+
+/// The notifier hands its commits to no local delivery (issue 19's local hand-off is gone):
+/// this gateway's own devices wait for the NOTIFY round trip, and while its LISTEN
+/// connection is lost they get nothing until a pass. Breaks the hand-off's promise.
+pub const NO_LOCAL_HANDOFF: &str = "no-local-handoff";
+
 /// Every bug with a one-line description (`im-gateway bugs` prints this).
 pub const ALL: &[(&str, &str)] = &[
     (
@@ -142,6 +156,18 @@ pub const ALL: &[(&str, &str)] = &[
     (
         FORGETFUL_MEMBER,
         "send: a connection remembers no membership (every send reads it first)",
+    ),
+    (
+        BATCH_REPLY_ROLLED_BACK,
+        "D1: a batch that did not commit still answers its rows with their rolled-back seqs",
+    ),
+    (
+        BATCH_FAILS_INNOCENTS,
+        "group commit: a failed batch fails every row instead of sending each again alone",
+    ),
+    (
+        NO_LOCAL_HANDOFF,
+        "fan-out: the notifier hands nothing to its own gateway's devices (NOTIFY only)",
     ),
 ];
 

@@ -52,6 +52,12 @@ pub struct Config {
     pub conn_inflight_max: usize,
     /// `IM_FANOUT_BATCH_MAX`: most notifications one fan-out read covers (one query).
     pub fanout_inflight_max: usize,
+    /// `IM_SEND_BATCH_MAX`: most sends one group commit (one transaction) takes; 1 turns
+    /// group commit into one transaction per send.
+    pub send_batch_max: usize,
+    /// `IM_BATCH_SLOTS`: batches of sends (and, apart, of acks) running at once; while one
+    /// commits, the next gathers.
+    pub batch_slots: usize,
     /// `IM_HELLO_TIMEOUT_MS`: a connection that has not said a good `hello` by then is closed.
     pub hello_timeout_ms: u64,
     /// `IM_HELLO_FAILS_PER_ADDR_PER_MIN`: failed hellos one source address may make per
@@ -115,6 +121,8 @@ pub const ENV: &[EnvVar] = &[
     v("IM_SYNC_PAGE_MAX_BYTES", "1048576", "a sync page also ends (complete:false) past this much JSON"),
     v("IM_CONN_INFLIGHT_MAX", "8", "requests of one connection served at once"),
     v("IM_FANOUT_BATCH_MAX", "256", "most notifications one fan-out read covers (one query)"),
+    v("IM_SEND_BATCH_MAX", "64", "most sends (and acks) one group commit takes; 1: one transaction per send"),
+    v("IM_BATCH_SLOTS", "2", "batches of sends (and of acks) running at once"),
     v("IM_HELLO_TIMEOUT_MS", "10000", "a connection without a good hello by then is closed"),
     v("IM_HELLO_FAILS_PER_ADDR_PER_MIN", "30", "failed hellos one source address may make per minute"),
     v("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", "10", "failed hellos per device id per minute"),
@@ -226,6 +234,8 @@ impl Config {
             sync_page_max_bytes: num("IM_SYNC_PAGE_MAX_BYTES", 1024, 64 << 20)?,
             conn_inflight_max: num("IM_CONN_INFLIGHT_MAX", 1, 1024)?,
             fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 1, 65_536)?,
+            send_batch_max: num("IM_SEND_BATCH_MAX", 1, 1024)?,
+            batch_slots: num("IM_BATCH_SLOTS", 1, 64)?,
             hello_timeout_ms: num("IM_HELLO_TIMEOUT_MS", 10, 3_600_000)?,
             hello_fails_per_addr_per_min: num("IM_HELLO_FAILS_PER_ADDR_PER_MIN", 1, 1_000_000)?,
             hello_fails_per_device_per_min: num("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", 1, 1_000_000)?,

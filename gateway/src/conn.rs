@@ -21,6 +21,7 @@
 //! connection and discard what was queued (RFC 6455 section 7.1.1: the server closes TCP
 //! after the close handshake).
 
+use crate::batch;
 use crate::bugs;
 use crate::config::{SUB_CONVS_MAX, SYNC_LIMIT_DEFAULT};
 use crate::error::WireError;
@@ -524,8 +525,20 @@ impl Session {
                 let hook = early.as_ref().map(|(h, _)| h.clone());
                 let notifier = st.notifier.clone();
                 let member = self.members.known(&conv);
+                let sends = (!batch::bypassed(hook.is_some())).then(|| st.clone());
                 let r = st
                     .db(move |pool| async move {
+                        if let Some(st) = sends {
+                            // Group commit (issue 19): the membership read first, as below.
+                            if !member {
+                                if let Some(answer) =
+                                    store::outsider(&pool, &w, &c, &cmid, &body).await
+                                {
+                                    return answer;
+                                }
+                            }
+                            return batch::send(&st.sends, w, c, cmid, body).await;
+                        }
                         let ctx = store::SendCtx {
                             on_uncommitted: hook.as_deref(),
                             notifier: &notifier,
@@ -562,8 +575,9 @@ impl Session {
                 }
                 let w = who.clone();
                 let c = conv.clone();
+                let acks = st.clone();
                 let r = st
-                    .db(move |pool| async move { store::ack(&pool, &w, &c, seq).await })
+                    .db(move |_pool| async move { batch::ack(&acks.acks, w, c, seq).await })
                     .await;
                 if let Ok(delivered) = r {
                     // D5: the sweep stops hinting this pair once `delivered` reaches its head.
@@ -642,7 +656,26 @@ enum Faulted {
 /// Writes one frame; a peer that does not take it within `limit` is an error (the
 /// connection is then abandoned, so a half-written frame does not matter).
 async fn write(sink: &mut Sink, msg: Message, limit: Duration) -> Result<(), WsError> {
-    match tokio::time::timeout(limit, sink.send(msg)).await {
+    within(limit, sink.send(msg)).await
+}
+
+/// Queues one frame in the sink without flushing, within `limit` (the sink flushes on its
+/// own once its buffer is full).
+async fn feed(sink: &mut Sink, msg: Message, limit: Duration) -> Result<(), WsError> {
+    within(limit, sink.feed(msg)).await
+}
+
+/// Flushes what [`feed`] queued, within `limit`.
+async fn flush(sink: &mut Sink, limit: Duration) -> Result<(), WsError> {
+    within(limit, sink.flush()).await
+}
+
+/// `op`, or a timeout error once the peer did not read for `limit`.
+async fn within(
+    limit: Duration,
+    op: impl std::future::Future<Output = Result<(), WsError>>,
+) -> Result<(), WsError> {
+    match tokio::time::timeout(limit, op).await {
         Ok(r) => r,
         Err(_) => Err(WsError::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
@@ -651,7 +684,8 @@ async fn write(sink: &mut Sink, msg: Message, limit: Duration) -> Result<(), WsE
     }
 }
 
-/// Drains the queue to the socket. The `gw.reply.send`, `gw.reply.ack` and `gw.push` fault
+/// Drains the queue to the socket, one flush per burst: a frame with more waiting behind it
+/// is only queued in the sink, and the last of the burst flushes them all. The `gw.reply.send`, `gw.reply.ack` and `gw.push` fault
 /// points act here, on the frame about to be written, chosen by its [`Kind`]. Once the
 /// queue is empty it sends the overflow hints (`why:"overflow"`) the fan-out recorded while
 /// it was full. A frame gives its bytes back to the budget once written (or dropped).
@@ -675,7 +709,16 @@ async fn writer(
     // come back: no request still waiting for them gets them and runs for nobody.
     let mut writing: Option<hub::Queued> = None;
     let _closed = CloseBudget(&outbox);
+    // Frames written but not yet flushed (issue 19: one flush per burst, not per frame).
+    let mut dirty = false;
     loop {
+        if dirty && rx.is_empty() {
+            if let Err(e) = flush(&mut sink, limit).await {
+                tracing::info!(conn = id, error = %e, "flush failed: abandoning the connection");
+                return;
+            }
+            dirty = false;
+        }
         let next = tokio::select! {
             biased;
             _ = ping.notified() => {
@@ -688,7 +731,12 @@ async fn writer(
             next = rx.recv() => next,
         };
         let next = match next {
-            None | Some(Out::Close(None)) => return,
+            None | Some(Out::Close(None)) => {
+                if dirty {
+                    let _ = flush(&mut sink, limit).await;
+                }
+                return;
+            }
             Some(Out::Close(Some(code))) => {
                 let frame = CloseFrame {
                     code: CloseCode::from(code),
@@ -734,10 +782,17 @@ async fn writer(
             }
         }
         if let Some(text) = text {
-            if let Err(e) = write(&mut sink, Message::text(text), limit).await {
+            // More frames waiting: queue this one in the sink, the last of the burst flushes.
+            let r = if rx.is_empty() {
+                write(&mut sink, Message::text(text), limit).await
+            } else {
+                feed(&mut sink, Message::text(text), limit).await
+            };
+            if let Err(e) = r {
                 tracing::info!(conn = id, error = %e, "write failed: abandoning the connection");
                 return;
             }
+            dirty = !rx.is_empty();
         }
         writing = None;
         // Also after a dropped frame: an overflowed connection must get its hints.

@@ -5,7 +5,10 @@
 //! COMMIT returned (`store::send`), and NOTIFYs them in a statement of its own: whatever
 //! arrived while the previous NOTIFY ran goes in the next one, as `conv:seq` lines. No send
 //! transaction holds NOTIFY's cluster-wide lock through its commit flush any more, and one
-//! NOTIFY carries as many commits as the load brings.
+//! NOTIFY carries as many commits as the load brings. Before each NOTIFY it hands the same
+//! commits to this gateway's delivery task directly (the local hand-off): this gateway's
+//! own devices need no NOTIFY round trip, and the notification that follows finds them
+//! pushed. Only other gateways depend on the NOTIFY.
 //!
 //! The commit feed ([`feed`]) is how every gateway learns of a notification that never
 //! happens (a crash between COMMIT and the notifier, a NOTIFY that failed or was never
@@ -84,8 +87,13 @@ const NOTIFY_BATCH_MAX: usize = 4096;
 /// [`store::Notifier`] is gone or at shutdown, after notifying what it already has. A NOTIFY
 /// that fails is not retried: every gateway's commit feed ([`feed`]) finds those commits
 /// within one sweep interval (D5).
-pub async fn notify_loop(state: Arc<State>, mut rx: store::NotifierRx) {
+pub async fn notify_loop(
+    state: Arc<State>,
+    mut rx: store::NotifierRx,
+    local: mpsc::Sender<Notified>,
+) {
     let mut batch: Vec<(String, i64)> = Vec::new();
+    let no_handoff = bugs::active(bugs::NO_LOCAL_HANDOFF);
     loop {
         let first = tokio::select! {
             // At shutdown, notify what already committed (the feed would find it anyway).
@@ -103,6 +111,13 @@ pub async fn notify_loop(state: Arc<State>, mut rx: store::NotifierRx) {
         let sent = match faults::gate(points::FANOUT_NOTIFY, "dropped", "failed").await {
             ControlFlow::Break(why) => Err(format!("fault point {}: {why}", points::FANOUT_NOTIFY)),
             ControlFlow::Continue(()) => {
+                // Local hand-off (issue 19): this gateway's own devices need no NOTIFY round
+                // trip; the delivery task takes these as notifications at once, and the
+                // NOTIFY that follows finds them pushed (`Order`). Never waits: when the
+                // delivery task is behind, the NOTIFY brings them a moment later.
+                for (conv, seq) in batch.iter().filter(|_| !no_handoff) {
+                    let _ = local.try_send(Notified::Event(conv.clone(), *seq));
+                }
                 let payloads = store::payloads(&batch);
                 match tokio::time::timeout(
                     state.cfg.db_timeout(),
@@ -220,9 +235,12 @@ pub enum Notified {
 
 /// The LISTEN loop: starts the delivery task and the commit feed, hands every notification
 /// on, and rebuilds the connection whenever it is lost (then sweeps at once, D5).
-pub async fn run(state: Arc<State>, first: Listening) {
+pub async fn run(state: Arc<State>, first: Listening, notifier_rx: store::NotifierRx) {
     let (tx, rx) = mpsc::channel::<Notified>(65_536);
     state.tracker.spawn(deliver(state.clone(), rx));
+    state
+        .tracker
+        .spawn(notify_loop(state.clone(), notifier_rx, tx.clone()));
     // The LISTEN session's feed mark (`None` while the connection is down).
     let (session_tx, session_rx) = tokio::sync::watch::channel(Some(first.mark));
     state

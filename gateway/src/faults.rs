@@ -12,10 +12,22 @@ use std::ops::ControlFlow;
 
 /// Every fault point, by the name `IM_FAULT` uses. Listed once; used everywhere.
 pub mod points {
-    /// In the send transaction, after the seq was taken, before the INSERT.
+    /// In the send transaction, after the seq was taken, before the INSERT (group commit:
+    /// per row, before the batch's transaction; a row it stops never reaches it).
     pub const SEND_BEFORE_INSERT: &str = "send.before_insert";
-    /// After the INSERT, before COMMIT.
+    /// After the INSERT, before COMMIT (group commit: per inserted row, inside the batch's
+    /// transaction; a row it stops rolls the batch back, and every other row of the batch
+    /// is sent again on its own).
     pub const SEND_BEFORE_COMMIT: &str = "send.before_commit";
+    /// Group commit: in a batch's transaction, after its rows were inserted, before its
+    /// COMMIT. `drop` rolls the batch back and its rows get no reply at all; `error` fails
+    /// it as a database error would: every row is then sent again on its own.
+    pub const SEND_BATCH_BEFORE_COMMIT: &str = "send.batch.before_commit";
+    /// Group commit: after a batch's COMMIT returned, before any of its rows is answered or
+    /// notified: `halt` leaves committed messages with no reply and no notification (a
+    /// resend is `dup`, the commit feed repairs the push); `drop` sends no reply and
+    /// `error` answers UNAVAILABLE, the notifications still go.
+    pub const SEND_BATCH_AFTER_COMMIT: &str = "send.batch.after_commit";
     /// After COMMIT returned, before the committed `conv:seq` is handed to the notifier:
     /// `halt` leaves a durable message nobody is notified of (the sweep repairs it, D5);
     /// `drop`/`error` skip that one notification and the reply still goes.
@@ -31,9 +43,10 @@ pub mod points {
     /// An inbound `ack`, as it is read: `drop` loses it before it reaches the database
     /// (the note's "lost ack frame"; the sweep hints again and the device re-acks).
     pub const GW_RECV_ACK: &str = "gw.recv.ack";
-    /// The notifier's NOTIFY statement, about to be sent: `drop` sends nothing (the
-    /// notifications never happen), `error` fails it as a refused statement would; either
-    /// way every gateway's commit feed repairs it (D5).
+    /// The notifier's NOTIFY statement (and the local hand-off before it), about to be
+    /// sent: `drop` sends nothing and hands nothing on (the notifications never happen),
+    /// `error` fails it as a refused statement would; either way every gateway's commit
+    /// feed repairs it (D5).
     pub const FANOUT_NOTIFY: &str = "fanout.notify";
     /// A fan-out read (a batch of notified events with their audiences), about to run:
     /// `drop` and `error` fail it as a database error would (the sweep asks about those
@@ -50,6 +63,8 @@ pub mod points {
     pub const ALL: &[&str] = &[
         SEND_BEFORE_INSERT,
         SEND_BEFORE_COMMIT,
+        SEND_BATCH_BEFORE_COMMIT,
+        SEND_BATCH_AFTER_COMMIT,
         SEND_AFTER_COMMIT_BEFORE_NOTIFY,
         API_AFTER_SEND_COMMIT,
         GW_REPLY_SEND,
@@ -68,13 +83,23 @@ pub mod points {
 pub const POINT_DOCS: &[(&str, &str, &str)] = &[
     (
         points::SEND_BEFORE_INSERT,
-        "store::send (send transaction)",
+        "store::send (send transaction); batch (per row, before the batch)",
         "after the seq was taken, before the INSERT",
     ),
     (
         points::SEND_BEFORE_COMMIT,
-        "store::send (send transaction)",
+        "store::send (send transaction); batch (per inserted row, in the batch's transaction)",
         "after the INSERT, before COMMIT",
+    ),
+    (
+        points::SEND_BATCH_BEFORE_COMMIT,
+        "store::send_batch (group commit)",
+        "after a batch's rows were inserted, before its COMMIT (drop: rolled back, no replies; error: each row sent again alone)",
+    ),
+    (
+        points::SEND_BATCH_AFTER_COMMIT,
+        "batch::send_batch (group commit)",
+        "after a batch's COMMIT returned, before its rows are answered and notified",
     ),
     (
         points::SEND_AFTER_COMMIT_BEFORE_NOTIFY,
@@ -109,7 +134,7 @@ pub const POINT_DOCS: &[(&str, &str, &str)] = &[
     (
         points::FANOUT_NOTIFY,
         "fanout::notify_loop (the notifier)",
-        "the NOTIFY of a batch of commits, about to be sent (drop: not sent; error: fails)",
+        "the NOTIFY of a batch of commits and its local hand-off, about to be sent (drop: not sent; error: fails)",
     ),
     (
         points::FANOUT_READ,

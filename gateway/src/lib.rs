@@ -20,6 +20,7 @@
 //! read-idle timeout ([`conn`]).
 
 pub mod admin;
+pub mod batch;
 pub mod bugs;
 pub mod changes;
 pub mod config;

@@ -14,7 +14,7 @@ use crate::config::Config;
 use crate::hub::Hub;
 use crate::limits::{AddrCounts, HelloThrottle};
 use crate::state::{State, FANOUT_POOL_MAX};
-use crate::{conn, fanout, store, sweep};
+use crate::{batch, conn, fanout, store, sweep};
 use sqlx::PgPool;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,6 +26,9 @@ use tokio_tungstenite::tungstenite::http::StatusCode;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+/// Bytes of each connection's WebSocket read buffer.
+const WS_READ_BUFFER: usize = 8 * 1024;
 
 /// Refusals (fixed 503s) being written at once; past it a refused socket is just closed.
 const REFUSALS_MAX: usize = 64;
@@ -72,7 +75,16 @@ pub async fn serve(
     )
     .await?;
     let (notifier, notifier_rx) = store::Notifier::new();
+    let sends = batch::sends(
+        pool.clone(),
+        notifier.clone(),
+        cfg.batch_slots,
+        cfg.send_batch_max,
+    );
+    let acks = batch::acks(pool.clone(), cfg.batch_slots, cfg.send_batch_max);
     let state = Arc::new(State {
+        sends,
+        acks,
         pool,
         fanout_pool,
         notifier,
@@ -89,8 +101,7 @@ pub async fn serve(
     });
     state
         .tracker
-        .spawn(fanout::notify_loop(state.clone(), notifier_rx));
-    state.tracker.spawn(fanout::run(state.clone(), pg_listener));
+        .spawn(fanout::run(state.clone(), pg_listener, notifier_rx));
     state.tracker.spawn(sweep::run(state.clone()));
 
     let slots = Arc::new(Semaphore::new(state.cfg.connections_max));
@@ -102,7 +113,11 @@ pub async fn serve(
     let ws_config = WebSocketConfig::default()
         // Hard cap for tungstenite; frames between frame_max and this get a TOO_LARGE reply.
         .max_message_size(Some(state.cfg.frame_max_bytes * 2))
-        .max_frame_size(Some(state.cfg.frame_max_bytes * 2));
+        .max_frame_size(Some(state.cfg.frame_max_bytes * 2))
+        // Issue 19: 8 KiB read buffers (tungstenite's default is 128 KiB, allocated per
+        // connection): an idle connection costs tens of KiB, not hundreds; larger frames
+        // still arrive whole, in several reads.
+        .read_buffer_size(WS_READ_BUFFER);
     loop {
         let (tcp, peer) = tokio::select! {
             _ = cancel.cancelled() => break,

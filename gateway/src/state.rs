@@ -38,6 +38,10 @@ pub struct State {
     pub notifier: Notifier,
     /// What fan-out pushed and acks merged since the last sweep: the sweep's candidates (D5).
     pub changes: crate::changes::Changes,
+    /// Group commit of sends (`batch`).
+    pub sends: crate::batch::Sends,
+    /// Batches of acks (`batch`).
+    pub acks: crate::batch::Acks,
 }
 
 /// Connections of [`State::fanout_pool`]: one each for the notifier, the fan-out reads and

@@ -100,6 +100,9 @@ const CONNECT_SQL: &str = "SELECT set_config('synchronous_commit', 'on', false),
 const ASYNC_COMMIT_EDITS: &[(&str, &str)] =
     &[("'synchronous_commit', 'on'", "'synchronous_commit', 'off'")];
 
+/// A pool connection idle this long is pinged before it is handed out ([`connect`]).
+const IDLE_PING: Duration = Duration::from_secs(1);
+
 /// Opens a pool. Every connection gets `synchronous_commit = on` (D6 must not depend on a
 /// server or role default), and, with `statement_timeout`, that timeout, so statements left
 /// running after a request's deadline (see `state::State::db`) cannot pin connections.
@@ -124,7 +127,19 @@ pub async fn connect(
     PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(acquire_timeout)
-        .test_before_acquire(true)
+        // Issue 19: no liveness round trip on every acquire, only for a connection that sat
+        // idle for IDLE_PING or more (one that may have died unseen); a busy connection that
+        // died fails its statement, which the request answers UNAVAILABLE (the client sends
+        // again under its cmid), and the pool drops it.
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= IDLE_PING {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
         .after_connect(move |conn, _meta| {
             let timeout_ms = timeout_ms.clone();
             Box::pin(async move {
@@ -365,7 +380,7 @@ pub type UncommittedHook = dyn Fn(&Sent, &Event, &[String]) + Send + Sync;
 /// Why a send inserted nothing: a stale install, or an earlier send of `(user, cmid)` (a
 /// duplicate, D2, or CMID_CONFLICT), else NOT_MEMBER (no such conversation or no open
 /// period).
-async fn not_inserted(
+pub async fn not_inserted(
     pool: &PgPool,
     who: &Principal,
     conv: &str,
@@ -377,6 +392,44 @@ async fn not_inserted(
         Some(earlier) => earlier.map(SendOutcome::Reply),
         None => Err(WireError::NotMember),
     }
+}
+
+/// The membership read before a send's transaction, without any lock: `None` for a user
+/// with an open period in `conv`; otherwise the send's answer (NOT_MEMBER, STALE_INSTALL or
+/// an earlier send's `dup`), given without queueing on the conversation's row lock.
+pub async fn outsider(
+    pool: &PgPool,
+    who: &Principal,
+    conv: &str,
+    cmid: &str,
+    body: &str,
+) -> Option<Result<SendOutcome, WireError>> {
+    let member = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM memberships
+                        WHERE conv_id = $1 AND user_id = $2 AND to_seq IS NULL)",
+    )
+    .bind(conv)
+    .bind(&who.user)
+    .fetch_one(pool)
+    .await
+    .map_err(db("send.member"));
+    match member {
+        Ok(true) => None,
+        Ok(false) => Some(not_inserted(pool, who, conv, cmid, body).await),
+        Err(e) => Some(Err(e)),
+    }
+}
+
+/// What [`send`] needs besides the message.
+pub struct SendCtx<'a> {
+    /// `None` except for the deliberate bugs (`bugs`) that break D1.
+    pub on_uncommitted: Option<&'a UncommittedHook>,
+    /// Told every committed `(conv, seq)`, after COMMIT returned.
+    pub notifier: &'a Notifier,
+    /// The connection saw this user's send to this conversation commit before: the
+    /// membership read before the transaction is skipped (only a hint: the INSERT's test
+    /// after the row lock decides, S1).
+    pub known_member: bool,
 }
 
 /// The send transaction of SPEC 3, in four round trips: BEGIN; `UPDATE conversations …
@@ -404,19 +457,6 @@ async fn not_inserted(
 /// members. The check after the lock (in the INSERT) stays: it is the one S1 relies on. A
 /// connection whose user's send to the conversation committed before skips that read
 /// (`SendCtx::known_member`, one round trip less) until a NOT_MEMBER forgets it.
-///
-/// What [`send`] needs besides the message.
-pub struct SendCtx<'a> {
-    /// `None` except for the deliberate bugs (`bugs`) that break D1.
-    pub on_uncommitted: Option<&'a UncommittedHook>,
-    /// Told every committed `(conv, seq)`, after COMMIT returned.
-    pub notifier: &'a Notifier,
-    /// The connection saw this user's send to this conversation commit before: the
-    /// membership read before the transaction is skipped (only a hint: the INSERT's test
-    /// after the row lock decides, S1).
-    pub known_member: bool,
-}
-
 pub async fn send(
     pool: &PgPool,
     who: &Principal,
@@ -430,18 +470,10 @@ pub async fn send(
         notifier,
         known_member,
     } = ctx;
-    let member = known_member
-        || sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM memberships
-                            WHERE conv_id = $1 AND user_id = $2 AND to_seq IS NULL)",
-        )
-        .bind(conv)
-        .bind(&who.user)
-        .fetch_one(pool)
-        .await
-        .map_err(db("send.member"))?;
-    if !member {
-        return not_inserted(pool, who, conv, cmid, body).await;
+    if !known_member {
+        if let Some(answer) = outsider(pool, who, conv, cmid, body).await {
+            return answer;
+        }
     }
     let taken_early = if bugs::active(bugs::SEQ_GAP) {
         // Autocommitted: a rollback below no longer gives the seq back.
@@ -607,8 +639,20 @@ pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result
     let Some(row) = row else {
         return Err(WireError::Unauthenticated("device no longer exists"));
     };
-    let (install_epoch, member, vhead, delivered): (i64, bool, i64, Option<i64>) =
-        (row.get(0), row.get(1), row.get(2), row.get(3));
+    ack_answer(who, seq, row.get(0), row.get(1), row.get(2), row.get(3))
+}
+
+/// One ack's answer from what its statement found: the device's install epoch, whether the
+/// user has any membership period, the user's visible head and the merged cursor (`None`
+/// when nothing was written).
+fn ack_answer(
+    who: &Principal,
+    seq: i64,
+    install_epoch: i64,
+    member: bool,
+    vhead: i64,
+    delivered: Option<i64>,
+) -> Result<i64, WireError> {
     if install_epoch != who.epoch {
         return Err(WireError::StaleInstall);
     }
@@ -627,6 +671,196 @@ pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result
         }
         None => Err(WireError::Internal),
     }
+}
+
+/// One row of a send batch ([`send_batch`]).
+pub struct BatchRow<'a> {
+    pub who: &'a Principal,
+    pub conv: &'a str,
+    pub cmid: &'a str,
+    pub body: &'a str,
+}
+
+/// A send batch's open transaction, between [`send_batch_insert`] and
+/// [`send_batch_commit`]. Dropping it rolls the batch back.
+pub type BatchTx = sqlx::Transaction<'static, sqlx::Postgres>;
+
+/// Group commit (issue 19): BEGIN; `im_send_batch` (migration 0004) with the rows as
+/// arrays; COMMIT ([`send_batch_commit`]): three round trips and one WAL flush for the
+/// whole batch. Returns the open transaction and, per row in the order given, its `Sent`
+/// if it inserted an event, `None` if it inserted nothing (the caller tells why,
+/// [`not_inserted`], after COMMIT). P1, S1 and D2 hold per row inside `im_send_batch`
+/// exactly as in [`send`]. An error: nothing of the batch was stored.
+pub async fn send_batch_insert(
+    pool: &PgPool,
+    rows: &[BatchRow<'_>],
+) -> Result<(BatchTx, Vec<Option<Sent>>), WireError> {
+    let convs: Vec<&str> = rows.iter().map(|r| r.conv).collect();
+    let users: Vec<&str> = rows.iter().map(|r| r.who.user.as_str()).collect();
+    let devices: Vec<&str> = rows.iter().map(|r| r.who.device.as_str()).collect();
+    let cmids: Vec<&str> = rows.iter().map(|r| r.cmid).collect();
+    let bodies: Vec<&str> = rows.iter().map(|r| r.body).collect();
+    let epochs: Vec<i64> = rows.iter().map(|r| r.who.epoch).collect();
+    let mut tx = pool.begin().await.map_err(db("batch.begin"))?;
+    let inserted =
+        sqlx::query("SELECT k, seq, mid, conv_epoch FROM im_send_batch($1, $2, $3, $4, $5, $6)")
+            .bind(&convs)
+            .bind(&users)
+            .bind(&devices)
+            .bind(&epochs)
+            .bind(&cmids)
+            .bind(&bodies)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db("batch.insert"))?;
+    let mut out: Vec<Option<Sent>> = vec![None; rows.len()];
+    for r in inserted {
+        let k: i32 = r.get(0);
+        let slot = usize::try_from(k - 1)
+            .ok()
+            .and_then(|i| out.get_mut(i))
+            .ok_or(WireError::Internal)?;
+        *slot = Some(Sent {
+            seq: r.get(1),
+            mid: r.get(2),
+            dup: false,
+            epoch: r.get(3),
+        });
+    }
+    Ok((tx, out))
+}
+
+/// The batch's COMMIT, behind the `send.batch.before_commit` point. Returns the rows of
+/// [`send_batch_insert`] only after COMMIT returned (D1); `Ok(None)` when the point dropped
+/// the batch (rolled back, no reply); an error when the point failed it or COMMIT failed
+/// (rolled back, or unknown: the caller sends each row again on its own, and D2 answers a
+/// row that did commit with its seq).
+pub async fn send_batch_commit(
+    tx: BatchTx,
+    out: Vec<Option<Sent>>,
+) -> Result<Option<Vec<Option<Sent>>>, WireError> {
+    let rolled_back = match faults::gate(
+        points::SEND_BATCH_BEFORE_COMMIT,
+        Ok(None),
+        Err(WireError::Unavailable),
+    )
+    .await
+    {
+        ControlFlow::Continue(()) => match tx.commit().await.map_err(db("batch.commit")) {
+            Ok(()) => return Ok(Some(out)),
+            Err(e) => Err(e),
+        },
+        // Dropping `tx` rolls the batch back.
+        ControlFlow::Break(r) => r,
+    };
+    if bugs::active(bugs::BATCH_REPLY_ROLLED_BACK) {
+        return Ok(Some(out));
+    }
+    rolled_back
+}
+
+/// [`send_batch_insert`] then [`send_batch_commit`].
+pub async fn send_batch(
+    pool: &PgPool,
+    rows: &[BatchRow<'_>],
+) -> Result<Option<Vec<Option<Sent>>>, WireError> {
+    let (tx, out) = send_batch_insert(pool, rows).await?;
+    send_batch_commit(tx, out).await
+}
+
+/// One ack of an ack batch ([`ack_batch`]).
+pub struct AckRow<'a> {
+    pub who: &'a Principal,
+    pub conv: &'a str,
+    pub seq: i64,
+}
+
+/// The ack batch statement (see [`ack_batch`]): the rows as arrays, the install and
+/// membership checks and the visible head set-based and inline (no function call per row),
+/// one upsert per `(device, conversation)` with the highest valid seq, GREATEST kept.
+const ACK_BATCH_SQL: &str = "WITH req AS (
+             SELECT r.k::integer AS k, r.device_id, r.conv_id, r.seq, r.epoch
+             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[])
+                  WITH ORDINALITY AS r(device_id, conv_id, seq, epoch, k)),
+         chk AS (
+             SELECT q.k, q.device_id, q.conv_id, q.seq, q.epoch,
+                    d.install_epoch::bigint AS install_epoch,
+                    COALESCE(v.member, false) AS member, COALESCE(v.vhead, 0) AS vhead
+             FROM req q
+             LEFT JOIN devices d ON d.device_id = q.device_id
+             LEFT JOIN LATERAL (
+                 SELECT count(*) > 0 AS member,
+                        COALESCE(MAX(p.last_seq) FILTER (WHERE p.from_seq <= p.last_seq), 0)
+                            AS vhead
+                 FROM (SELECT LEAST(c.next_seq - 1, COALESCE(m.to_seq - 1, c.next_seq - 1))
+                                  AS last_seq,
+                              m.from_seq
+                       FROM memberships m JOIN conversations c ON c.conv_id = m.conv_id
+                       WHERE m.conv_id = q.conv_id AND m.user_id = d.user_id) p) v ON true),
+         ok AS (
+             SELECT device_id, conv_id, MAX(seq) AS seq, MAX(epoch) AS epoch
+             FROM chk
+             WHERE install_epoch = epoch AND member AND seq <= vhead
+             GROUP BY device_id, conv_id),
+         up AS (
+             INSERT INTO device_cursors (device_id, conv_id, install_epoch, delivered_seq)
+             SELECT device_id, conv_id, epoch::integer, seq FROM ok
+             ORDER BY device_id, conv_id
+             ON CONFLICT (device_id, conv_id) DO UPDATE
+                 SET delivered_seq = GREATEST(device_cursors.delivered_seq, EXCLUDED.delivered_seq),
+                     install_epoch = EXCLUDED.install_epoch,
+                     updated_at = clock_timestamp()
+             RETURNING device_id, conv_id, delivered_seq)
+         SELECT c.k, c.install_epoch, c.member, c.vhead, u.delivered_seq
+         FROM chk c LEFT JOIN up u ON u.device_id = c.device_id AND u.conv_id = c.conv_id
+         ORDER BY c.k";
+
+/// Acks in one statement (issue 19): per ack, in the order given, the answer [`ack`] would
+/// give (`acked` with the merged cursor, CURSOR_AHEAD, NOT_MEMBER, STALE_INSTALL). D3/D4
+/// as in [`ack`]: only acks write `delivered_seq`, and GREATEST never lowers it; two acks of
+/// one `(device, conversation)` in a batch are merged into one upsert of the higher seq,
+/// and both are answered with the merged cursor. An error fails the whole statement:
+/// nothing was written, and the caller answers each ack on its own.
+pub async fn ack_batch(
+    pool: &PgPool,
+    rows: &[AckRow<'_>],
+) -> Result<Vec<Result<i64, WireError>>, WireError> {
+    let sql: Cow<'static, str> = if bugs::active(bugs::CURSOR_OVERWRITE) {
+        bugs::rewrite(ACK_BATCH_SQL, CURSOR_OVERWRITE_EDITS).into()
+    } else {
+        ACK_BATCH_SQL.into()
+    };
+    let devices: Vec<&str> = rows.iter().map(|r| r.who.device.as_str()).collect();
+    let convs: Vec<&str> = rows.iter().map(|r| r.conv).collect();
+    let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
+    let epochs: Vec<i64> = rows.iter().map(|r| r.who.epoch).collect();
+    let found = sqlx::query(&sql)
+        .bind(&devices)
+        .bind(&convs)
+        .bind(&seqs)
+        .bind(&epochs)
+        .fetch_all(pool)
+        .await
+        .map_err(db("ack.batch"))?;
+    if found.len() != rows.len() {
+        tracing::error!(
+            rows = rows.len(),
+            found = found.len(),
+            "ack batch: one answer per ack expected"
+        );
+        return Err(WireError::Internal);
+    }
+    Ok(rows
+        .iter()
+        .zip(found)
+        .map(|(r, f)| {
+            let install_epoch: Option<i64> = f.get(1);
+            match install_epoch {
+                None => Err(WireError::Unauthenticated("device no longer exists")),
+                Some(e) => ack_answer(r.who, r.seq, e, f.get(2), f.get(3), f.get(4)),
+            }
+        })
+        .collect())
 }
 
 /// `sub`: every conversation the user has a membership period in, with head and cursor.

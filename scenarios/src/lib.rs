@@ -620,6 +620,18 @@ pub const IM06_CHECKS: &[CheckInfo] = &[
         what: "The gateway halts after the INSERT and before COMMIT: PostgreSQL rolls back, the seq is not consumed, and the replay creates the message once, with seq 1.",
     },
     CheckInfo {
+        id: "06-crash-send.batch.before_commit",
+        test: "im06_crash_send_batch_before_commit",
+        invariants: &["D1", "D2", "P1"],
+        what: "Group commit: the gateway halts after the batch's rows were inserted and before its COMMIT: PostgreSQL rolls the batch back, no seq is consumed, and the replay creates the message once, with seq 1.",
+    },
+    CheckInfo {
+        id: "06-crash-send.batch.after_commit",
+        test: "im06_crash_send_batch_after_commit",
+        invariants: &["D1", "D2"],
+        what: "Group commit: the gateway halts after the batch's COMMIT and before any reply or notification: the row exists, and the replay answers dup:true with the original seq and mid, still one row.",
+    },
+    CheckInfo {
         id: "06-crash-api.after_send_commit",
         test: "im06_crash_api_after_send_commit",
         invariants: &["D1", "D2"],

@@ -146,8 +146,22 @@ async fn full_pass_ends_and_asks_about_each_install_once() {
     })
     .await
     .unwrap();
+    // The gateway's local hand-off would push m1 without any notification (issue 19): its
+    // hand-off (with its NOTIFY) is dropped, so only the pass may bring it.
+    let quiet = w.arm_fault(0, "fanout.notify:drop:0:1").await.unwrap();
     let sent = sender.send("c1", "m1", "to seven", T).await.unwrap();
     let seq = sent["seq"].as_i64().unwrap();
+    wait_until("m1's hand-off to be dropped", T, async || {
+        let log = w.gw().log_text();
+        if log.contains("fault fired: point=fanout.notify action=drop") {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await
+    .unwrap();
+    w.disarm_fault(quiet).await.unwrap();
     w.disarm_fault(f).await.unwrap();
     for c in &devices {
         c.wait_server_delivered("c1", seq, Duration::from_secs(3))

@@ -144,6 +144,33 @@ async fn im06_crash_send_before_commit() {
     .await;
 }
 
+/// Issue 19 (group commit): crash inside the batch's transaction, after its rows were
+/// inserted, before its COMMIT: rolled back, 0 rows, no seq consumed (P1); the resend
+/// creates the message with seq 1 (dup:false).
+#[tokio::test]
+async fn im06_crash_send_batch_before_commit() {
+    crash_check(
+        "06-crash-send.batch.before_commit",
+        "send.batch.before_commit",
+        0,
+        false,
+    )
+    .await;
+}
+
+/// Issue 19 (group commit): crash after the batch's COMMIT, before any of its rows was
+/// answered or notified: 1 row; the resend answers dup:true with the original seq and mid.
+#[tokio::test]
+async fn im06_crash_send_batch_after_commit() {
+    crash_check(
+        "06-crash-send.batch.after_commit",
+        "send.batch.after_commit",
+        1,
+        true,
+    )
+    .await;
+}
+
 /// 8.1: crash after COMMIT, before the reply: 1 row already; the resend answers dup:true with
 /// the original seq and mid, still 1 row (D2's key case).
 #[tokio::test]

@@ -1302,3 +1302,55 @@ async fn a_push_error_fault_drops_the_push() {
     );
     assert_eq!(b.stored_seqs("c1"), vec![1, 2]);
 }
+
+/// Group commit (issue 19): a batch that fails before its COMMIT (here
+/// `send.batch.before_commit:error` on the first batch) fails no send in it: each row is
+/// sent again on its own and answered `sent` with the seq and mid it is stored under, never
+/// with the seq or mid of the rolled-back insert (D1); the seqs stay gapless (P1) and the
+/// history checker finds nothing. The fault must have fired (the gateway logs the retry).
+/// Pins down a failed batch that fails its rows (`batch-fails-innocents`) and one that
+/// answers its rows although it rolled back (`batch-reply-rolled-back`).
+#[tokio::test]
+async fn a_failed_batch_fails_no_send_and_answers_only_what_committed() {
+    let w = World::start(GatewayOpts {
+        fault: Some("send.batch.before_commit:error:0:1".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, b) = alice_and_bob(&w).await.unwrap();
+    let cmids: Vec<String> = (0..8).map(|i| format!("m{i}")).collect();
+    let replies = join_all(cmids.iter().enumerate().map(|(i, cmid)| {
+        let c = if i % 2 == 0 { &a } else { &b };
+        c.send("c1", cmid, "x", T)
+    }))
+    .await;
+    let pool = w.pool().await.unwrap();
+    let stored: Vec<(String, i64, String)> =
+        sqlx::query_as("SELECT cmid, seq, mid FROM events WHERE conv_id = 'c1' ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    for (cmid, r) in cmids.iter().zip(&replies) {
+        let r = r
+            .as_ref()
+            .unwrap_or_else(|e| panic!("send {cmid} failed with its batch: {e}"));
+        let (seq, mid) = (r["seq"].as_i64(), r["mid"].as_str());
+        assert!(
+            stored
+                .iter()
+                .any(|(c, s, m)| c == cmid && Some(*s) == seq && Some(m.as_str()) == mid),
+            "D1: {cmid} was answered {r}, which is not what is stored: {stored:?}"
+        );
+    }
+    let seqs: Vec<i64> = stored.iter().map(|(_, s, _)| *s).collect();
+    assert_eq!(seqs, (1..=8).collect::<Vec<_>>(), "P1");
+    assert_invariants(&w).await;
+    // Last: that the fault fired is what makes the above a check of a failed batch.
+    assert!(
+        w.gw()
+            .log_text()
+            .contains("send batch failed: every row is sent again on its own"),
+        "the first batch did not fail: the fault never fired"
+    );
+}

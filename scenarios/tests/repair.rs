@@ -14,7 +14,7 @@
 //! | failed NOTIFY | `fanout.notify:error:0:1` (sender's) | the commit feed | push |
 //! | failed fan-out read | `fanout.read:error` (receiver's) | the sweep asks about the conversation | sweep hint, sync |
 //! | failed sweep query | `gw.push:drop:0:1`, `device_cursors` locked until the sweep's question fails (receiver's) | the full pass the failure asks for | sweep hint, sync |
-//! | lost LISTEN | LISTEN backend terminated, `fanout.listen:error` (receiver's) | full pass when LISTEN is regained | sweep hint, sync |
+//! | lost LISTEN | LISTEN backend terminated, `fanout.listen:error` (receiver's); on one gateway also `fanout.notify:drop:0:1` (its local hand-off) | full pass when LISTEN is regained | sweep hint, sync |
 //! | stale install | the same, and the receiver reinstalled meanwhile | full pass closes the stale install | close; the new install syncs |
 //! | stale request | the same; the old install sends before any pass | the request's own install check | STALE_INSTALL, close |
 //! | overflow | `gw.push:delay(40)`, 4 queued frames (receiver's) | overflow hint once the queue drained | overflow hint, sync |
@@ -336,8 +336,25 @@ async fn lost_listen(two: bool) -> anyhow::Result<()> {
     let before = s.b.stats();
     let armed = Instant::now();
     let f = s.lose_listen().await?;
+    // One gateway: its local hand-off would push m1 without any notification (issue 19),
+    // so m1's notification and hand-off are dropped there; only the pass at the regained
+    // LISTEN may repair it (the commit feed pauses while LISTEN is down).
+    let quiet = if s.rx == 0 {
+        Some(s.w.arm_fault(0, "fanout.notify:drop:0:1").await?)
+    } else {
+        None
+    };
     let (seq, _) = s.send("m1").await?;
     s.idle(2).await;
+    if let Some(q) = quiet {
+        anyhow::ensure!(
+            s.w.gw()
+                .log_text()
+                .contains("fault fired: point=fanout.notify action=drop"),
+            "m1's hand-off was not dropped"
+        );
+        s.w.disarm_fault(q).await?;
+    }
     let t0 = Instant::now();
     s.w.disarm_fault(f).await?;
     // Attempts to regain LISTEN back off (50 ms, doubling up to 1 s): at most 5 within the
@@ -591,6 +608,30 @@ async fn repair_dropped_notify_after_a_promotion() {
         "the feed's push: {:?}",
         b.stats()
     );
+}
+
+/// The local hand-off (issue 19): a gateway pushes its own commits to its own devices
+/// without the NOTIFY round trip. With the one gateway's LISTEN connection lost (and kept
+/// lost, `fanout.listen:error`), no notification reaches it, the commit feed pauses, and no
+/// pass runs until LISTEN is back: m1 still reaches the receiver by push, at once. Pins
+/// down a notifier that hands nothing to its own gateway's delivery task.
+#[tokio::test]
+async fn local_devices_get_pushes_without_the_listen_connection() {
+    let s = Steady::start(false, &[]).await.unwrap();
+    let before = s.b.stats();
+    let f = s.lose_listen().await.unwrap();
+    let (seq, t0) = s.send("m1").await.unwrap();
+    let took = s.repaired(seq, t0, bound()).await.unwrap();
+    let d = delta(&before, &s.b.stats());
+    // A sweep hint may still come (m1 pushed, its ack not yet merged when the sweep asked):
+    // the receiver then had it already, so it syncs nothing.
+    assert!(
+        d.pushes == 1 && d.synced == 0,
+        "m1 came by push, in {took:?}: {:?}",
+        s.b.stats()
+    );
+    s.w.disarm_fault(f).await.unwrap();
+    s.judge().await.unwrap();
 }
 
 macro_rules! both {

@@ -117,6 +117,8 @@ pub const KINDS: &[&str] = &[
 pub const CRASH_POINTS: &[&str] = &[
     "send.before_insert",
     "send.before_commit",
+    "send.batch.before_commit",
+    "send.batch.after_commit",
     "send.after_commit_before_notify",
     "api.after_send_commit",
     "gw.reply.send",
@@ -132,6 +134,8 @@ pub const FRAME_POINTS: &[&str] = &[
     "gw.push",
     "gw.recv.ack",
     "send.after_commit_before_notify",
+    "send.batch.before_commit",
+    "send.batch.after_commit",
 ];
 
 /// One fault: what, on what, when, with what. `at_ms`/`end_ms` are offsets from the start

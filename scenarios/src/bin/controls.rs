@@ -77,6 +77,10 @@ fn designed_catcher(bug: &str) -> &'static [&'static str] {
         "stale-backlog" => &["a_stale_install_gets_nothing_queued_before_its_reinstall"],
         "no-close-drain" => &["sigterm_with_unread_input_still_delivers_all_it_wrote"],
         "forgetful-member" => &["a_members_send_skips_the_membership_read"],
+        "no-local-handoff" => &["local_devices_get_pushes_without_the_listen_connection"],
+        "batch-reply-rolled-back" | "batch-fails-innocents" => {
+            &["a_failed_batch_fails_no_send_and_answers_only_what_committed"]
+        }
         "no-overflow-hint" => &[
             "repair_overflow_one_gateway",
             "repair_overflow_two_gateways",

@@ -1,0 +1,382 @@
+//! Group commit (issue 19): sends and acks from any connections of this gateway are
+//! gathered into batches, one transaction (sends) or one statement (acks) each.
+//!
+//! Owns: the queues, the batch slots (tasks that each run one batch at a time), the order
+//! of a batch, and the fallback row by row when a batch fails.
+//! Must not: reply to a client itself (it answers the request's task through a oneshot,
+//! and that task replies), or hold a batch open waiting for more: a batch takes what is
+//! queued when a slot is free, never waits on a timer (no wait when idle).
+//!
+//! D1: a send's `Sent` is handed back only after its batch's COMMIT returned; a batch that
+//! failed before or at COMMIT hands back nothing of its own: every row is sent again on
+//! its own ([`store::send`]), where D2 answers a row that did commit with its seq (`dup`),
+//! so no innocent row fails because another row broke the batch, and no row is answered
+//! for a rolled-back insert.
+//! P1, S1, D2 per row: `im_send_batch` (migration 0004) applies the single send's rules row
+//! by row in one transaction.
+
+use crate::bugs;
+use crate::error::WireError;
+use crate::faults::{self, points};
+use crate::store::{self, Notifier, Principal, SendOutcome, Sent};
+use sqlx::PgPool;
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+
+/// The batch slots, each with its own queue; a job goes to the slot its key picks.
+///
+/// One key, one slot: a conversation's sends (a device's acks) always go to the same slot,
+/// so two batches of this gateway never wait on each other's row locks, and never deadlock
+/// (a batch locks its conversations in one order; two slots share none).
+pub struct Batcher<J> {
+    slots: Vec<mpsc::Sender<J>>,
+}
+
+impl<J: Send + 'static> Batcher<J> {
+    /// Starts `slots` tasks, each taking up to `max` jobs of its queue at a time and running
+    /// `run` on them. At most `queue` jobs wait per slot; a submitter waits for room (its
+    /// request's database deadline bounds that wait).
+    pub fn start<F, Fut>(slots: usize, max: usize, queue: usize, run: F) -> Batcher<J>
+    where
+        F: Fn(Vec<J>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let run = Arc::new(run);
+        let slots = (0..slots.max(1))
+            .map(|_| {
+                let (tx, mut rx) = mpsc::channel(queue.max(1));
+                let run = run.clone();
+                // Not in the gateway's task tracker: a slot lives as long as the process. A
+                // request waiting on a batch is (its task is), so shutdown still waits for
+                // every batch a request is waiting on.
+                tokio::spawn(async move {
+                    while let Some(jobs) = take(&mut rx, max.max(1)).await {
+                        (*run)(jobs).await;
+                    }
+                });
+                tx
+            })
+            .collect();
+        Batcher { slots }
+    }
+
+    /// Queues one job on the slot of `key`; `Err(UNAVAILABLE)` when the slot is gone.
+    pub async fn submit(&self, key: &str, job: J) -> Result<(), WireError> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        key.hash(&mut h);
+        let slot = &self.slots[(h.finish() % self.slots.len() as u64) as usize];
+        slot.send(job).await.map_err(|_| WireError::Unavailable)
+    }
+}
+
+/// The next batch: waits for one job, then takes what else is queued, up to `max`.
+async fn take<J>(rx: &mut mpsc::Receiver<J>, max: usize) -> Option<Vec<J>> {
+    let first = rx.recv().await?;
+    let mut jobs = Vec::with_capacity(max.min(64));
+    jobs.push(first);
+    while jobs.len() < max {
+        match rx.try_recv() {
+            Ok(j) => jobs.push(j),
+            Err(_) => break,
+        }
+    }
+    Some(jobs)
+}
+
+/// Whether sends go through the single send transaction ([`store::send`]) instead of
+/// group commit: only in the controls build, for the deliberate bugs written against that
+/// transaction (`hooked`: a bug that acts before its COMMIT).
+pub fn bypassed(hooked: bool) -> bool {
+    hooked
+        || [bugs::COMMIT_AFTER_REPLY, bugs::SEQ_GAP, bugs::NO_DEDUP]
+            .into_iter()
+            .any(bugs::active)
+}
+
+/// One send waiting for its batch.
+pub struct SendJob {
+    pub who: Principal,
+    pub conv: String,
+    pub cmid: String,
+    pub body: String,
+    pub done: oneshot::Sender<Result<SendOutcome, WireError>>,
+}
+
+/// The send side of group commit.
+pub type Sends = Batcher<SendJob>;
+
+/// Starts the send batcher on `pool`; committed events go to `notifier`.
+pub fn sends(pool: PgPool, notifier: Notifier, slots: usize, max: usize) -> Sends {
+    Batcher::start(slots, max, max * 4, move |jobs| {
+        send_batch(pool.clone(), notifier.clone(), jobs)
+    })
+}
+
+/// Sends one message through the batcher and waits for its answer.
+pub async fn send(
+    sends: &Sends,
+    who: Principal,
+    conv: String,
+    cmid: String,
+    body: String,
+) -> Result<SendOutcome, WireError> {
+    let (done, answer) = oneshot::channel();
+    let key = conv.clone();
+    sends
+        .submit(
+            &key,
+            SendJob {
+                who,
+                conv,
+                cmid,
+                body,
+                done,
+            },
+        )
+        .await?;
+    answer.await.unwrap_or(Err(WireError::Unavailable))
+}
+
+/// Runs one batch of sends: `send.before_insert` per row, the batch's INSERTs,
+/// `send.before_commit` per inserted row (inside the open transaction, as in the single
+/// send), COMMIT, then the answers (and the notifier) only after COMMIT returned.
+async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
+    let mut rows = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        // A row this point stops is answered (or not, `drop`) and never reaches the batch.
+        if let Some(job) = pass(points::SEND_BEFORE_INSERT, job).await {
+            rows.push(job);
+        }
+    }
+    if rows.is_empty() {
+        return;
+    }
+    // One order of row locks for every batch (stable: a conversation's rows keep theirs).
+    rows.sort_by(|a, b| a.conv.cmp(&b.conv));
+    let batch: Vec<store::BatchRow<'_>> = rows
+        .iter()
+        .map(|j| store::BatchRow {
+            who: &j.who,
+            conv: &j.conv,
+            cmid: &j.cmid,
+            body: &j.body,
+        })
+        .collect();
+    let inserted = store::send_batch_insert(&pool, &batch).await;
+    drop(batch);
+    let (tx, out) = match inserted {
+        Ok(x) => x,
+        Err(e) => return failed(&pool, &notifier, rows, e).await,
+    };
+    // `send.before_commit` for each inserted row, in row order (each hit counts); delays
+    // overlap. A row it stops rolls the whole batch back: that row is answered as the point
+    // says, every other row is sent again on its own.
+    let gates = futures_util::future::join_all(out.iter().map(|s| async move {
+        match s {
+            Some(_) => {
+                faults::gate(
+                    points::SEND_BEFORE_COMMIT,
+                    Ok(SendOutcome::NoReply),
+                    Err(WireError::Unavailable),
+                )
+                .await
+            }
+            None => ControlFlow::Continue(()),
+        }
+    }))
+    .await;
+    if gates.iter().any(ControlFlow::is_break) {
+        drop(tx);
+        let mut others = Vec::new();
+        for (job, gate) in rows.into_iter().zip(gates) {
+            match gate {
+                ControlFlow::Break(r) => {
+                    let _ = job.done.send(r);
+                }
+                ControlFlow::Continue(()) => others.push(job),
+            }
+        }
+        return alone(&pool, &notifier, others).await;
+    }
+    match store::send_batch_commit(tx, out).await {
+        Ok(None) => {
+            // `send.batch.before_commit:drop`: rolled back, and no row gets a reply.
+            for job in rows {
+                let _ = job.done.send(Ok(SendOutcome::NoReply));
+            }
+        }
+        Ok(Some(sent)) => {
+            // Committed. The point after the commit acts on the whole batch's answers.
+            let answer = faults::gate(
+                points::SEND_BATCH_AFTER_COMMIT,
+                Ok(SendOutcome::NoReply),
+                Err(WireError::Unavailable),
+            )
+            .await;
+            let mut left = Vec::new();
+            for (job, sent) in rows.into_iter().zip(sent) {
+                match sent {
+                    Some(s) => committed(&notifier, job, s, &answer).await,
+                    None => left.push(job),
+                }
+            }
+            // Rows that inserted nothing: dup, CMID_CONFLICT, NOT_MEMBER or STALE_INSTALL,
+            // told apart after COMMIT, as the single send does.
+            futures_util::future::join_all(left.into_iter().map(|job| {
+                let pool = pool.clone();
+                async move {
+                    let r =
+                        store::not_inserted(&pool, &job.who, &job.conv, &job.cmid, &job.body).await;
+                    let _ = job.done.send(r);
+                }
+            }))
+            .await;
+        }
+        Err(e) => failed(&pool, &notifier, rows, e).await,
+    }
+}
+
+/// A batch failed before or at its COMMIT (`e`): nothing of it is known to be stored, so
+/// no row is answered from it; each row is sent again on its own.
+async fn failed(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>, e: WireError) {
+    if bugs::active(bugs::BATCH_FAILS_INNOCENTS) {
+        for job in rows {
+            let _ = job.done.send(Err(e.clone()));
+        }
+        return;
+    }
+    tracing::info!(
+        rows = rows.len(),
+        code = e.code(),
+        "send batch failed: every row is sent again on its own"
+    );
+    alone(pool, notifier, rows).await
+}
+
+/// Sends each row on its own, in its own transaction ([`store::send`]), concurrently:
+/// a row that did commit with a failed batch is answered `dup` with its seq (D2).
+async fn alone(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>) {
+    futures_util::future::join_all(rows.into_iter().map(|job| async move {
+        let ctx = store::SendCtx {
+            on_uncommitted: None,
+            notifier,
+            known_member: false,
+        };
+        let r = store::send(pool, &job.who, &job.conv, &job.cmid, &job.body, ctx).await;
+        let _ = job.done.send(r);
+    }))
+    .await;
+}
+
+/// A row committed: the notifier is told (unless the fault point stops it), then the row's
+/// request gets its `Sent`, or what `send.batch.after_commit` made of the batch's answers.
+async fn committed(
+    notifier: &Notifier,
+    job: SendJob,
+    sent: Sent,
+    answer: &ControlFlow<Result<SendOutcome, WireError>>,
+) {
+    let point = faults::gate(points::SEND_AFTER_COMMIT_BEFORE_NOTIFY, (), ()).await;
+    if point.is_continue() {
+        notifier.committed(&job.conv, sent.seq);
+    } else {
+        tracing::info!(
+            conv = job.conv,
+            seq = sent.seq,
+            "notification skipped (fault); the commit feed finds it"
+        );
+    }
+    let r = match answer {
+        ControlFlow::Continue(()) => Ok(SendOutcome::Reply(sent)),
+        ControlFlow::Break(Ok(_)) => Ok(SendOutcome::NoReply),
+        ControlFlow::Break(Err(e)) => Err(e.clone()),
+    };
+    let _ = job.done.send(r);
+}
+
+/// Passes one row through a fault point: `None` when the point stopped it (then it has
+/// been answered: no reply for `drop`, UNAVAILABLE for `error`).
+async fn pass(point: &'static str, job: SendJob) -> Option<SendJob> {
+    match faults::gate(point, Ok(SendOutcome::NoReply), Err(WireError::Unavailable)).await {
+        ControlFlow::Continue(()) => Some(job),
+        ControlFlow::Break(r) => {
+            let _ = job.done.send(r);
+            None
+        }
+    }
+}
+
+/// One ack waiting for its batch.
+pub struct AckJob {
+    pub who: Principal,
+    pub conv: String,
+    pub seq: i64,
+    pub done: oneshot::Sender<Result<i64, WireError>>,
+}
+
+/// The ack side: one statement per batch of acks.
+pub type Acks = Batcher<AckJob>;
+
+/// Starts the ack batcher on `pool`.
+pub fn acks(pool: PgPool, slots: usize, max: usize) -> Acks {
+    Batcher::start(slots, max, max * 4, move |jobs| {
+        ack_batch(pool.clone(), jobs)
+    })
+}
+
+/// Acks one cursor through the batcher and waits for its answer (the merged cursor).
+pub async fn ack(acks: &Acks, who: Principal, conv: String, seq: i64) -> Result<i64, WireError> {
+    let (done, answer) = oneshot::channel();
+    let key = who.device.clone();
+    acks.submit(
+        &key,
+        AckJob {
+            who,
+            conv,
+            seq,
+            done,
+        },
+    )
+    .await?;
+    answer.await.unwrap_or(Err(WireError::Unavailable))
+}
+
+/// Runs one batch of acks in one statement; if it fails, each ack on its own (so one bad
+/// row cannot fail the others).
+async fn ack_batch(pool: PgPool, jobs: Vec<AckJob>) {
+    let rows: Vec<store::AckRow<'_>> = jobs
+        .iter()
+        .map(|j| store::AckRow {
+            who: &j.who,
+            conv: &j.conv,
+            seq: j.seq,
+        })
+        .collect();
+    match store::ack_batch(&pool, &rows).await {
+        Ok(answers) => {
+            drop(rows);
+            for (job, r) in jobs.into_iter().zip(answers) {
+                let _ = job.done.send(r);
+            }
+        }
+        Err(e) => {
+            drop(rows);
+            tracing::info!(
+                rows = jobs.len(),
+                code = e.code(),
+                "ack batch failed: every ack is tried on its own"
+            );
+            futures_util::future::join_all(jobs.into_iter().map(|job| {
+                let pool = pool.clone();
+                async move {
+                    let r = store::ack(&pool, &job.who, &job.conv, job.seq).await;
+                    let _ = job.done.send(r);
+                }
+            }))
+            .await;
+        }
+    }
+}
