@@ -3,7 +3,8 @@
 //! batch, P1 (consecutive seqs, taken only by rows that inserted), D2 (a resend in the same
 //! batch or a later one inserts nothing and is answered with the original's seq), S1
 //! (membership per row); and an ack batch answers every ack exactly as one ack would, with
-//! GREATEST kept (D4).
+//! GREATEST kept (D4). And the batcher itself, without a database: what a slot gathers
+//! into one batch, and that one key always goes to one slot.
 
 use harness::gateway::GatewayOpts;
 use harness::world::World;
@@ -130,20 +131,18 @@ async fn a_batch_keeps_every_rule_of_a_single_send_per_row() {
     );
 }
 
-/// Every ack of a batch gets the answer one ack would get; two acks of one cursor merge
-/// into the higher; a later lower ack never lowers it (D4).
-#[tokio::test]
-async fn an_ack_batch_answers_each_ack_exactly() {
-    let w = world().await;
-    let pool = w.pool().await.unwrap();
+/// The acks both ack tests make after alice sent m1..m3 to c1 (bob acks 2, 1, 9; carol, who
+/// is not a member, acks 1; bob's stale install acks 1; alice acks 3), and the answer each
+/// must get: two acks of one cursor merge into the higher, an ack above the head is
+/// CURSOR_AHEAD, S1's NOT_MEMBER, the install check's STALE_INSTALL.
+async fn ack_script(pool: &sqlx::PgPool) -> (Vec<(Principal, i64)>, Vec<Result<i64, WireError>>) {
     let (a, b, k) = (
         who("alice", "a1", 1),
         who("bob", "b1", 1),
         who("carol", "k1", 1),
     );
-    let stale = who("bob", "b1", 2);
     store::send_batch(
-        &pool,
+        pool,
         &[
             row(&a, "c1", "m1"),
             row(&a, "c1", "m2"),
@@ -153,34 +152,158 @@ async fn an_ack_batch_answers_each_ack_exactly() {
     .await
     .unwrap()
     .unwrap();
-    let answers = store::ack_batch(
-        &pool,
-        &[
-            ack(&b, "c1", 2),
-            ack(&b, "c1", 1),
-            ack(&b, "c1", 9),
-            ack(&k, "c1", 1),
-            ack(&stale, "c1", 1),
-            ack(&a, "c1", 3),
-        ],
-    )
-    .await
-    .expect("the ack batch runs");
-    assert_eq!(
-        answers,
-        [
-            Ok(2),
-            Ok(2),
-            Err(WireError::CursorAhead { head: 3 }),
-            Err(WireError::NotMember),
-            Err(WireError::StaleInstall),
-            Ok(3),
-        ]
-    );
+    let acks = vec![
+        (b.clone(), 2),
+        (b.clone(), 1),
+        (b.clone(), 9),
+        (k, 1),
+        (who("bob", "b1", 2), 1),
+        (a, 3),
+    ];
+    let answers = vec![
+        Ok(2),
+        Ok(2),
+        Err(WireError::CursorAhead { head: 3 }),
+        Err(WireError::NotMember),
+        Err(WireError::StaleInstall),
+        Ok(3),
+    ];
+    (acks, answers)
+}
+
+/// Every ack of a batch gets the answer one ack would get; two acks of one cursor merge
+/// into the higher; a later lower ack never lowers it (D4).
+#[tokio::test]
+async fn an_ack_batch_answers_each_ack_exactly() {
+    let w = world().await;
+    let pool = w.pool().await.unwrap();
+    let (acks, expected) = ack_script(&pool).await;
+    let rows: Vec<AckRow<'_>> = acks.iter().map(|(p, seq)| ack(p, "c1", *seq)).collect();
+    let answers = store::ack_batch(&pool, &rows)
+        .await
+        .expect("the ack batch runs");
+    assert_eq!(answers, expected);
     assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(2));
     assert_eq!(w.cursor("a1", "c1").await.unwrap(), Some(3));
     // D4: a later, lower ack is answered with the cursor it did not lower.
+    let b = who("bob", "b1", 1);
     let answers = store::ack_batch(&pool, &[ack(&b, "c1", 1)]).await.unwrap();
     assert_eq!(answers, [Ok(2)]);
     assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(2));
+}
+
+/// The ack batch's fallback: when a batch statement fails, `batch::ack_batch` answers each
+/// of its acks with `store::ack`, one statement per ack, so that one bad row cannot fail
+/// the others. Each must get the answer the batch would have given (D3: the cursor written
+/// only by an ack; D4: GREATEST; S1: NOT_MEMBER), and write the same cursors.
+#[tokio::test]
+async fn a_single_ack_answers_as_the_batch_would() {
+    let w = world().await;
+    let pool = w.pool().await.unwrap();
+    let (acks, expected) = ack_script(&pool).await;
+    let mut answers = Vec::new();
+    for (p, seq) in &acks {
+        answers.push(store::ack(&pool, p, "c1", *seq).await);
+    }
+    assert_eq!(answers, expected);
+    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(2));
+    assert_eq!(w.cursor("a1", "c1").await.unwrap(), Some(3));
+    assert_eq!(
+        w.cursor("k1", "c1").await.unwrap(),
+        None,
+        "S1: nothing written"
+    );
+}
+
+/// Group commit gathers (D1's batches): a job that arrives at an idle slot starts a batch
+/// at once, alone (no wait when idle); the jobs that arrive while a batch runs queue, and
+/// the next batch takes all of them at once, up to the limit, in arrival order. Needs no
+/// database: the batch here only records what it was given and waits for the test's gate.
+#[tokio::test]
+async fn a_slot_takes_everything_queued_up_to_the_limit_and_never_waits_when_idle() {
+    use im_gateway::batch::Batcher;
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tokio::sync::{mpsc, Semaphore};
+
+    let (seen_tx, mut seen) = mpsc::unbounded_channel::<Vec<u32>>();
+    let gate = Arc::new(Semaphore::new(0));
+    let g = gate.clone();
+    let b = Batcher::start(1, 3, 16, move |jobs: Vec<u32>| {
+        let seen_tx = seen_tx.clone();
+        let g = g.clone();
+        async move {
+            seen_tx.send(jobs).unwrap();
+            g.acquire().await.unwrap().forget();
+        }
+    });
+    let mut next = async || {
+        tokio::time::timeout(Duration::from_secs(10), seen.recv())
+            .await
+            .expect("a batch within 10 s")
+            .expect("the slot is alive")
+    };
+    b.submit("k", 0).await.unwrap();
+    assert_eq!(
+        next().await,
+        vec![0],
+        "an idle slot runs a lone job at once"
+    );
+    // The slot is busy with [0] until the gate opens: these four queue behind it.
+    for j in 1..=4 {
+        b.submit("k", j).await.unwrap();
+    }
+    gate.add_permits(1);
+    assert_eq!(
+        next().await,
+        vec![1, 2, 3],
+        "the next batch takes what queued, up to 3"
+    );
+    gate.add_permits(1);
+    assert_eq!(next().await, vec![4]);
+    gate.add_permits(1);
+}
+
+/// One key, one slot: with several slots, the jobs of one key (a conversation's sends, a
+/// device's acks) always land in the same slot's batches, so two batches of one gateway
+/// never wait on each other's row locks; and the keys spread over the slots.
+#[tokio::test]
+async fn one_key_always_goes_to_one_slot() {
+    use im_gateway::batch::Batcher;
+    use std::collections::{HashMap, HashSet};
+    use tokio::sync::mpsc;
+
+    // Each slot is one task, which runs its batches: the task's id names the slot.
+    let (seen_tx, mut seen) = mpsc::unbounded_channel::<(tokio::task::Id, String)>();
+    let b = Batcher::start(4, 8, 64, move |jobs: Vec<String>| {
+        let seen_tx = seen_tx.clone();
+        async move {
+            for key in jobs {
+                seen_tx.send((tokio::task::id(), key)).unwrap();
+            }
+        }
+    });
+    let keys: Vec<String> = (0..40).map(|i| format!("conv-{i}")).collect();
+    for _ in 0..5 {
+        for k in &keys {
+            b.submit(k, k.clone()).await.unwrap();
+        }
+    }
+    let mut slot_of: HashMap<String, HashSet<tokio::task::Id>> = HashMap::new();
+    for _ in 0..keys.len() * 5 {
+        let (slot, key) = tokio::time::timeout(std::time::Duration::from_secs(10), seen.recv())
+            .await
+            .expect("every job runs within 10 s")
+            .expect("the slots are alive");
+        slot_of.entry(key).or_default().insert(slot);
+    }
+    for (key, slots) in &slot_of {
+        assert_eq!(slots.len(), 1, "{key} ran in {} slots", slots.len());
+    }
+    let used: HashSet<_> = slot_of.values().flatten().collect();
+    assert!(
+        used.len() > 1,
+        "40 keys over 4 slots used only {} slot",
+        used.len()
+    );
 }

@@ -672,3 +672,60 @@ fn since(log: &str, from: usize) -> &str {
     log.get(from..)
         .unwrap_or_else(|| panic!("the gateway log shrank below {from} bytes"))
 }
+
+/// Issue 19's one flush per burst (`conn::writer`): a frame that was only queued in the
+/// sink, because more frames waited behind it, is flushed as soon as the queue runs dry,
+/// even when the burst's last frame is never written (here a dropped push). b's writer is
+/// held on its ack reply (a 3 s delay) while two pushes queue behind it; the second push
+/// is dropped. The ack reply and the first push, queued in the sink, must reach b then,
+/// not with whatever the writer writes next (nothing here: no sweep for 10 minutes, so a
+/// frame left unflushed stays unflushed until the test's deadline).
+#[tokio::test]
+async fn a_burst_whose_last_frame_is_dropped_is_still_flushed() {
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(600_000),
+        control: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, b) = sender_and_silent_receiver(&w).await;
+    a.send("c1", "m1", "x", T).await.unwrap();
+    b.wait_for("the first push", T, |c| c.stats().pushes_received >= 1)
+        .await
+        .unwrap();
+    let gw = w.gw();
+    gw.control("arm gw.reply.ack:delay(3000):0:1")
+        .await
+        .unwrap();
+    // Counted from now: the first push passes, the second is dropped.
+    gw.control("arm gw.push:drop:1:1").await.unwrap();
+    let (ack, queued) = tokio::join!(b.ack("c1", 1, T), async {
+        let held = "fault fired: point=gw.reply.ack action=delay(3000)";
+        wait_until("b's writer to be held on the ack reply", T, async || {
+            harness::util::poll(gw.log_text().contains(held), ()).await
+        })
+        .await
+        .unwrap();
+        let t0 = std::time::Instant::now();
+        let m2 = a.send("c1", "m2", "x", T).await.unwrap();
+        a.send("c1", "m3", "x", T).await.unwrap();
+        (m2["seq"].as_i64().unwrap(), t0.elapsed())
+    });
+    let (m2, took) = queued;
+    assert!(
+        took < Duration::from_millis(2500),
+        "precondition: both pushes queued while the writer was held (took {took:?})"
+    );
+    ack.expect("the ack reply, queued in the sink before the dropped push, arrives");
+    b.wait_for("m2, queued in the sink before the dropped push", T, |c| {
+        c.stored_seqs("c1").contains(&m2)
+    })
+    .await
+    .unwrap();
+    let log = gw.log_text();
+    assert!(
+        log.contains("fault fired: point=gw.push action=drop"),
+        "the second push was dropped"
+    );
+}

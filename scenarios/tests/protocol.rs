@@ -1031,6 +1031,80 @@ async fn database_down_is_unavailable_then_service_resumes() {
     assert_invariants(&w).await;
 }
 
+/// Issue 19's idle-only pings (`store::connect`): a request connection that sat idle for a
+/// second or more is pinged before it is handed out, so connections whose backends died
+/// while the gateway was quiet are found and replaced, and no request fails on them. The
+/// gateway's backends are terminated while it is idle (its sweep and commit feed, which
+/// would touch the pool, run every 10 minutes here); after a quiet 1.5 s every request gets
+/// its answer the first time. Without the ping, the send batch and then its row-by-row
+/// retry each take a dead connection, and the send answers UNAVAILABLE.
+#[tokio::test]
+async fn request_connections_that_died_while_idle_are_replaced_before_use() {
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(600_000),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, _tb) = provision_alice_and_bob(&w).await.unwrap();
+    let mut tokens = vec![("a1".to_string(), ta)];
+    for i in 2..=8 {
+        let d = format!("a{i}");
+        let t = w.add_device(&d, "alice").await.unwrap();
+        tokens.push((d, t));
+    }
+    let backends = async || -> Vec<i32> {
+        sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
+             AND query NOT ILIKE 'listen%' ORDER BY pid",
+        )
+        .fetch_all(&w.pool().await.unwrap())
+        .await
+        .unwrap()
+    };
+    // Several request connections open at once (the precondition: with one, the batch's
+    // retry would get a fresh one anyway): concurrent hellos until the gateway holds at
+    // least 6 backends besides LISTEN (the fan-out's reads have at most 3).
+    let clients: Vec<Client> = join_all(tokens.iter().map(|(d, t)| connect(&w, d, t)))
+        .await
+        .into_iter()
+        .collect::<anyhow::Result<_>>()
+        .unwrap();
+    wait_until("6 gateway backends", Duration::from_secs(30), async || {
+        let synced = join_all(clients.iter().map(|c| c.sync_once("c1", 0, 10, T))).await;
+        if let Some(e) = synced.into_iter().find_map(Result::err) {
+            return Err(format!("sync: {e}"));
+        }
+        let n = backends().await.len();
+        poll(n >= 6, format!("{n} backends")).await
+    })
+    .await
+    .unwrap();
+    let pool = w.pool().await.unwrap();
+    for pid in backends().await {
+        let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    }
+    wait_until("the terminated backends to be gone", T, async || {
+        let n = backends().await.len();
+        poll(n == 0, n).await
+    })
+    .await
+    .unwrap();
+    // The stimulus, not a wait for a condition: every pool connection sits idle past
+    // IDLE_PING (1 s).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for (i, c) in clients.iter().enumerate() {
+        let r = c.send("c1", &format!("after-{i}"), "x", T).await;
+        assert!(r.is_ok(), "send {i} after the quiet second: {r:?}");
+    }
+    assert_eq!(w.count_events("c1").await.unwrap(), clients.len() as i64);
+    assert_invariants(&w).await;
+}
+
 /// SIGTERM: the gateway stops accepting, closes connections with a close frame, and exits 0.
 #[tokio::test]
 async fn sigterm_closes_connections_and_exits_zero() {
