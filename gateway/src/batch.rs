@@ -12,24 +12,35 @@
 //! its own ([`store::send`]), where D2 answers a row that did commit with its seq (`dup`),
 //! so no innocent row fails because another row broke the batch, and no row is answered
 //! for a rolled-back insert.
-//! P1, S1, D2 per row: `im_send_batch` (migration 0004) applies the single send's rules row
-//! by row in one transaction.
+//! P1, S1, D2 per row: `im_send_batch` (migrations 0004, 0005) applies the single send's
+//! rules row by row in one transaction. A row whose conversation another transaction holds
+//! is not waited for: the batch skips it (`Busy`) and it is sent on its own, off the slot,
+//! so that no other row, and no later batch, waits for that lock.
+//!
+//! Bounded: a slot queues at most `queue` jobs; a request waits for its job at most until
+//! its database deadline, and a job whose request stopped waiting is dropped before any
+//! database work (a stall piles up nothing for requests that are gone).
 
 use crate::bugs;
 use crate::error::WireError;
 use crate::faults::{self, points};
-use crate::store::{self, Notifier, Principal, SendOutcome, Sent};
+use crate::store::{self, Notifier, Principal, RowOutcome, SendOutcome, Sent};
 use sqlx::PgPool;
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 
 /// The batch slots, each with its own queue; a job goes to the slot its key picks.
 ///
 /// One key, one slot: a conversation's sends (a device's acks) always go to the same slot,
-/// so two batches of this gateway never wait on each other's row locks, and never deadlock
-/// (a batch locks its conversations in one order; two slots share none).
+/// so two batches of this gateway never contend for a conversation's row lock (and a
+/// conversation held elsewhere only makes its own rows busy). Batches lock conversations in
+/// one order. Two transactions can still wait on each other through the `(sender_user,
+/// cmid)` unique index, when one cmid is sent to two conversations at once; PostgreSQL
+/// breaks that deadlock, the batch it fails is sent again row by row, and every row still
+/// gets its own answer.
 pub struct Batcher<J> {
     slots: Vec<mpsc::Sender<J>>,
 }
@@ -115,9 +126,13 @@ pub fn sends(pool: PgPool, notifier: Notifier, slots: usize, max: usize) -> Send
     })
 }
 
-/// Sends one message through the batcher and waits for its answer.
+/// Sends one message through the batcher and waits for its answer until `deadline` (the
+/// request's database deadline): past it the request has answered UNAVAILABLE, so this
+/// gives up too, and a batch that has not started the job yet drops it ([`gone`]):
+/// nothing waits, and nothing runs, for a request that is no longer there.
 pub async fn send(
     sends: &Sends,
+    deadline: Instant,
     who: Principal,
     conv: String,
     cmid: String,
@@ -125,19 +140,35 @@ pub async fn send(
 ) -> Result<SendOutcome, WireError> {
     let (done, answer) = oneshot::channel();
     let key = conv.clone();
-    sends
-        .submit(
-            &key,
-            SendJob {
-                who,
-                conv,
-                cmid,
-                body,
-                done,
-            },
-        )
-        .await?;
-    answer.await.unwrap_or(Err(WireError::Unavailable))
+    let job = SendJob {
+        who,
+        conv,
+        cmid,
+        body,
+        done,
+    };
+    within(deadline, async move {
+        sends.submit(&key, job).await?;
+        answer.await.unwrap_or(Err(WireError::Unavailable))
+    })
+    .await
+}
+
+/// `work` until `deadline`; UNAVAILABLE past it.
+async fn within<T>(
+    deadline: Instant,
+    work: impl Future<Output = Result<T, WireError>>,
+) -> Result<T, WireError> {
+    tokio::time::timeout_at(deadline, work)
+        .await
+        .unwrap_or(Err(WireError::Unavailable))
+}
+
+/// Whether a job's request has stopped waiting for it (its deadline passed, or the
+/// connection went): a batch drops such a job before any database work for it, so a stall
+/// cannot pile up work for requests that are gone.
+fn gone<T>(done: &oneshot::Sender<T>) -> bool {
+    done.is_closed()
 }
 
 /// Runs one batch of sends: `send.before_insert` per row, the batch's INSERTs,
@@ -145,7 +176,7 @@ pub async fn send(
 /// send), COMMIT, then the answers (and the notifier) only after COMMIT returned.
 async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
     let mut rows = Vec::with_capacity(jobs.len());
-    for job in jobs {
+    for job in jobs.into_iter().filter(|j| !gone(&j.done)) {
         // A row this point stops is answered (or not, `drop`) and never reaches the batch.
         if let Some(job) = pass(points::SEND_BEFORE_INSERT, job).await {
             rows.push(job);
@@ -176,7 +207,7 @@ async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
     // says, every other row is sent again on its own.
     let gates = futures_util::future::join_all(out.iter().map(|s| async move {
         match s {
-            Some(_) => {
+            RowOutcome::Inserted(_) => {
                 faults::gate(
                     points::SEND_BEFORE_COMMIT,
                     Ok(SendOutcome::NoReply),
@@ -184,7 +215,7 @@ async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
                 )
                 .await
             }
-            None => ControlFlow::Continue(()),
+            RowOutcome::NotInserted | RowOutcome::Busy => ControlFlow::Continue(()),
         }
     }))
     .await;
@@ -217,11 +248,24 @@ async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
             )
             .await;
             let mut left = Vec::new();
+            let mut busy = Vec::new();
             for (job, sent) in rows.into_iter().zip(sent) {
                 match sent {
-                    Some(s) => committed(&notifier, job, s, &answer).await,
-                    None => left.push(job),
+                    RowOutcome::Inserted(s) => committed(&notifier, job, s, &answer).await,
+                    RowOutcome::NotInserted => left.push(job),
+                    RowOutcome::Busy => busy.push(job),
                 }
+            }
+            // Rows whose conversation another transaction holds: each sent on its own, where
+            // it waits for that lock under its own deadline, off this slot, so that the
+            // batches behind this one do not wait for it.
+            if !busy.is_empty() {
+                tracing::debug!(
+                    rows = busy.len(),
+                    "send batch: conversations busy, sent alone"
+                );
+                let (pool, notifier) = (pool.clone(), notifier.clone());
+                tokio::spawn(async move { alone(&pool, &notifier, busy).await });
             }
             // Rows that inserted nothing: dup, CMID_CONFLICT, NOT_MEMBER or STALE_INSTALL,
             // told apart after COMMIT, as the single send does.
@@ -259,7 +303,8 @@ async fn failed(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>, e: WireE
 /// Sends each row on its own, in its own transaction ([`store::send`]), concurrently:
 /// a row that did commit with a failed batch is answered `dup` with its seq (D2).
 async fn alone(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>) {
-    futures_util::future::join_all(rows.into_iter().map(|job| async move {
+    let rows = rows.into_iter().filter(|j| !gone(&j.done));
+    futures_util::future::join_all(rows.map(|job| async move {
         let ctx = store::SendCtx {
             on_uncommitted: None,
             notifier,
@@ -327,26 +372,37 @@ pub fn acks(pool: PgPool, slots: usize, max: usize) -> Acks {
     })
 }
 
-/// Acks one cursor through the batcher and waits for its answer (the merged cursor).
-pub async fn ack(acks: &Acks, who: Principal, conv: String, seq: i64) -> Result<i64, WireError> {
+/// Acks one cursor through the batcher and waits for its answer (the merged cursor), for
+/// until `deadline`, as [`send`] does.
+pub async fn ack(
+    acks: &Acks,
+    deadline: Instant,
+    who: Principal,
+    conv: String,
+    seq: i64,
+) -> Result<i64, WireError> {
     let (done, answer) = oneshot::channel();
     let key = who.device.clone();
-    acks.submit(
-        &key,
-        AckJob {
-            who,
-            conv,
-            seq,
-            done,
-        },
-    )
-    .await?;
-    answer.await.unwrap_or(Err(WireError::Unavailable))
+    let job = AckJob {
+        who,
+        conv,
+        seq,
+        done,
+    };
+    within(deadline, async move {
+        acks.submit(&key, job).await?;
+        answer.await.unwrap_or(Err(WireError::Unavailable))
+    })
+    .await
 }
 
 /// Runs one batch of acks in one statement; if it fails, each ack on its own (so one bad
 /// row cannot fail the others).
-async fn ack_batch(pool: PgPool, jobs: Vec<AckJob>) {
+async fn ack_batch(pool: PgPool, mut jobs: Vec<AckJob>) {
+    jobs.retain(|j| !gone(&j.done));
+    if jobs.is_empty() {
+        return;
+    }
     let rows: Vec<store::AckRow<'_>> = jobs
         .iter()
         .map(|j| store::AckRow {

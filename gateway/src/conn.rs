@@ -526,6 +526,7 @@ impl Session {
                 let notifier = st.notifier.clone();
                 let member = self.members.known(&conv);
                 let sends = (!batch::bypassed(hook.is_some())).then(|| st.clone());
+                let deadline = tokio::time::Instant::now() + st.cfg.db_work_deadline();
                 let r = st
                     .db(move |pool| async move {
                         if let Some(st) = sends {
@@ -537,7 +538,7 @@ impl Session {
                                     return answer;
                                 }
                             }
-                            return batch::send(&st.sends, w, c, cmid, body).await;
+                            return batch::send(&st.sends, deadline, w, c, cmid, body).await;
                         }
                         let ctx = store::SendCtx {
                             on_uncommitted: hook.as_deref(),
@@ -576,8 +577,11 @@ impl Session {
                 let w = who.clone();
                 let c = conv.clone();
                 let acks = st.clone();
+                let deadline = tokio::time::Instant::now() + st.cfg.db_work_deadline();
                 let r = st
-                    .db(move |_pool| async move { batch::ack(&acks.acks, w, c, seq).await })
+                    .db(move |_pool| async move {
+                        batch::ack(&acks.acks, deadline, w, c, seq).await
+                    })
                     .await;
                 if let Ok(delivered) = r {
                     // D5: the sweep stops hinting this pair once `delivered` reaches its head.
@@ -766,6 +770,15 @@ async fn writer(
         let mut text = Some(next.text.as_str());
         let replaced;
         if let Some(point) = point {
+            // A fault acts on this frame only: what the burst queued before it reaches the
+            // peer first (a `halt` here would otherwise take it down with the process).
+            if dirty && faults::is_armed(point) {
+                if let Err(e) = flush(&mut sink, limit).await {
+                    tracing::info!(conn = id, error = %e, "flush failed: abandoning the connection");
+                    return;
+                }
+                dirty = false;
+            }
             let on_error = match next.kind {
                 Kind::Event => Faulted::Skip,
                 _ => Faulted::Unavailable,

@@ -352,6 +352,19 @@ pub fn armed() -> Vec<(String, u64)> {
     Vec::new()
 }
 
+/// Whether `point` is armed (one atomic load; always false without the `faults` feature).
+/// The connection writer flushes what it holds before an armed point acts on a frame, so
+/// that a fault at frame n acts on frame n, never on the frames written before it.
+pub fn is_armed(point: &'static str) -> bool {
+    #[cfg(feature = "faults")]
+    return imp::is_armed(point);
+    #[cfg(not(feature = "faults"))]
+    {
+        let _ = point;
+        false
+    }
+}
+
 /// Passes the point `point`: `Continue` when nothing fired (or a `delay` elapsed, slept
 /// here, async), else `Break` with the caller's value for the action that fired, `on_drop`
 /// (discard the frame, abandon the request without a reply) or `on_error` (fail with
@@ -460,6 +473,13 @@ mod imp {
     fn eval(point: &str) -> Option<String> {
         fail::fail_point!(point, |arg: Option<String>| arg);
         None
+    }
+
+    pub(super) fn is_armed(point: &'static str) -> bool {
+        points::ALL
+            .iter()
+            .position(|p| *p == point)
+            .is_some_and(|idx| ARMED[idx].load(Ordering::Relaxed))
     }
 
     pub(super) fn hit(point: &'static str) -> Option<Action> {

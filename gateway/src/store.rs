@@ -685,16 +685,29 @@ pub struct BatchRow<'a> {
 /// [`send_batch_commit`]. Dropping it rolls the batch back.
 pub type BatchTx = sqlx::Transaction<'static, sqlx::Postgres>;
 
-/// Group commit (issue 19): BEGIN; `im_send_batch` (migration 0004) with the rows as
+/// What a send batch did with one of its rows ([`send_batch_insert`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RowOutcome {
+    /// Inserted its event, at this seq (answered once the batch committed, D1).
+    Inserted(Sent),
+    /// Inserted nothing: a resend (`dup`), CMID_CONFLICT, NOT_MEMBER or STALE_INSTALL, told
+    /// apart after COMMIT ([`not_inserted`]).
+    NotInserted,
+    /// Its conversation was locked by another transaction: skipped, without a seq, to be
+    /// sent on its own ([`send`]) so that no other row waits for that lock.
+    Busy,
+}
+
+/// Group commit (issue 19): BEGIN; `im_send_batch` (migrations 0004, 0005) with the rows as
 /// arrays; COMMIT ([`send_batch_commit`]): three round trips and one WAL flush for the
-/// whole batch. Returns the open transaction and, per row in the order given, its `Sent`
-/// if it inserted an event, `None` if it inserted nothing (the caller tells why,
-/// [`not_inserted`], after COMMIT). P1, S1 and D2 hold per row inside `im_send_batch`
-/// exactly as in [`send`]. An error: nothing of the batch was stored.
+/// whole batch. Returns the open transaction and, per row in the order given, what the
+/// batch did with it ([`RowOutcome`]). P1, S1 and D2 hold per row inside `im_send_batch`
+/// exactly as in [`send`]; a row whose conversation another transaction holds is skipped
+/// (`Busy`), never waited for. An error: nothing of the batch was stored.
 pub async fn send_batch_insert(
     pool: &PgPool,
     rows: &[BatchRow<'_>],
-) -> Result<(BatchTx, Vec<Option<Sent>>), WireError> {
+) -> Result<(BatchTx, Vec<RowOutcome>), WireError> {
     let convs: Vec<&str> = rows.iter().map(|r| r.conv).collect();
     let users: Vec<&str> = rows.iter().map(|r| r.who.user.as_str()).collect();
     let devices: Vec<&str> = rows.iter().map(|r| r.who.device.as_str()).collect();
@@ -713,19 +726,23 @@ pub async fn send_batch_insert(
             .fetch_all(&mut *tx)
             .await
             .map_err(db("batch.insert"))?;
-    let mut out: Vec<Option<Sent>> = vec![None; rows.len()];
+    let mut out: Vec<RowOutcome> = vec![RowOutcome::NotInserted; rows.len()];
     for r in inserted {
         let k: i32 = r.get(0);
         let slot = usize::try_from(k - 1)
             .ok()
             .and_then(|i| out.get_mut(i))
             .ok_or(WireError::Internal)?;
-        *slot = Some(Sent {
-            seq: r.get(1),
-            mid: r.get(2),
-            dup: false,
-            epoch: r.get(3),
-        });
+        let seq: Option<i64> = r.get(1);
+        *slot = match seq {
+            Some(seq) => RowOutcome::Inserted(Sent {
+                seq,
+                mid: r.get(2),
+                dup: false,
+                epoch: r.get(3),
+            }),
+            None => RowOutcome::Busy,
+        };
     }
     Ok((tx, out))
 }
@@ -737,8 +754,8 @@ pub async fn send_batch_insert(
 /// row that did commit with its seq).
 pub async fn send_batch_commit(
     tx: BatchTx,
-    out: Vec<Option<Sent>>,
-) -> Result<Option<Vec<Option<Sent>>>, WireError> {
+    out: Vec<RowOutcome>,
+) -> Result<Option<Vec<RowOutcome>>, WireError> {
     let rolled_back = match faults::gate(
         points::SEND_BATCH_BEFORE_COMMIT,
         Ok(None),
@@ -763,7 +780,7 @@ pub async fn send_batch_commit(
 pub async fn send_batch(
     pool: &PgPool,
     rows: &[BatchRow<'_>],
-) -> Result<Option<Vec<Option<Sent>>>, WireError> {
+) -> Result<Option<Vec<RowOutcome>>, WireError> {
     let (tx, out) = send_batch_insert(pool, rows).await?;
     send_batch_commit(tx, out).await
 }

@@ -9,7 +9,7 @@
 use harness::gateway::GatewayOpts;
 use harness::world::World;
 use im_gateway::error::WireError;
-use im_gateway::store::{self, AckRow, BatchRow, Principal, SendOutcome};
+use im_gateway::store::{self, AckRow, BatchRow, Principal, RowOutcome, SendOutcome, Sent};
 
 fn who(user: &str, device: &str, epoch: i64) -> Principal {
     Principal {
@@ -42,6 +42,18 @@ async fn world() -> World {
     w.add_conv("c1", &["alice", "bob"]).await.unwrap();
     w.add_conv("c2", &["alice"]).await.unwrap();
     w
+}
+
+fn inserted(o: &RowOutcome) -> Option<&Sent> {
+    match o {
+        RowOutcome::Inserted(s) => Some(s),
+        RowOutcome::NotInserted | RowOutcome::Busy => None,
+    }
+}
+
+/// Each row's seq, `None` for a row that inserted nothing (or was busy).
+fn seqs(out: &[RowOutcome]) -> Vec<Option<i64>> {
+    out.iter().map(|o| inserted(o).map(|s| s.seq)).collect()
 }
 
 fn ack<'a>(who: &'a Principal, conv: &'a str, seq: i64) -> AckRow<'a> {
@@ -88,17 +100,20 @@ async fn a_batch_keeps_every_rule_of_a_single_send_per_row() {
         .await
         .expect("the batch commits")
         .expect("no fault dropped it");
-    let got: Vec<Option<i64>> = out.iter().map(|s| s.as_ref().map(|s| s.seq)).collect();
     assert_eq!(
-        got,
+        seqs(&out),
         [Some(1), Some(2), None, None, Some(3), None, None, Some(1)]
     );
-    assert!(out.iter().flatten().all(|s| !s.dup));
+    assert!(
+        !out.contains(&RowOutcome::Busy),
+        "nothing else holds a conversation"
+    );
+    assert!(out.iter().filter_map(inserted).all(|s| !s.dup));
     assert_eq!(seqs_of(&pool, "c1").await, (3, vec![1, 2, 3]), "P1 in c1");
     assert_eq!(seqs_of(&pool, "c2").await, (1, vec![1]), "P1 in c2");
 
     // D2: the resend is answered, after COMMIT, as the original with its seq and mid.
-    let first = out[0].clone().unwrap();
+    let first = inserted(&out[0]).cloned().unwrap();
     match store::not_inserted(&pool, &a, "c1", "m1", "x").await {
         Ok(SendOutcome::Reply(s)) => {
             assert_eq!((s.seq, s.dup, s.mid), (1, true, first.mid.clone()))
@@ -122,13 +137,63 @@ async fn a_batch_keeps_every_rule_of_a_single_send_per_row() {
         .await
         .unwrap()
         .unwrap();
-    let got: Vec<Option<i64>> = out.iter().map(|s| s.as_ref().map(|s| s.seq)).collect();
-    assert_eq!(got, [None, Some(4)]);
+    assert_eq!(seqs(&out), [None, Some(4)]);
     assert_eq!(
         seqs_of(&pool, "c1").await,
         (4, vec![1, 2, 3, 4]),
         "P1 in c1"
     );
+}
+
+/// A conversation another transaction holds (here an open transaction that locked its row,
+/// as a send of another gateway or a long `admin` transaction would) makes only its own
+/// rows busy: the batch does not wait for it, the other rows insert and commit at once, and
+/// the busy rows take no seq (P1), so that the caller can send them on their own.
+#[tokio::test]
+async fn a_locked_conversation_makes_only_its_own_rows_busy() {
+    let w = world().await;
+    let pool = w.pool().await.unwrap();
+    let a = who("alice", "a1", 1);
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM conversations WHERE conv_id = 'c1' FOR NO KEY UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let rows = [
+        row(&a, "c1", "m1"),
+        row(&a, "c2", "m2"),
+        row(&a, "c1", "m3"),
+        row(&a, "nowhere", "m4"),
+    ];
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        store::send_batch(&pool, &rows),
+    )
+    .await
+    .expect("the batch does not wait for the held conversation")
+    .expect("the batch commits")
+    .expect("no fault dropped it");
+    assert_eq!(out[0], RowOutcome::Busy);
+    assert_eq!(seqs(&out[1..2]), [Some(1)], "c2 inserted");
+    assert_eq!(out[2], RowOutcome::Busy);
+    assert_eq!(
+        out[3],
+        RowOutcome::NotInserted,
+        "no such conversation: not busy"
+    );
+    assert_eq!(seqs_of(&pool, "c2").await, (1, vec![1]));
+    holder.rollback().await.unwrap();
+    assert_eq!(
+        seqs_of(&pool, "c1").await,
+        (0, vec![]),
+        "P1: busy rows took no seq"
+    );
+    // Once free, the same rows insert, at the conversation's first seqs.
+    let out = store::send_batch(&pool, &[row(&a, "c1", "m1"), row(&a, "c1", "m3")])
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(seqs(&out), [Some(1), Some(2)]);
 }
 
 /// The acks both ack tests make after alice sent m1..m3 to c1 (bob acks 2, 1, 9; carol, who

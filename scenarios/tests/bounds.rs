@@ -729,3 +729,54 @@ async fn a_burst_whose_last_frame_is_dropped_is_still_flushed() {
         "the second push was dropped"
     );
 }
+
+/// A fault acts on its own frame, not on the frames the writer queued before it in the same
+/// burst (`conn::writer` flushes them first when the point is armed). b's writer is held on
+/// its ack reply (3 s) while the replies to two of b's sends queue behind it; the second
+/// reply to reach the writer halts the gateway (`gw.reply.send:halt:1:1`). The ack reply and
+/// the first send's reply were written before that frame, so they must reach b before the
+/// process dies: without the flush they would go down with it, unsent.
+#[tokio::test]
+async fn frames_before_a_halting_frame_reach_the_peer() {
+    let mut w = World::start(GatewayOpts {
+        sweep_ms: Some(600_000),
+        control: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, b) = sender_and_silent_receiver(&w).await;
+    a.send("c1", "m1", "x", T).await.unwrap();
+    b.wait_for("the first push", T, |c| c.stats().pushes_received >= 1)
+        .await
+        .unwrap();
+    {
+        let gw = w.gw();
+        gw.control("arm gw.reply.ack:delay(3000):0:1")
+            .await
+            .unwrap();
+        gw.control("arm gw.reply.send:halt:1:1").await.unwrap();
+    }
+    let (ack, (s1, s2)) = tokio::join!(b.ack("c1", 1, T), async {
+        let held = "fault fired: point=gw.reply.ack action=delay(3000)";
+        wait_until("b's writer to be held on the ack reply", T, async || {
+            harness::util::poll(w.gw().log_text().contains(held), ()).await
+        })
+        .await
+        .unwrap();
+        tokio::join!(b.send("c1", "s1", "x", T), b.send("c1", "s2", "x", T))
+    });
+    w.wait_gateway_exit(T).await.unwrap();
+    assert_eq!(w.gw().exit_code(), Some(137), "the halt fired");
+    assert!(
+        w.gw()
+            .log_text()
+            .contains("fault fired: point=gw.reply.send action=halt hit=2"),
+        "the second send reply halted the gateway"
+    );
+    ack.expect("the ack reply, written before the halting frame, reached b");
+    assert!(
+        s1.is_ok() != s2.is_ok(),
+        "exactly one send reply (the first to reach the writer) arrived: {s1:?} / {s2:?}"
+    );
+}

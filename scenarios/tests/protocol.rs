@@ -1377,6 +1377,125 @@ async fn a_push_error_fault_drops_the_push() {
     assert_eq!(b.stored_seqs("c1"), vec![1, 2]);
 }
 
+/// Group commit (issue 19): a conversation that another transaction holds delays only its
+/// own sends. c1's row is locked by an open transaction (as a send of another gateway, a
+/// paused gateway inside its batch or a long `admin` transaction would hold it); sends to
+/// eight other conversations, whichever batch slot they share with c1, are all answered
+/// `sent` while it is held, and the send to c1 is answered once it is free, with the
+/// conversation's first seq (P1). Before, the batch waited for c1's lock with every other
+/// row in it, and the slot's later batches behind it, until the deadline answered them all
+/// UNAVAILABLE.
+#[tokio::test]
+async fn a_held_conversation_delays_only_its_own_sends() {
+    let w = World::start(GatewayOpts {
+        db_timeout_ms: Some(10_000),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, _tb) = provision_alice_and_bob(&w).await.unwrap();
+    let others: Vec<String> = (2..=9).map(|i| format!("c{i}")).collect();
+    for c in &others {
+        w.add_conv(c, &["alice"]).await.unwrap();
+    }
+    let a = connect(&w, "a1", &ta).await.unwrap();
+    let pool = w.pool().await.unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM conversations WHERE conv_id = 'c1' FOR NO KEY UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let held = a.send("c1", "h0", "x", T);
+    tokio::pin!(held);
+    let free = async {
+        // The precondition: the gateway is waiting for c1's lock.
+        wait_until("a gateway backend waiting for c1's lock", T, async || {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND application_name LIKE 'im-gateway-%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            poll(n >= 1, format!("{n} waiting")).await
+        })
+        .await
+        .unwrap();
+        let cmids: Vec<String> = others.iter().map(|c| format!("m-{c}")).collect();
+        join_all(others.iter().zip(&cmids).map(|(c, m)| a.send(c, m, "x", T))).await
+    };
+    let replies = tokio::select! {
+        r = &mut held => panic!("the send to c1 was answered while c1 was held: {r:?}"),
+        replies = free => replies,
+    };
+    for (c, r) in others.iter().zip(&replies) {
+        assert!(r.is_ok(), "the send to {c} waited for c1's lock: {r:?}");
+    }
+    holder.rollback().await.unwrap();
+    let r = held.await.expect("the send to c1, once c1 is free");
+    assert_eq!(r["seq"].as_i64(), Some(1), "P1: {r}");
+    assert_invariants(&w).await;
+}
+
+/// Group commit (issue 19): a send whose request has given up (its deadline passed: it was
+/// answered UNAVAILABLE) while it waited for a batch is dropped by the batch, never
+/// inserted later: a stall does not pile up work for requests that are gone. The first
+/// batch is held 3 s (`send.before_insert:delay(3000)`) with a 1 s database timeout; four
+/// sends queued behind it are answered UNAVAILABLE at their deadline and must never be
+/// stored. A send after them (once the held batch committed) is answered and stored.
+#[tokio::test]
+async fn sends_whose_requests_gave_up_are_dropped_before_their_batch() {
+    let w = World::start(GatewayOpts {
+        db_timeout_ms: Some(1_000),
+        fault: Some("send.before_insert:delay(3000):0:1".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, _tb) = provision_alice_and_bob(&w).await.unwrap();
+    let a = connect(&w, "a1", &ta).await.unwrap();
+    let first = a.send("c1", "h0", "x", T);
+    tokio::pin!(first);
+    let queued = async {
+        let fired = "fault fired: point=send.before_insert action=delay(3000)";
+        wait_until("the first batch to be held", T, async || {
+            poll(w.gw().log_text().contains(fired), ()).await
+        })
+        .await
+        .unwrap();
+        let cmids: Vec<String> = (1..=4).map(|i| format!("q{i}")).collect();
+        join_all(cmids.iter().map(|m| a.send("c1", m, "x", T))).await
+    };
+    let (first, queued) = tokio::join!(first, queued);
+    for r in &queued {
+        assert_eq!(
+            code(r).as_deref(),
+            Some("UNAVAILABLE"),
+            "a queued send: {r:?}"
+        );
+    }
+    assert_eq!(code(&first).as_deref(), Some("UNAVAILABLE"), "{first:?}");
+    // The held batch goes on after its delay and stores h0 (its request gave up only after
+    // the batch had taken it); the next send queues behind the four.
+    wait_until("the held batch to commit", T, async || {
+        let n = w.count_events("c1").await.unwrap();
+        poll(n >= 1, n).await
+    })
+    .await
+    .unwrap();
+    let after = a
+        .send("c1", "after", "x", T)
+        .await
+        .expect("a send after the stall");
+    let stored: Vec<String> =
+        sqlx::query_scalar("SELECT cmid FROM events WHERE conv_id = 'c1' ORDER BY seq")
+            .fetch_all(&w.pool().await.unwrap())
+            .await
+            .unwrap();
+    assert_eq!(stored, ["h0", "after"], "after = {after}");
+    assert_invariants(&w).await;
+}
+
 /// Group commit (issue 19): a batch that fails before its COMMIT (here
 /// `send.batch.before_commit:error` on the first batch) fails no send in it: each row is
 /// sent again on its own and answered `sent` with the seq and mid it is stored under, never
