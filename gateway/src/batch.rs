@@ -113,6 +113,10 @@ pub struct SendJob {
     pub conv: String,
     pub cmid: String,
     pub body: String,
+    /// The connection saw this user's send to this conversation commit before
+    /// (`store::SendCtx::known_member`), so no membership read came before this job; when
+    /// the row is sent on its own, that send skips it too.
+    pub known_member: bool,
     pub done: oneshot::Sender<Result<SendOutcome, WireError>>,
 }
 
@@ -137,6 +141,7 @@ pub async fn send(
     conv: String,
     cmid: String,
     body: String,
+    known_member: bool,
 ) -> Result<SendOutcome, WireError> {
     let (done, answer) = oneshot::channel();
     let key = conv.clone();
@@ -145,6 +150,7 @@ pub async fn send(
         conv,
         cmid,
         body,
+        known_member,
         done,
     };
     within(deadline, async move {
@@ -301,14 +307,17 @@ async fn failed(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>, e: WireE
 }
 
 /// Sends each row on its own, in its own transaction ([`store::send`]), concurrently:
-/// a row that did commit with a failed batch is answered `dup` with its seq (D2).
+/// a row that did commit with a failed batch is answered `dup` with its seq (D2). A row
+/// the connection did not know as a member's had its membership read before it joined the
+/// batch; `store::send` reads it again (an outsider is answered without waiting for the
+/// conversation's lock).
 async fn alone(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>) {
     let rows = rows.into_iter().filter(|j| !gone(&j.done));
     futures_util::future::join_all(rows.map(|job| async move {
         let ctx = store::SendCtx {
             on_uncommitted: None,
             notifier,
-            known_member: false,
+            known_member: job.known_member,
         };
         let r = store::send(pool, &job.who, &job.conv, &job.cmid, &job.body, ctx).await;
         let _ = job.done.send(r);

@@ -538,7 +538,8 @@ impl Session {
                                     return answer;
                                 }
                             }
-                            return batch::send(&st.sends, deadline, w, c, cmid, body).await;
+                            return batch::send(&st.sends, deadline, w, c, cmid, body, member)
+                                .await;
                         }
                         let ctx = store::SendCtx {
                             on_uncommitted: hook.as_deref(),
