@@ -256,11 +256,13 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     let linger = tokio::time::sleep(Duration::MAX / 4);
     tokio::pin!(linger);
     let mut writer_done = false;
+    let mut tally = Tally::default();
     let mut drained = false;
     while !(writer_done && drained) {
         tokio::select! {
-            _ = &mut writer, if !writer_done => {
+            written = &mut writer, if !writer_done => {
                 writer_done = true;
+                tally = written.unwrap_or_default();
                 linger.as_mut().reset(tokio::time::Instant::now() + CLOSE_LINGER);
             }
             _ = &mut drain, if !drained => drained = true,
@@ -268,7 +270,8 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
         }
     }
     drop(stream);
-    tracing::info!(conn = id, %peer, device, code = u16::from(code), "connection closed");
+    let Tally { frames, flushes } = tally;
+    tracing::info!(conn = id, %peer, device, code = u16::from(code), frames, flushes, "connection closed");
 }
 
 fn too_large(frame_max_bytes: usize) -> WireError {
@@ -660,19 +663,43 @@ enum Faulted {
 
 /// Writes one frame; a peer that does not take it within `limit` is an error (the
 /// connection is then abandoned, so a half-written frame does not matter).
-async fn write(sink: &mut Sink, msg: Message, limit: Duration) -> Result<(), WsError> {
+async fn write(
+    sink: &mut Sink,
+    msg: Message,
+    limit: Duration,
+    t: &mut Tally,
+) -> Result<(), WsError> {
+    t.frames += 1;
+    t.flushes += 1;
     within(limit, sink.send(msg)).await
 }
 
 /// Queues one frame in the sink without flushing, within `limit` (the sink flushes on its
 /// own once its buffer is full).
-async fn feed(sink: &mut Sink, msg: Message, limit: Duration) -> Result<(), WsError> {
+async fn feed(
+    sink: &mut Sink,
+    msg: Message,
+    limit: Duration,
+    t: &mut Tally,
+) -> Result<(), WsError> {
+    t.frames += 1;
     within(limit, sink.feed(msg)).await
 }
 
 /// Flushes what [`feed`] queued, within `limit`.
-async fn flush(sink: &mut Sink, limit: Duration) -> Result<(), WsError> {
+async fn flush(sink: &mut Sink, limit: Duration, t: &mut Tally) -> Result<(), WsError> {
+    t.flushes += 1;
     within(limit, sink.flush()).await
+}
+
+/// What one connection's writer did: frames handed to the socket (replies, pushes, hints,
+/// pings) and flushes (a [`write`] is one frame and one flush). Logged with "connection
+/// closed"; `frames - flushes` is how many frames rode in another frame's flush (issue 19's
+/// one flush per burst, which `a_burst_is_written_with_one_flush` checks).
+#[derive(Default, Clone, Copy)]
+struct Tally {
+    frames: u64,
+    flushes: u64,
 }
 
 /// `op`, or a timeout error once the peer did not read for `limit`.
@@ -698,7 +725,7 @@ async fn within(
 /// reader asks (the peer was silent for half of IM_READ_IDLE_MS). Ends at the queue's
 /// [`Out::Close`]. If a write fails or the peer stops reading for `limit`, it cancels
 /// `gone` so the reader ends the connection too (its replies would have nowhere to go); on
-/// any exit it closes the budget so nobody waits for it.
+/// any exit it closes the budget so nobody waits for it. Returns what it wrote ([`Tally`]).
 async fn writer(
     mut sink: Sink,
     mut rx: mpsc::Receiver<Out>,
@@ -707,8 +734,9 @@ async fn writer(
     id: u64,
     limit: Duration,
     gone: CancellationToken,
-) {
+) -> Tally {
     let _gone = gone.drop_guard();
+    let mut tally = Tally::default();
     // The frame being written keeps its bytes of the budget until it is written or dropped.
     // Declared before the guard, so on any exit the budget is closed before those bytes
     // come back: no request still waiting for them gets them and runs for nobody.
@@ -718,18 +746,18 @@ async fn writer(
     let mut dirty = false;
     loop {
         if dirty && rx.is_empty() {
-            if let Err(e) = flush(&mut sink, limit).await {
+            if let Err(e) = flush(&mut sink, limit, &mut tally).await {
                 tracing::info!(conn = id, error = %e, "flush failed: abandoning the connection");
-                return;
+                return tally;
             }
             dirty = false;
         }
         let next = tokio::select! {
             biased;
             _ = ping.notified() => {
-                if write(&mut sink, Message::Ping(Default::default()), limit).await.is_err() {
+                if write(&mut sink, Message::Ping(Default::default()), limit, &mut tally).await.is_err() {
                     tracing::info!(conn = id, "ping not taken: abandoning the connection");
-                    return;
+                    return tally;
                 }
                 continue;
             }
@@ -738,9 +766,9 @@ async fn writer(
         let next = match next {
             None | Some(Out::Close(None)) => {
                 if dirty {
-                    let _ = flush(&mut sink, limit).await;
+                    let _ = flush(&mut sink, limit, &mut tally).await;
                 }
-                return;
+                return tally;
             }
             Some(Out::Close(Some(code))) => {
                 let frame = CloseFrame {
@@ -752,7 +780,7 @@ async fn writer(
                     let _ = sink.close().await;
                 })
                 .await;
-                return;
+                return tally;
             }
             Some(Out::Frame(q)) => q,
         };
@@ -774,9 +802,9 @@ async fn writer(
             // A fault acts on this frame only: what the burst queued before it reaches the
             // peer first (a `halt` here would otherwise take it down with the process).
             if dirty && faults::is_armed(point) {
-                if let Err(e) = flush(&mut sink, limit).await {
+                if let Err(e) = flush(&mut sink, limit, &mut tally).await {
                     tracing::info!(conn = id, error = %e, "flush failed: abandoning the connection");
-                    return;
+                    return tally;
                 }
                 dirty = false;
             }
@@ -798,13 +826,13 @@ async fn writer(
         if let Some(text) = text {
             // More frames waiting: queue this one in the sink, the last of the burst flushes.
             let r = if rx.is_empty() {
-                write(&mut sink, Message::text(text), limit).await
+                write(&mut sink, Message::text(text), limit, &mut tally).await
             } else {
-                feed(&mut sink, Message::text(text), limit).await
+                feed(&mut sink, Message::text(text), limit, &mut tally).await
             };
             if let Err(e) = r {
                 tracing::info!(conn = id, error = %e, "write failed: abandoning the connection");
-                return;
+                return tally;
             }
             dirty = !rx.is_empty();
         }
@@ -822,8 +850,11 @@ async fn writer(
                         head,
                         why,
                     }));
-                    if write(&mut sink, Message::text(hint), limit).await.is_err() {
-                        return;
+                    if write(&mut sink, Message::text(hint), limit, &mut tally)
+                        .await
+                        .is_err()
+                    {
+                        return tally;
                     }
                 }
             }

@@ -780,3 +780,84 @@ async fn frames_before_a_halting_frame_reach_the_peer() {
         "exactly one send reply (the first to reach the writer) arrived: {s1:?} / {s2:?}"
     );
 }
+
+/// Issue 19's one flush per burst (`conn::writer`), as a count: frames that wait in a
+/// connection's queue are written together and flushed once, not one flush each. b's
+/// writer is held on its ack reply (a 4 s delay) while five pushes queue behind it; when
+/// it lets go, the reply and the five pushes are six frames under one flush. The gateway
+/// logs each connection's frames and flushes when it closes ("connection closed"); every
+/// other frame of b's connection has a flush of its own, so at least five frames must
+/// have ridden in another's flush. A writer that flushed before each frame (or before
+/// each frame that has a fault point) would show none.
+#[tokio::test]
+async fn a_burst_is_written_with_one_flush() {
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(600_000),
+        control: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, b) = sender_and_silent_receiver(&w).await;
+    a.send("c1", "m1", "x", T).await.unwrap();
+    b.wait_for("the first push", T, |c| c.stats().pushes_received >= 1)
+        .await
+        .unwrap();
+    let gw = w.gw();
+    gw.control("arm gw.reply.ack:delay(4000):0:1")
+        .await
+        .unwrap();
+    let (ack, queued) = tokio::join!(b.ack("c1", 1, T), async {
+        let held = "fault fired: point=gw.reply.ack action=delay(4000)";
+        wait_until("b's writer to be held on the ack reply", T, async || {
+            harness::util::poll(gw.log_text().contains(held), ()).await
+        })
+        .await
+        .unwrap();
+        let t0 = std::time::Instant::now();
+        let mut last = 0;
+        for i in 2..=6 {
+            let m = a.send("c1", &format!("m{i}"), "x", T).await.unwrap();
+            last = m["seq"].as_i64().unwrap();
+        }
+        (last, t0.elapsed())
+    });
+    let (last, took) = queued;
+    assert!(
+        took < Duration::from_millis(2500),
+        "precondition: the five pushes queued while the writer was held (took {took:?})"
+    );
+    ack.expect("the held ack reply arrives");
+    b.wait_for("the burst's last push", T, |c| {
+        c.stored_seqs("c1").contains(&last)
+    })
+    .await
+    .unwrap();
+    b.close().await;
+    let line = wait_until("b's connection to close", T, async || {
+        let log = gw.log_text();
+        let line = log
+            .lines()
+            .find(|l| l.contains("connection closed") && l.contains("b1"))
+            .map(str::to_string);
+        std::future::ready(line.ok_or("not yet")).await
+    })
+    .await
+    .unwrap();
+    let field = |name: &str| -> u64 {
+        let at = line
+            .find(&format!(" {name}="))
+            .unwrap_or_else(|| panic!("no {name}= in {line:?}"));
+        line[at + name.len() + 2..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{name}= is not a number in {line:?}"))
+    };
+    let (frames, flushes) = (field("frames"), field("flushes"));
+    assert!(
+        frames >= flushes + 5,
+        "the reply and the five pushes behind it were flushed once: {frames} frames, \
+         {flushes} flushes ({line})"
+    );
+}
