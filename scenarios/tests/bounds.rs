@@ -674,12 +674,15 @@ fn since(log: &str, from: usize) -> &str {
 }
 
 /// Issue 19's one flush per burst (`conn::writer`): a frame that was only queued in the
-/// sink, because more frames waited behind it, is flushed as soon as the queue runs dry,
-/// even when the burst's last frame is never written (here a dropped push). b's writer is
-/// held on its ack reply (a 3 s delay) while two pushes queue behind it; the second push
-/// is dropped. The ack reply and the first push, queued in the sink, must reach b then,
-/// not with whatever the writer writes next (nothing here: no sweep for 10 minutes, so a
-/// frame left unflushed stays unflushed until the test's deadline).
+/// sink, because more frames waited behind it, is flushed even when the burst's last frame
+/// is never written (here a dropped push). b's writer is held on its ack reply (a 3 s
+/// delay) while two pushes queue behind it; the second push is dropped. The ack reply and
+/// the first push, queued in the sink, must reach b then, not with whatever the writer
+/// writes next (nothing here: no sweep for 10 minutes, so a frame left unflushed stays
+/// unflushed until the test's deadline). With `gw.push` armed, the writer flushes what it
+/// holds before each push meets the point (so a fault at frame n acts on frame n alone):
+/// the ack reply before m2, m2 before the dropped m3. The counts say so: every frame of
+/// b's connection had its flush (a flush not counted, or one missing, breaks the equality).
 #[tokio::test]
 async fn a_burst_whose_last_frame_is_dropped_is_still_flushed() {
     let w = World::start(GatewayOpts {
@@ -727,6 +730,11 @@ async fn a_burst_whose_last_frame_is_dropped_is_still_flushed() {
     assert!(
         log.contains("fault fired: point=gw.push action=drop"),
         "the second push was dropped"
+    );
+    let (frames, flushes, line) = written_on_close(&w, b).await;
+    assert_eq!(
+        frames, flushes,
+        "a flush for every frame, none left in the sink ({line})"
     );
 }
 
@@ -833,7 +841,21 @@ async fn a_burst_is_written_with_one_flush() {
     })
     .await
     .unwrap();
+    let (frames, flushes, line) = written_on_close(&w, b).await;
+    assert!(
+        frames >= flushes + 5,
+        "the reply and the five pushes behind it were flushed once: {frames} frames, \
+         {flushes} flushes ({line})"
+    );
+    // welcome, subbed, m1's push and the burst: four flushes at least.
+    assert!(flushes >= 4, "every flush is counted: {flushes} ({line})");
+}
+
+/// Closes `b` and returns its connection's `frames` and `flushes` from the gateway's
+/// "connection closed" line (device `b1`), with the line.
+async fn written_on_close(w: &World, b: Client) -> (u64, u64, String) {
     b.close().await;
+    let gw = w.gw();
     let line = wait_until("b's connection to close", T, async || {
         let log = gw.log_text();
         let line = log
@@ -854,10 +876,5 @@ async fn a_burst_is_written_with_one_flush() {
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("{name}= is not a number in {line:?}"))
     };
-    let (frames, flushes) = (field("frames"), field("flushes"));
-    assert!(
-        frames >= flushes + 5,
-        "the reply and the five pushes behind it were flushed once: {frames} frames, \
-         {flushes} flushes ({line})"
-    );
+    (field("frames"), field("flushes"), line)
 }
