@@ -685,18 +685,7 @@ fn since(log: &str, from: usize) -> &str {
 /// b's connection had its flush (a flush not counted, or one missing, breaks the equality).
 #[tokio::test]
 async fn a_burst_whose_last_frame_is_dropped_is_still_flushed() {
-    let w = World::start(GatewayOpts {
-        sweep_ms: Some(600_000),
-        control: true,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (a, b) = sender_and_silent_receiver(&w).await;
-    a.send("c1", "m1", "x", T).await.unwrap();
-    b.wait_for("the first push", T, |c| c.stats().pushes_received >= 1)
-        .await
-        .unwrap();
+    let (w, a, b) = pushed_once_no_sweep().await;
     let gw = w.gw();
     gw.control("arm gw.reply.ack:delay(3000):0:1")
         .await
@@ -704,12 +693,7 @@ async fn a_burst_whose_last_frame_is_dropped_is_still_flushed() {
     // Counted from now: the first push passes, the second is dropped.
     gw.control("arm gw.push:drop:1:1").await.unwrap();
     let (ack, queued) = tokio::join!(b.ack("c1", 1, T), async {
-        let held = "fault fired: point=gw.reply.ack action=delay(3000)";
-        wait_until("b's writer to be held on the ack reply", T, async || {
-            harness::util::poll(gw.log_text().contains(held), ()).await
-        })
-        .await
-        .unwrap();
+        ack_reply_held(gw, 3000).await;
         let t0 = std::time::Instant::now();
         let m2 = a.send("c1", "m2", "x", T).await.unwrap();
         a.send("c1", "m3", "x", T).await.unwrap();
@@ -746,18 +730,7 @@ async fn a_burst_whose_last_frame_is_dropped_is_still_flushed() {
 /// process dies: without the flush they would go down with it, unsent.
 #[tokio::test]
 async fn frames_before_a_halting_frame_reach_the_peer() {
-    let mut w = World::start(GatewayOpts {
-        sweep_ms: Some(600_000),
-        control: true,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (a, b) = sender_and_silent_receiver(&w).await;
-    a.send("c1", "m1", "x", T).await.unwrap();
-    b.wait_for("the first push", T, |c| c.stats().pushes_received >= 1)
-        .await
-        .unwrap();
+    let (mut w, _a, b) = pushed_once_no_sweep().await;
     {
         let gw = w.gw();
         gw.control("arm gw.reply.ack:delay(3000):0:1")
@@ -766,12 +739,7 @@ async fn frames_before_a_halting_frame_reach_the_peer() {
         gw.control("arm gw.reply.send:halt:1:1").await.unwrap();
     }
     let (ack, (s1, s2)) = tokio::join!(b.ack("c1", 1, T), async {
-        let held = "fault fired: point=gw.reply.ack action=delay(3000)";
-        wait_until("b's writer to be held on the ack reply", T, async || {
-            harness::util::poll(w.gw().log_text().contains(held), ()).await
-        })
-        .await
-        .unwrap();
+        ack_reply_held(w.gw(), 3000).await;
         tokio::join!(b.send("c1", "s1", "x", T), b.send("c1", "s2", "x", T))
     });
     w.wait_gateway_exit(T).await.unwrap();
@@ -799,29 +767,13 @@ async fn frames_before_a_halting_frame_reach_the_peer() {
 /// each frame that has a fault point) would show none.
 #[tokio::test]
 async fn a_burst_is_written_with_one_flush() {
-    let w = World::start(GatewayOpts {
-        sweep_ms: Some(600_000),
-        control: true,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (a, b) = sender_and_silent_receiver(&w).await;
-    a.send("c1", "m1", "x", T).await.unwrap();
-    b.wait_for("the first push", T, |c| c.stats().pushes_received >= 1)
-        .await
-        .unwrap();
+    let (w, a, b) = pushed_once_no_sweep().await;
     let gw = w.gw();
     gw.control("arm gw.reply.ack:delay(4000):0:1")
         .await
         .unwrap();
     let (ack, queued) = tokio::join!(b.ack("c1", 1, T), async {
-        let held = "fault fired: point=gw.reply.ack action=delay(4000)";
-        wait_until("b's writer to be held on the ack reply", T, async || {
-            harness::util::poll(gw.log_text().contains(held), ()).await
-        })
-        .await
-        .unwrap();
+        ack_reply_held(gw, 4000).await;
         let t0 = std::time::Instant::now();
         let mut last = 0;
         for i in 2..=6 {
@@ -849,6 +801,34 @@ async fn a_burst_is_written_with_one_flush() {
     );
     // welcome, subbed, m1's push and the burst: four flushes at least.
     assert!(flushes >= 4, "every flush is counted: {flushes} ({line})");
+}
+
+/// A gateway without a sweep (600 s), its control channel on, alice's `a` and bob's silent
+/// `b`, and m1 pushed to `b`: the start of the writer's burst checks.
+async fn pushed_once_no_sweep() -> (World, Client, Client) {
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(600_000),
+        control: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (a, b) = sender_and_silent_receiver(&w).await;
+    a.send("c1", "m1", "x", T).await.unwrap();
+    b.wait_for("the first push", T, |c| c.stats().pushes_received >= 1)
+        .await
+        .unwrap();
+    (w, a, b)
+}
+
+/// Waits until `gw.reply.ack:delay(ms)` holds a writer on its ack reply.
+async fn ack_reply_held(gw: &harness::gateway::Gateway, ms: u64) {
+    let held = format!("fault fired: point=gw.reply.ack action=delay({ms})");
+    wait_until("b's writer to be held on the ack reply", T, async || {
+        harness::util::poll(gw.log_text().contains(&held), ()).await
+    })
+    .await
+    .unwrap();
 }
 
 /// Closes `b` and returns its connection's `frames` and `flushes` from the gateway's
