@@ -21,13 +21,17 @@ use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::history::{Entry, Type};
+use crate::history::{
+    Action, Done, Entry, EventRef, HintWhy, Invoke, Life, Line, Nemesis, Phase, ProbeLine, Recv,
+    Store, Type, Via, MALFORMED_REPLY,
+};
+use crate::nemesis::schedule::FaultKind;
 use crate::util::nearest_rank;
 
 /// Version of the `final.json` format; [`load_dir`] refuses any other.
 pub const FINAL_SCHEMA_VERSION: u32 = 1;
-/// Version of the report format.
-pub const REPORT_SCHEMA_VERSION: u32 = 1;
+/// Version of the report format. 2: verdict ERROR with `error`, `stats.malformed`.
+pub const REPORT_SCHEMA_VERSION: u32 = 2;
 
 /// Slack added to the sweep interval before a gap between two sweep hints is late (D5).
 const SWEEP_SLACK_MS: f64 = 1000.0;
@@ -251,13 +255,16 @@ impl Anomaly {
     }
 }
 
-/// PASS iff there is no anomaly.
+/// PASS iff there is no anomaly; ERROR when the run could not be judged (its history
+/// does not parse, a line could not be written).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Verdict {
     #[serde(rename = "PASS")]
     Pass,
     #[serde(rename = "FAIL")]
     Fail,
+    #[serde(rename = "ERROR")]
+    Error,
 }
 
 /// The checker's judgement of one run.
@@ -272,11 +279,29 @@ pub struct Report {
     /// Every kind with its count, 0 included, so a reader sees what was checked.
     pub counts: BTreeMap<Kind, u64>,
     pub stats: Stats,
+    /// Why the run could not be judged (verdict ERROR).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl Report {
     /// One line: `PASS, 0 anomalies over N entries` or `FAIL: k anomalies: kind=n, ...`.
+    /// The report of a run that could not be judged: verdict ERROR, nothing counted.
+    pub fn error(why: String) -> Report {
+        Report {
+            schema_version: REPORT_SCHEMA_VERSION,
+            verdict: Verdict::Error,
+            anomalies: Vec::new(),
+            counts: BTreeMap::new(),
+            stats: Stats::default(),
+            error: Some(why),
+        }
+    }
+
     pub fn summary(&self) -> String {
+        if let Some(why) = &self.error {
+            return format!("ERROR: the run could not be judged: {why}");
+        }
         if self.verdict == Verdict::Pass {
             return format!("PASS, 0 anomalies over {} entries", self.stats.entries);
         }
@@ -295,7 +320,7 @@ impl Report {
 }
 
 /// Numbers about the run (not judgements).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Stats {
     /// History lines.
     pub entries: u64,
@@ -310,6 +335,9 @@ pub struct Stats {
     pub info_sends: InfoSends,
     /// Ack invokes with `explicit: true` (skipped by `d3-ack-beyond-store`).
     pub explicit_acks: u64,
+    /// Pushes (`recv malformed`) and replies (`info` with `why: malformed-reply`) the
+    /// clients could not read.
+    pub malformed: u64,
     pub probes: ProbeCounts,
     /// Per (device, conv, seq) with a send ok: first store line of that device holding the
     /// seq minus the (first) send ok line, `t_ms`. Negative when the recipient stored it
@@ -406,6 +434,15 @@ pub fn load_dir(dir: &Path) -> anyhow::Result<(Vec<Entry>, Final)> {
     Ok((history, fin))
 }
 
+/// Judges a kept run directory again ([`load_dir`], then [`check`]): a history or final
+/// read that cannot be read is a report with verdict ERROR and the reason, never a pass.
+pub fn judge_dir(dir: &Path) -> Report {
+    match load_dir(dir) {
+        Ok((history, fin)) => check(&history, &fin),
+        Err(e) => Report::error(format!("{e:#}")),
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Judging
 // ---------------------------------------------------------------------------------------
@@ -447,22 +484,8 @@ pub fn check(history: &[Entry], fin: &Final) -> Report {
         anomalies: out,
         counts,
         stats,
+        error: None,
     }
-}
-
-fn s<'v>(v: &'v Value, k: &str) -> Option<&'v str> {
-    v.get(k)?.as_str()
-}
-
-fn n(v: &Value, k: &str) -> Option<i64> {
-    v.get(k)?.as_i64()
-}
-
-fn arr<'v>(v: &'v Value, k: &str) -> &'v [Value] {
-    v.get(k)
-        .and_then(Value::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or(&[])
 }
 
 /// `1, 2, 3` with at most [`LIST_MAX`] items spelled out.
@@ -550,11 +573,11 @@ impl<'a> Ctx<'a> {
         let mut completions = HashMap::new();
         for (p, e) in h.iter().enumerate() {
             pos.insert(e.i, p);
-            match (e.kind, e.op_id) {
-                (Type::Invoke, Some(id)) => {
+            match (&e.line, e.op_id) {
+                (Line::Invoke(_), Some(id)) => {
                     invokes.insert(id, p);
                 }
-                (Type::Ok | Type::Fail | Type::Info, Some(id)) => {
+                (Line::Ok(_) | Line::Fail(_) | Line::Info(_), Some(id)) => {
                     completions.entry(id).or_insert(p);
                 }
                 _ => {}
@@ -589,15 +612,14 @@ impl<'a> Ctx<'a> {
             oks_at: HashMap::new(),
         };
         for e in h {
-            if e.kind != Type::Ok || e.op != "send" {
-                continue;
-            }
-            let (Some(conv), Some(seq), Some(mid)) =
-                (s(&e.value, "conv"), n(&e.value, "seq"), s(&e.value, "mid"))
-            else {
+            let Line::Ok(Done::Send { conv, seq, mid, .. }) = &e.line else {
                 continue;
             };
-            let cmid = cx.invoke_of(e).and_then(|inv| s(&inv.value, "cmid"));
+            let (conv, seq, mid) = (conv.as_str(), *seq, mid.as_str());
+            let cmid = cx.invoke_of(e).and_then(|inv| match &inv.line {
+                Line::Invoke(Invoke::Send { cmid, .. }) => Some(cmid.as_str()),
+                _ => None,
+            });
             cx.oks_at.entry((conv, seq)).or_default().push(e.i);
             cx.send_oks.push(SendOk {
                 line: e.i,
@@ -739,11 +761,14 @@ fn duplicated(cx: &Ctx, out: &mut Vec<Anomaly>) {
 /// Rule 3, `unexpected` (D2: exactly one row per send, hence none without a send): every
 /// row's (sender_device, cmid) was sent by that device.
 fn unexpected(cx: &Ctx, out: &mut Vec<Anomaly>) {
-    let sent: HashSet<(&str, &str)> =
-        cx.h.iter()
-            .filter(|e| e.kind == Type::Invoke && e.op == "send")
-            .filter_map(|e| Some((e.process.as_str(), s(&e.value, "cmid")?)))
-            .collect();
+    let sent: HashSet<(&str, &str)> = cx
+        .h
+        .iter()
+        .filter_map(|e| match &e.line {
+            Line::Invoke(Invoke::Send { cmid, .. }) => Some((e.process.as_str(), cmid.as_str())),
+            _ => None,
+        })
+        .collect();
     for r in &cx.fin.events {
         if sent.contains(&(r.sender_device.as_str(), r.cmid.as_str())) {
             continue;
@@ -762,17 +787,14 @@ fn unexpected(cx: &Ctx, out: &mut Vec<Anomaly>) {
 fn info_sends(cx: &Ctx) -> InfoSends {
     let mut by: BTreeMap<(&str, &str), (bool, bool)> = BTreeMap::new();
     for e in cx.h {
-        if e.kind != Type::Invoke || e.op != "send" {
-            continue;
-        }
-        let Some(cmid) = s(&e.value, "cmid") else {
+        let Line::Invoke(Invoke::Send { cmid, .. }) = &e.line else {
             continue;
         };
         let end = e
             .op_id
             .and_then(|id| cx.completions.get(&id))
-            .map(|&p| cx.h[p].kind);
-        let g = by.entry((&e.process, cmid)).or_default();
+            .map(|&p| cx.h[p].kind());
+        let g = by.entry((&e.process, cmid.as_str())).or_default();
         match end {
             Some(Type::Ok) => g.0 = true,
             Some(Type::Fail) => {}
@@ -874,24 +896,19 @@ fn d3_ack_beyond_store(cx: &Ctx, out: &mut Vec<Anomaly>) {
     };
     for e in cx.h {
         let device = e.process.as_str();
-        match (e.kind, e.op.as_str()) {
-            (Type::Store, "store") => {
-                let Some(conv) = s(&e.value, "conv") else {
-                    continue;
-                };
+        match &e.line {
+            Line::Store(Store::Store { conv, events, .. }) => {
                 let p = st
                     .entry((device, conv))
                     .or_insert_with(|| persisted(device, conv));
-                p.seqs
-                    .extend(arr(&e.value, "events").iter().filter_map(|ev| n(ev, "seq")));
+                p.seqs.extend(events.iter().map(|ev| ev.seq));
             }
-            (Type::Invoke, "ack") => {
-                if e.value.get("explicit").and_then(Value::as_bool) == Some(true) {
-                    continue;
-                }
-                let (Some(conv), Some(seq)) = (s(&e.value, "conv"), n(&e.value, "seq")) else {
-                    continue;
-                };
+            Line::Invoke(Invoke::Ack {
+                conv,
+                seq,
+                explicit: false,
+            }) => {
+                let (conv, seq) = (conv.as_str(), *seq);
                 let p = st
                     .entry((device, conv))
                     .or_insert_with(|| persisted(device, conv));
@@ -916,11 +933,8 @@ fn d3_ack_beyond_store(cx: &Ctx, out: &mut Vec<Anomaly>) {
 fn d3_cursor_unexplained(cx: &Ctx, out: &mut Vec<Anomaly>) {
     let mut acks: HashMap<DevSeq, Vec<(i64, u64)>> = HashMap::new();
     for e in cx.h {
-        if e.kind != Type::Invoke || e.op != "ack" {
-            continue;
-        }
-        if let (Some(conv), Some(seq)) = (s(&e.value, "conv"), n(&e.value, "seq")) {
-            acks.entry((&e.process, conv, seq))
+        if let Line::Invoke(Invoke::Ack { conv, seq, .. }) = &e.line {
+            acks.entry((&e.process, conv, *seq))
                 .or_default()
                 .push((e.wall_us, e.i));
         }
@@ -974,17 +988,11 @@ fn d4_decrease(cx: &Ctx, out: &mut Vec<Anomaly>) {
     // including it, the line that brought that max), ascending by position.
     let mut seen: HashMap<Pair, Vec<(usize, i64, u64)>> = HashMap::new();
     for (p, e) in cx.h.iter().enumerate() {
-        if e.kind != Type::Ok {
-            continue;
-        }
-        let got: Vec<(&str, i64)> = match e.op.as_str() {
-            "ack" => match (s(&e.value, "conv"), n(&e.value, "delivered")) {
-                (Some(c), Some(d)) => vec![(c, d)],
-                _ => continue,
-            },
-            "sub" => arr(&e.value, "convs")
+        let got: Vec<(&str, i64)> = match &e.line {
+            Line::Ok(Done::Ack { conv, delivered }) => vec![(conv, *delivered)],
+            Line::Ok(Done::Sub { convs }) => convs
                 .iter()
-                .filter_map(|c| Some((s(c, "conv")?, n(c, "delivered")?)))
+                .map(|c| (c.conv.as_str(), c.delivered))
                 .collect(),
             _ => continue,
         };
@@ -998,7 +1006,9 @@ fn d4_decrease(cx: &Ctx, out: &mut Vec<Anomaly>) {
                         let inv = cx.h[ip].i;
                         let msg = format!(
                             "{} got delivered {d} for {conv} from {} (invoked line {inv}, answered line {}) after it had received delivered {max} (line {max_line})",
-                            e.process, e.op, e.i
+                            e.process,
+                            e.op(),
+                            e.i
                         );
                         out.push(Anomaly::new(
                             Kind::D4Decrease,
@@ -1034,19 +1044,12 @@ fn d4_decrease(cx: &Ctx, out: &mut Vec<Anomaly>) {
 /// periods.
 fn s1_outside(cx: &Ctx, out: &mut Vec<Anomaly>) {
     for e in cx.h {
-        let (how, events): (&str, Vec<(&str, i64)>) = match (e.kind, e.op.as_str()) {
-            (Type::Recv, "push") => match (s(&e.value, "conv"), n(&e.value, "seq")) {
-                (Some(c), Some(q)) => ("push", vec![(c, q)]),
-                _ => continue,
-            },
-            (Type::Ok, "sync") => {
-                let conv = s(&e.value, "conv");
-                let evs = arr(&e.value, "events")
-                    .iter()
-                    .filter_map(|ev| Some((s(ev, "conv").or(conv)?, n(ev, "seq")?)))
-                    .collect();
-                ("sync", evs)
-            }
+        let (how, events): (&str, Vec<(&str, i64)>) = match &e.line {
+            Line::Recv(Recv::Push(ev)) => ("push", vec![(&ev.conv, ev.seq)]),
+            Line::Ok(Done::Sync { events, .. }) => (
+                "sync",
+                events.iter().map(|ev| (ev.conv.as_str(), ev.seq)).collect(),
+            ),
             _ => continue,
         };
         let device = e.process.as_str();
@@ -1129,60 +1132,70 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
     let mut harmless: HashSet<u64> = HashSet::new();
     for e in cx.h {
         let device = e.process.as_str();
-        match (e.kind, e.op.as_str()) {
-            (Type::Nemesis, "gateway-start") => {
-                sweep_ms = e.value.get("sweep_ms").and_then(Value::as_u64).or(sweep_ms);
-                pending.clear();
-            }
-            (Type::Nemesis, "pg-crash" | "pg-power-cut" | "pg-primary-kill") => {
-                pending.clear();
-                track_period(e, &mut disturbed);
-                db_down = true;
-            }
-            // The database answers again once a restart succeeded or the address moved
-            // to the promoted standby.
-            (Type::Nemesis, "pg-restart" | "db-address-switch") => {
-                pending.clear();
-                track_period(e, &mut disturbed);
-                let restarted = e.op == "db-address-switch"
-                    || (s(&e.value, "phase") == Some("end")
-                        && e.value.get("ok").and_then(Value::as_bool) == Some(true));
-                if restarted {
-                    db_down = false;
+        match &e.line {
+            Line::Nemesis(nem) => {
+                let (phase, action) = (nem.phase, &nem.action);
+                match action {
+                    Action::GatewayStart { sweep_ms: ms, .. } => {
+                        sweep_ms = Some(*ms);
+                        pending.clear();
+                    }
+                    Action::PgCrash(_) | Action::PgPowerCut(_) | Action::PgPrimaryKill(_) => {
+                        pending.clear();
+                        track_period(e.op_id, phase, &mut disturbed);
+                        db_down = true;
+                    }
+                    // The database answers again once a restart succeeded or the address
+                    // moved to the promoted standby.
+                    Action::PgRestart(_) | Action::DbAddressSwitch { .. } => {
+                        pending.clear();
+                        track_period(e.op_id, phase, &mut disturbed);
+                        let restarted = match action {
+                            Action::PgRestart(o) => phase == Phase::End && o.ok == Some(true),
+                            _ => true,
+                        };
+                        if restarted {
+                            db_down = false;
+                        }
+                    }
+                    // A membership change, a reinstall or the heal does not slow the sweep.
+                    Action::Membership { .. } | Action::Reinstall { .. } | Action::Heal { .. } => {}
+                    // Nor does a fault that cannot delay a hint or move a cursor unseen: a
+                    // device killed (its own crash entry ends what it was waiting for), or
+                    // frames dropped or answered with an error by the gateway, except the
+                    // ack's reply (the ack took effect and the sweep stopped hinting, but the
+                    // client never heard).
+                    Action::Fault { .. } | Action::GwFault { .. }
+                        if e.op_id.is_some_and(|id| harmless.contains(&id)) => {}
+                    Action::Fault { .. } | Action::GwFault { .. }
+                        if fault_leaves_the_sweep_alone(action) =>
+                    {
+                        harmless.extend(e.op_id);
+                    }
+                    // Any other fault (a pause, network latency or blackhole, a killed
+                    // backend, a stall of the harness...) may delay the sweep: the rule
+                    // judges only gaps with no fault in force.
+                    _ => {
+                        pending.clear();
+                        track_period(e.op_id, phase, &mut disturbed);
+                    }
                 }
             }
-            // A membership change, a reinstall or the heal does not slow the sweep.
-            (Type::Nemesis, "membership" | "reinstall" | "heal") => {}
-            // Nor does a fault that cannot delay a hint or move a cursor unseen: a device
-            // killed (its own crash entry ends what it was waiting for), or frames dropped
-            // or answered with an error by the gateway, except the ack's reply (the ack
-            // took effect and the sweep stopped hinting, but the client never heard).
-            (Type::Nemesis, "fault") if e.op_id.is_some_and(|id| harmless.contains(&id)) => {}
-            (Type::Nemesis, "fault") if fault_leaves_the_sweep_alone(&e.value) => {
-                harmless.extend(e.op_id);
-            }
-            // Any other fault (a pause, network latency or blackhole, a killed backend...)
-            // may delay the sweep: the rule judges only gaps with no fault in force.
-            (Type::Nemesis, _) => {
-                pending.clear();
-                track_period(e, &mut disturbed);
-            }
-            (Type::Recv, "hint") if !disturbed.is_empty() || db_down => {}
-            (Type::Client, "disconnect" | "crash" | "restart") => {
+            Line::Recv(Recv::Hint { .. }) if !disturbed.is_empty() || db_down => {}
+            Line::Client(Life::Disconnect {} | Life::Crash {} | Life::Restart {}) => {
                 pending.remove(device);
             }
-            (Type::Ok, "ack") => {
-                let (Some(conv), Some(d)) = (s(&e.value, "conv"), n(&e.value, "delivered")) else {
-                    continue;
-                };
+            Line::Ok(Done::Ack { conv, delivered }) => {
                 if let Some(m) = pending.get_mut(device) {
-                    m.retain(|(c, _), h| *c != conv || h.head > d);
+                    m.retain(|(c, _), h| c != conv || h.head > *delivered);
                 }
             }
-            (Type::Recv, "hint") if s(&e.value, "why") == Some("sweep") => {
-                let (Some(conv), Some(head)) = (s(&e.value, "conv"), n(&e.value, "head")) else {
-                    continue;
-                };
+            Line::Recv(Recv::Hint {
+                conv,
+                head,
+                why: HintWhy::Sweep,
+            }) => {
+                let (conv, head) = (conv.as_str(), *head);
                 let this = PendingHint {
                     t_ms: e.t_ms,
                     line: e.i,
@@ -1242,15 +1255,15 @@ fn d5_sweep_late(cx: &Ctx, out: &mut Vec<Anomaly>) -> Vec<f64> {
 /// its hints nor move a cursor without the client hearing of it: a `client-crash`, or a
 /// `gw-fault` that drops a frame or answers it with an error at any point but
 /// `gw.reply.ack`.
-fn fault_leaves_the_sweep_alone(v: &Value) -> bool {
-    match s(v, "kind") {
-        Some("client-crash") => true,
-        Some("gw-fault") => {
-            matches!(s(v, "action"), Some("drop" | "error"))
-                && s(v, "point").is_some_and(|p| p != "gw.reply.ack")
+fn fault_leaves_the_sweep_alone(action: &Action) -> bool {
+    if let Action::Fault { fault, .. } = action {
+        if fault.kind == FaultKind::ClientCrash {
+            return true;
         }
-        _ => false,
     }
+    action
+        .frame_fault()
+        .is_some_and(|(point, act)| matches!(act, "drop" | "error") && point != "gw.reply.ack")
 }
 
 /// Keeps the set of nemesis periods in force: a `start` line opens one (by op id), its
@@ -1260,24 +1273,26 @@ fn fault_leaves_the_sweep_alone(v: &Value) -> bool {
 /// across one. `(from_ms, to_ms)`.
 fn observer_stalls(h: &[Entry]) -> Vec<(f64, f64)> {
     h.iter()
-        .filter(|e| e.kind == Type::Nemesis && e.op == "observer-stall")
-        .filter_map(|e| {
-            let at = |k: &str| e.value.get(k).and_then(Value::as_f64);
-            Some((at("from_ms")?, at("to_ms")?))
+        .filter_map(|e| match &e.line {
+            Line::Nemesis(Nemesis {
+                action: Action::ObserverStall { from_ms, to_ms, .. },
+                ..
+            }) => Some((*from_ms, *to_ms)),
+            _ => None,
         })
         .collect()
 }
 
-fn track_period(e: &Entry, open: &mut HashSet<u64>) {
-    let Some(id) = e.op_id else { return };
-    match s(&e.value, "phase") {
-        Some("start") => {
+fn track_period(op_id: Option<u64>, phase: Phase, open: &mut HashSet<u64>) {
+    let Some(id) = op_id else { return };
+    match phase {
+        Phase::Start => {
             open.insert(id);
         }
-        Some("end") => {
+        Phase::End => {
             open.remove(&id);
         }
-        _ => {}
+        Phase::Instant => {}
     }
 }
 
@@ -1289,29 +1304,20 @@ fn store_mismatch(cx: &Ctx, out: &mut Vec<Anomaly>) {
     let mut received: HashMap<DevSeq, Vec<(&str, u64)>> = HashMap::new();
     for e in cx.h {
         let device = e.process.as_str();
-        match (e.kind, e.op.as_str()) {
-            (Type::Store, "store") => {
-                let Some(conv) = s(&e.value, "conv") else {
-                    continue;
-                };
-                for q in arr(&e.value, "events").iter().filter_map(|ev| n(ev, "seq")) {
-                    stored_at.entry((device, conv, q)).or_insert(e.i);
+        match &e.line {
+            Line::Store(Store::Store { conv, events, .. }) => {
+                for ev in events {
+                    stored_at.entry((device, conv, ev.seq)).or_insert(e.i);
                 }
             }
-            (Type::Recv, "push") | (Type::Ok, "sync") => {
-                let evs: Vec<&Value> = if e.kind == Type::Recv {
-                    vec![&e.value]
-                } else {
-                    arr(&e.value, "events").iter().collect()
+            Line::Recv(Recv::Push(_)) | Line::Ok(Done::Sync { .. }) => {
+                let evs: &[EventRef] = match &e.line {
+                    Line::Recv(Recv::Push(ev)) => std::slice::from_ref(ev),
+                    Line::Ok(Done::Sync { events, .. }) => events,
+                    _ => &[],
                 };
                 for ev in evs {
-                    let (Some(conv), Some(seq), Some(mid)) = (
-                        s(ev, "conv").or(s(&e.value, "conv")),
-                        n(ev, "seq"),
-                        s(ev, "mid"),
-                    ) else {
-                        continue;
-                    };
+                    let (conv, seq, mid) = (ev.conv.as_str(), ev.seq, ev.mid.as_str());
                     let mids = received.entry((device, conv, seq)).or_default();
                     if mids.iter().any(|(m, _)| *m == mid) {
                         continue;
@@ -1360,29 +1366,28 @@ fn store_mismatch(cx: &Ctx, out: &mut Vec<Anomaly>) {
 /// read are ignored.
 fn before_commit(cx: &Ctx, out: &mut Vec<Anomaly>) {
     for e in cx.h {
-        if e.kind != Type::Probe || e.op != "probe" {
-            continue;
-        }
-        let v = &e.value;
-        if !v.get("error").is_none_or(Value::is_null) {
-            continue;
-        }
-        let (Some(of), Some(expect)) = (v.get("of").and_then(Value::as_u64), s(v, "expect_mid"))
+        // A probe that could not read (the database was down) proves nothing.
+        let Line::Probe(ProbeLine::Probe {
+            of,
+            conv,
+            seq,
+            expect_mid: expect,
+            found_mid,
+            error: None,
+        }) = &e.line
         else {
             continue;
         };
-        let found = s(v, "found_mid");
-        if found == Some(expect) {
+        let (of, found) = (*of, found_mid.as_deref());
+        if found == Some(expect.as_str()) {
             continue;
         }
         let Some(src) = cx.line(of) else { continue };
-        let (kind, what) = match (src.kind, src.op.as_str()) {
-            (Type::Ok, "send") => (Kind::ReplyBeforeCommit, "sent reply"),
-            (Type::Recv, "push") => (Kind::PushBeforeCommit, "push"),
+        let (kind, what) = match &src.line {
+            Line::Ok(Done::Send { .. }) => (Kind::ReplyBeforeCommit, "sent reply"),
+            Line::Recv(Recv::Push(_)) => (Kind::PushBeforeCommit, "push"),
             _ => continue,
         };
-        let conv = s(v, "conv").unwrap_or("?");
-        let seq = n(v, "seq").map_or("?".to_string(), |q| q.to_string());
         let found = found.map_or("no row".to_string(), |m| format!("mid {m}"));
         let msg = format!(
             "{}'s {what} {conv}:{seq} (mid {expect}, line {of}) was not visible to another session: found {found} (probe line {})",
@@ -1397,33 +1402,34 @@ fn stats(cx: &Ctx, info_sends: InfoSends, gaps: Vec<f64>) -> Stats {
     let mut ops: BTreeMap<String, OpCounts> = BTreeMap::new();
     let (mut pushes, mut hints, mut stores, mut explicit_acks) = (0, 0, 0, 0);
     let mut probes = ProbeCounts::default();
+    let mut malformed = 0;
     for e in cx.h {
-        match e.kind {
-            Type::Invoke | Type::Ok | Type::Fail | Type::Info => {
-                let c = ops.entry(e.op.clone()).or_default();
-                match e.kind {
-                    Type::Invoke => c.invoke += 1,
-                    Type::Ok => c.ok += 1,
-                    Type::Fail => c.fail += 1,
-                    _ => c.info += 1,
-                }
-                if e.kind == Type::Invoke
-                    && e.op == "ack"
-                    && e.value.get("explicit").and_then(Value::as_bool) == Some(true)
-                {
-                    explicit_acks += 1;
-                }
+        if let Some(op) = e.line.client_op() {
+            let c = ops.entry(op.as_str().to_string()).or_default();
+            match e.kind() {
+                Type::Invoke => c.invoke += 1,
+                Type::Ok => c.ok += 1,
+                Type::Fail => c.fail += 1,
+                _ => c.info += 1,
             }
-            Type::Recv if e.op == "push" => pushes += 1,
-            Type::Recv if e.op == "hint" => hints += 1,
-            Type::Store => stores += 1,
-            Type::Probe => {
+        }
+        match &e.line {
+            Line::Invoke(Invoke::Ack { explicit: true, .. }) => explicit_acks += 1,
+            Line::Recv(Recv::Push(_)) => pushes += 1,
+            Line::Recv(Recv::Hint { .. }) => hints += 1,
+            Line::Recv(Recv::Malformed { .. }) => malformed += 1,
+            Line::Info(c) if c.value.why == MALFORMED_REPLY => malformed += 1,
+            Line::Store(_) => stores += 1,
+            Line::Probe(ProbeLine::Probe {
+                expect_mid,
+                found_mid,
+                error,
+                ..
+            }) => {
                 probes.total += 1;
-                if !e.value.get("error").is_none_or(Value::is_null) {
+                if error.is_some() {
                     probes.errors += 1;
-                } else if s(&e.value, "found_mid").is_some()
-                    && s(&e.value, "found_mid") == s(&e.value, "expect_mid")
-                {
+                } else if found_mid.as_ref() == Some(expect_mid) {
                     probes.visible += 1;
                 }
             }
@@ -1438,14 +1444,14 @@ fn stats(cx: &Ctx, info_sends: InfoSends, gaps: Vec<f64>) -> Stats {
     let mut first_store: HashSet<DevSeq> = HashSet::new();
     let (mut delivery, mut repair) = (Vec::new(), Vec::new());
     for e in cx.h {
-        if e.kind != Type::Store {
-            continue;
-        }
-        let Some(conv) = s(&e.value, "conv") else {
+        let Line::Store(Store::Store {
+            conv, via, events, ..
+        }) = &e.line
+        else {
             continue;
         };
-        let via_sync = s(&e.value, "via") == Some("sync");
-        for q in arr(&e.value, "events").iter().filter_map(|ev| n(ev, "seq")) {
+        let via_sync = *via == Via::Sync;
+        for q in events.iter().map(|ev| ev.seq) {
             if !first_store.insert((&e.process, conv, q)) {
                 continue;
             }
@@ -1467,6 +1473,7 @@ fn stats(cx: &Ctx, info_sends: InfoSends, gaps: Vec<f64>) -> Stats {
         stores,
         info_sends,
         explicit_acks,
+        malformed,
         probes,
         delivery_ms: quantiles(delivery),
         repair_ms: quantiles(repair),
@@ -1505,7 +1512,7 @@ mod tests {
                 Type::Meta,
                 "open",
                 None,
-                json!({"schema_version": 1}),
+                json!({"schema_version": crate::history::SCHEMA_VERSION}),
             );
             b
         }
@@ -1521,17 +1528,25 @@ mod tests {
         ) -> u64 {
             self.t += 1.0;
             let i = self.h.len() as u64;
-            self.h.push(Entry {
-                i,
-                t_ms: self.t,
-                wall_us: WALL0 + (self.t * 1000.0) as i64,
-                process: process.into(),
-                instance,
-                kind,
-                op: op.into(),
-                op_id,
-                value,
+            // Written as a line of history.jsonl and parsed as the checker's reader parses
+            // it: a test line of the wrong shape fails here, loudly.
+            let mut value = value;
+            let mut line = json!({
+                "i": i, "t_ms": self.t, "wall_us": WALL0 + (self.t * 1000.0) as i64,
+                "process": process, "instance": instance, "type": kind, "op": op,
+                "op_id": op_id,
             });
+            if kind == Type::Nemesis {
+                let phase = value
+                    .as_object_mut()
+                    .and_then(|o| o.remove("phase"))
+                    .unwrap_or(json!("instant"));
+                line["phase"] = phase;
+            }
+            line["value"] = value;
+            let e: Entry = serde_json::from_value(line.clone())
+                .unwrap_or_else(|err| panic!("test line {line} does not parse: {err}"));
+            self.h.push(e);
             i
         }
 
@@ -1681,7 +1696,7 @@ mod tests {
                 Type::Nemesis,
                 "gateway-start",
                 None,
-                json!({"fault": null, "sweep_ms": sweep_ms, "bug": null, "phase": "instant"}),
+                json!({"gateway": 0, "fault": null, "sweep_ms": sweep_ms, "bug": null, "phase": "instant"}),
             )
         }
 
@@ -1805,6 +1820,58 @@ mod tests {
 
     #[test]
     fn a_clean_realistic_history_passes_with_every_count_zero() {
+        let (b, f) = realistic();
+        let r = check(&b.h, &f);
+        assert_eq!(r.anomalies, vec![], "{}", r.summary());
+        assert_eq!(r.verdict, Verdict::Pass);
+        assert_eq!(r.counts.len(), 13);
+        assert!(Kind::ALL.iter().all(|k| r.counts[k] == 0));
+        let json = serde_json::to_value(&r).unwrap();
+        for k in Kind::ALL {
+            assert_eq!(json["counts"][k.as_str()], json!(0), "{k}");
+        }
+        assert_eq!(json["verdict"], json!("PASS"));
+        assert_eq!(
+            r.summary(),
+            format!("PASS, 0 anomalies over {} entries", b.h.len())
+        );
+        assert_eq!(
+            r.stats.ops["send"],
+            OpCounts {
+                invoke: 2,
+                ok: 2,
+                fail: 0,
+                info: 0
+            }
+        );
+        assert_eq!(r.stats.ops["ack"].ok, 4);
+        assert_eq!((r.stats.pushes, r.stats.hints, r.stats.stores), (3, 1, 4));
+        assert_eq!(
+            r.stats.probes,
+            ProbeCounts {
+                total: 3,
+                visible: 3,
+                errors: 0
+            }
+        );
+        assert_eq!(r.stats.delivery_ms.n, 4);
+        assert_eq!(r.stats.repair_ms.n, 1);
+        assert!(r.stats.repair_ms.p50.unwrap() > 900.0);
+        assert_eq!(
+            r.stats.sweep_hint_gaps_ms,
+            GapQuantiles {
+                n: 0,
+                p50: None,
+                max: None
+            }
+        );
+        let back: Report = serde_json::from_value(json).unwrap();
+        assert_eq!(back, r);
+    }
+
+    /// Two devices, two messages, one push lost and repaired by a sweep hint and a sync:
+    /// a history every rule passes, and its final read.
+    fn realistic() -> (B, Final) {
         let mut b = B::new();
         b.client("a1", "create");
         b.client("b1", "create");
@@ -1860,53 +1927,128 @@ mod tests {
         f.liveness
             .missing
             .insert("b1".into(), BTreeMap::from([("c1".to_string(), vec![])]));
+        (b, f)
+    }
 
-        let r = check(&b.h, &f);
-        assert_eq!(r.anomalies, vec![], "{}", r.summary());
-        assert_eq!(r.verdict, Verdict::Pass);
-        assert_eq!(r.counts.len(), 13);
-        assert!(Kind::ALL.iter().all(|k| r.counts[k] == 0));
-        let json = serde_json::to_value(&r).unwrap();
-        for k in Kind::ALL {
-            assert_eq!(json["counts"][k.as_str()], json!(0), "{k}");
+    /// Every key of `v`, at any depth, as a path of keys and array indexes.
+    fn key_paths(v: &Value, at: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+        match v {
+            Value::Object(o) => {
+                for (k, x) in o {
+                    at.push(k.clone());
+                    out.push(at.clone());
+                    key_paths(x, at, out);
+                    at.pop();
+                }
+            }
+            Value::Array(xs) => {
+                for (i, x) in xs.iter().enumerate() {
+                    at.push(format!("[{i}]"));
+                    key_paths(x, at, out);
+                    at.pop();
+                }
+            }
+            _ => {}
         }
-        assert_eq!(json["verdict"], json!("PASS"));
-        assert_eq!(
-            r.summary(),
-            format!("PASS, 0 anomalies over {} entries", b.h.len())
+    }
+
+    /// Renames the last key of `path` in `v` (appends `_renamed`).
+    fn rename(v: &mut Value, path: &[String]) {
+        let (last, parents) = path.split_last().unwrap();
+        let mut at = v;
+        for p in parents {
+            at = match p.strip_prefix('[').and_then(|p| p.strip_suffix(']')) {
+                Some(i) => &mut at[i.parse::<usize>().unwrap()],
+                None => &mut at[p.as_str()],
+            };
+        }
+        let o = at.as_object_mut().unwrap();
+        let x = o.remove(last).unwrap();
+        o.insert(format!("{last}_renamed"), x);
+    }
+
+    /// Issue 20: a history field renamed (by another version of the recorder, or by hand)
+    /// makes the judgement ERROR, not a rule that skips the line and passes. Every key of
+    /// every line of a history holding every kind of line the checker reads, at any depth,
+    /// is renamed in turn: each time the history no longer parses, naming the line; and
+    /// the judgement of the run directory is ERROR.
+    #[test]
+    fn a_renamed_history_field_makes_the_judgement_error_never_a_skip() {
+        let (mut b, f) = realistic();
+        b.gateway_start(1000);
+        let fault = json!({"id": 3, "at_ms": 10, "end_ms": 20, "target": "gateway",
+                           "kind": "gw-fault", "point": "gw.push", "action": "drop"});
+        for phase in ["start", "end"] {
+            let v = json!({"phase": phase, "fault": fault.clone(), "healed": false});
+            b.line("harness", 0, Type::Nemesis, "fault", Some(90), v);
+        }
+        for v in [
+            json!({"phase": "start"}),
+            json!({"phase": "end", "ok": true, "error": null}),
+        ] {
+            b.line("harness", 0, Type::Nemesis, "pg-crash", Some(91), v);
+        }
+        b.line(
+            "harness",
+            0,
+            Type::Nemesis,
+            "observer-stall",
+            None,
+            json!({"from_ms": 1.0, "to_ms": 300.0, "cause": "test"}),
         );
-        assert_eq!(
-            r.stats.ops["send"],
-            OpCounts {
-                invoke: 2,
-                ok: 2,
-                fail: 0,
-                info: 0
+        b.send_info("a1", "c1", "x9");
+        b.probe(3, "c1", 1, "m1", None, Some("down"));
+        let tmp = tempfile::Builder::new()
+            .prefix("imfault-rename-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
+        let lines: Vec<Value> =
+            b.h.iter()
+                .map(|e| serde_json::to_value(e).unwrap())
+                .collect();
+        let text = |lines: &[Value]| {
+            lines
+                .iter()
+                .map(|l| l.to_string() + "\n")
+                .collect::<String>()
+        };
+        std::fs::write(dir.join("history.jsonl"), text(&lines)).unwrap();
+        std::fs::write(dir.join("final.json"), serde_json::to_string(&f).unwrap()).unwrap();
+        assert_eq!(judge_dir(dir).verdict, Verdict::Pass);
+
+        let mut renamed = 0;
+        for (n, line) in lines.iter().enumerate() {
+            let mut paths = Vec::new();
+            key_paths(line, &mut Vec::new(), &mut paths);
+            for path in paths {
+                let mut edited = lines.clone();
+                rename(&mut edited[n], &path);
+                let e = format!("{:#}", crate::history::parse(&text(&edited)).unwrap_err());
+                assert!(
+                    e.contains(&format!("line {}", n + 1)),
+                    "renaming {path:?} of line {}: {e}",
+                    n + 1
+                );
+                renamed += 1;
             }
-        );
-        assert_eq!(r.stats.ops["ack"].ok, 4);
-        assert_eq!((r.stats.pushes, r.stats.hints, r.stats.stores), (3, 1, 4));
-        assert_eq!(
-            r.stats.probes,
-            ProbeCounts {
-                total: 3,
-                visible: 3,
-                errors: 0
-            }
-        );
-        assert_eq!(r.stats.delivery_ms.n, 4);
-        assert_eq!(r.stats.repair_ms.n, 1);
-        assert!(r.stats.repair_ms.p50.unwrap() > 900.0);
-        assert_eq!(
-            r.stats.sweep_hint_gaps_ms,
-            GapQuantiles {
-                n: 0,
-                p50: None,
-                max: None
-            }
-        );
-        let back: Report = serde_json::from_value(json).unwrap();
-        assert_eq!(back, r);
+        }
+        assert!(renamed > 300, "{renamed}");
+
+        // End to end, from the run directory: the mid of a `sent` reply renamed.
+        let ok = lines
+            .iter()
+            .position(|l| l["type"] == "ok" && l["op"] == "send")
+            .unwrap();
+        let mut edited = lines.clone();
+        rename(&mut edited[ok], &["value".into(), "mid".into()]);
+        std::fs::write(dir.join("history.jsonl"), text(&edited)).unwrap();
+        let r = judge_dir(dir);
+        assert_eq!(r.verdict, Verdict::Error);
+        let why = r.error.as_deref().unwrap();
+        assert!(why.contains(&format!("line {}", ok + 1)), "{why}");
+        assert!(r.summary().starts_with("ERROR"), "{}", r.summary());
+        assert_eq!(serde_json::to_value(&r).unwrap()["verdict"], json!("ERROR"));
     }
 
     #[test]
@@ -2438,7 +2580,7 @@ mod tests {
             Type::Nemesis,
             "db-address-switch",
             None,
-            json!({"phase": "instant"}),
+            json!({"phase": "instant", "to": "127.0.0.1:5433"}),
         );
         b.hint("b1", "c1", 2, "sweep");
         b.wait(2500.0);
@@ -2490,6 +2632,8 @@ mod tests {
     /// nothing; a late gap with no fault in force is still caught.
     #[test]
     fn sweep_hints_are_not_judged_while_a_fault_is_in_force() {
+        let pause = json!({"id": 1, "at_ms": 100, "end_ms": 6100, "target": "gateway",
+                           "kind": "gw-pause"});
         let mut b = B::new();
         b.gateway_start(1000);
         b.hint("b1", "c1", 2, "sweep");
@@ -2498,9 +2642,9 @@ mod tests {
             "harness",
             0,
             Type::Nemesis,
-            "gw-pause",
+            "fault",
             Some(77),
-            json!({"phase": "start"}),
+            json!({"phase": "start", "fault": pause.clone(), "healed": false}),
         );
         b.wait(3000.0);
         b.hint("b1", "c1", 2, "sweep");
@@ -2510,9 +2654,9 @@ mod tests {
             "harness",
             0,
             Type::Nemesis,
-            "gw-pause",
+            "fault",
             Some(77),
-            json!({"phase": "end"}),
+            json!({"phase": "end", "fault": pause, "healed": false}),
         );
         b.wait(900.0);
         b.hint("b1", "c1", 2, "sweep");
@@ -2525,7 +2669,8 @@ mod tests {
             Type::Nemesis,
             "membership",
             None,
-            json!({"phase": "instant", "action": "join", "conv": "c1", "user": "carol"}),
+            json!({"phase": "instant", "action": "join", "conv": "c1", "user": "carol",
+                   "applied_by_an_earlier_attempt": false}),
         );
         b.wait(2500.0);
         let h = b.hint("b1", "c1", 2, "sweep");
@@ -2540,11 +2685,9 @@ mod tests {
     #[test]
     fn sweep_hints_are_judged_while_a_harmless_fault_is_in_force() {
         let fault = |b: &mut B, id: u64, point: &str, phase: &str| {
-            let v = if phase == "start" {
-                json!({"phase": "start", "kind": "gw-fault", "point": point, "action": "drop"})
-            } else {
-                json!({"phase": "end", "kind": "gw-fault"})
-            };
+            let f = json!({"id": id, "at_ms": 0, "end_ms": 2000, "target": "gateway",
+                           "kind": "gw-fault", "point": point, "action": "drop"});
+            let v = json!({"phase": phase, "fault": f, "healed": false});
             b.line("harness", 0, Type::Nemesis, "fault", Some(id), v);
         };
         let mut b = B::new();

@@ -16,7 +16,7 @@ use anyhow::Context;
 use crate::checker::{self, Report};
 use crate::client::Client;
 use crate::gateway::{self, Gateway, GatewayOpts};
-use crate::history::{self, History, Type};
+use crate::history::{self, Action, Done, History, Join, Life, Line, Meta, Outcome};
 use crate::pg::{Cluster, ClusterOpts};
 use crate::proxy::Proxy;
 use serde_json::{json, Value};
@@ -121,6 +121,8 @@ pub struct ArmedFault {
     pub point: String,
     /// Its history period.
     id: u64,
+    /// What its start recorded (its end records the same).
+    armed: Action,
 }
 
 /// What [`World::judge`] found.
@@ -206,13 +208,12 @@ impl World {
     /// killed at once, unsynced writes thrown away, the layer remounted. Returns what the
     /// cut dropped. [`World::restart_pg`] then recovers on what remains.
     pub async fn power_cut_pg(&mut self) -> anyhow::Result<crate::lazyfs::Cut> {
-        let id = self.hist.nemesis_start("pg-power-cut", json!({}));
+        let id = self
+            .hist
+            .nemesis_start(Action::PgPowerCut(Outcome::default()));
         let r = self.pg.power_cut().await;
-        self.hist.nemesis_end(
-            "pg-power-cut",
-            id,
-            json!({"ok": r.is_ok(), "cut": r.as_ref().ok(), "error": err_text(&r)}),
-        );
+        self.hist
+            .nemesis_end(id, Action::PgPowerCut(Outcome::of(&r, |cut| *cut)));
         r
     }
 
@@ -228,31 +229,32 @@ impl World {
         // The machine's network goes with it: replication bytes still on their way (held
         // back by the link's delay) never reach the standby.
         f.link.cut();
-        self.hist.nemesis_instant("replication-link-cut", json!({}));
-        let id = self.hist.nemesis_start("pg-primary-kill", json!({}));
+        self.hist.nemesis_instant(Action::ReplicationLinkCut {});
+        let id = self
+            .hist
+            .nemesis_start(Action::PgPrimaryKill(Outcome::default()));
         let r = self.pg.kill_all().await;
-        self.hist.nemesis_end(
-            "pg-primary-kill",
-            id,
-            json!({"ok": r.is_ok(), "error": err_text(&r)}),
-        );
+        self.hist
+            .nemesis_end(id, Action::PgPrimaryKill(Outcome::done(&r)));
         r?;
         let killed_ms = t0.elapsed().as_secs_f64() * 1000.0;
         let f = self.failover.as_mut().expect("checked above");
-        let id = self.hist.nemesis_start("pg-promote", json!({}));
+        let id = self
+            .hist
+            .nemesis_start(Action::PgPromote(Outcome::default()));
         let r = f.standby.promote().await;
-        self.hist.nemesis_end(
-            "pg-promote",
-            id,
-            json!({"ok": r.is_ok(), "error": err_text(&r)}),
-        );
+        self.hist
+            .nemesis_end(id, Action::PgPromote(Outcome::done(&r)));
         r?;
         f.promoted = true;
         let promoted_ms = t0.elapsed().as_secs_f64() * 1000.0;
         let to = std::net::SocketAddr::from(([127, 0, 0, 1], f.standby.port()));
         f.proxy.switch(to);
-        self.hist
-            .nemesis_instant("db-address-switch", json!({"to": to.to_string()}));
+        self.hist.nemesis_instant(Action::DbAddressSwitch {
+            to: to.to_string(),
+            port: None,
+            by: None,
+        });
         Ok(json!({
             "primary_killed_ms": killed_ms,
             "standby_promoted_ms": promoted_ms,
@@ -280,34 +282,31 @@ impl World {
         within: Duration,
     ) -> anyhow::Result<std::process::ExitStatus> {
         let status = self.gw_at_mut(i).wait_exit(within).await?;
-        self.hist.nemesis_instant(
-            "gateway-exit",
-            json!({"gateway": i, "status": self.gw_at(i).exit_code(), "raw": status.to_string()}),
-        );
+        self.hist.nemesis_instant(Action::GatewayExit {
+            gateway: Some(i),
+            status: self.gw_at(i).exit_code(),
+            raw: status.to_string(),
+        });
         Ok(status)
     }
 
     /// Crashes PostgreSQL (immediate shutdown), recorded as a nemesis action.
     pub async fn crash_pg(&mut self) -> anyhow::Result<()> {
-        let id = self.hist.nemesis_start("pg-crash", json!({}));
+        let id = self.hist.nemesis_start(Action::PgCrash(Outcome::default()));
         let r = self.pg.crash().await;
-        self.hist.nemesis_end(
-            "pg-crash",
-            id,
-            json!({"ok": r.is_ok(), "error": err_text(&r)}),
-        );
+        self.hist
+            .nemesis_end(id, Action::PgCrash(Outcome::done(&r)));
         r
     }
 
     /// Starts PostgreSQL again after a crash (recovery), recorded as a nemesis action.
     pub async fn restart_pg(&mut self) -> anyhow::Result<()> {
-        let id = self.hist.nemesis_start("pg-restart", json!({}));
+        let id = self
+            .hist
+            .nemesis_start(Action::PgRestart(Outcome::default()));
         let r = self.pg.restart().await;
-        self.hist.nemesis_end(
-            "pg-restart",
-            id,
-            json!({"ok": r.is_ok(), "error": err_text(&r)}),
-        );
+        self.hist
+            .nemesis_end(id, Action::PgRestart(Outcome::done(&r)));
         r
     }
 
@@ -318,10 +317,10 @@ impl World {
             .fetch_one(&self.pool().await?)
             .await
             .context("pg_terminate_backend")?;
-        self.hist.nemesis_instant(
-            "pg-terminate-backend",
-            json!({"pid": pid, "terminated": killed}),
-        );
+        self.hist.nemesis_instant(Action::PgTerminateBackend {
+            pid,
+            terminated: killed,
+        });
         Ok(killed)
     }
 
@@ -363,14 +362,18 @@ impl World {
             .context("a fault spec is point:action…")?
             .to_string();
         self.gw_at(i).control(&format!("arm {spec}")).await?;
-        let id = self.hist.nemesis_start(
-            "fault",
-            json!({"kind": "gw-fault", "point": point, "action": action, "spec": spec, "gateway": i}),
-        );
+        let armed = Action::GwFault {
+            point: point.clone(),
+            action,
+            spec: spec.to_string(),
+            gateway: i,
+        };
+        let id = self.hist.nemesis_start(armed.clone());
         Ok(ArmedFault {
             gateway: i,
             point,
             id,
+            armed,
         })
     }
 
@@ -379,11 +382,7 @@ impl World {
         self.gw_at(f.gateway)
             .control(&format!("disarm {}", f.point))
             .await?;
-        self.hist.nemesis_end(
-            "fault",
-            f.id,
-            json!({"kind": "gw-fault", "point": f.point, "gateway": f.gateway}),
-        );
+        self.hist.nemesis_end(f.id, f.armed);
         Ok(())
     }
 
@@ -406,12 +405,10 @@ impl World {
     /// SIGKILLs gateway `i` if it still runs, recorded as a nemesis action.
     pub fn kill_gateway_at(&mut self, i: usize) {
         if self.gw_at_mut(i).try_exit_status().is_none() {
-            let id = self
-                .hist
-                .nemesis_start("gateway-kill", json!({"gateway": i}));
+            let id = self.hist.nemesis_start(Action::GatewayKill { gateway: i });
             self.gw_at_mut(i).kill();
             self.hist
-                .nemesis_end("gateway-kill", id, json!({"gateway": i}));
+                .nemesis_end(id, Action::GatewayKill { gateway: i });
         }
     }
 
@@ -509,28 +506,25 @@ impl World {
     /// `im-gateway admin join CONV USER`: opens a membership period.
     pub async fn join(&self, conv: &str, user: &str) -> anyhow::Result<()> {
         gateway::admin(&self.db_url, &["join", conv, user]).await?;
-        self.hist.nemesis_instant(
-            "membership",
-            json!({"action": "join", "conv": conv, "user": user}),
-        );
+        self.hist
+            .nemesis_instant(membership(Join::Join, conv, user));
         Ok(())
     }
 
     /// `im-gateway admin leave CONV USER`: closes the open membership period.
     pub async fn leave(&self, conv: &str, user: &str) -> anyhow::Result<()> {
         gateway::admin(&self.db_url, &["leave", conv, user]).await?;
-        self.hist.nemesis_instant(
-            "membership",
-            json!({"action": "leave", "conv": conv, "user": user}),
-        );
+        self.hist
+            .nemesis_instant(membership(Join::Leave, conv, user));
         Ok(())
     }
 
     /// `im-gateway admin reinstall-device DEVICE`; returns the new token.
     pub async fn reinstall_device(&self, device: &str) -> anyhow::Result<String> {
         let token = gateway::admin(&self.db_url, &["reinstall-device", device]).await?;
-        self.hist
-            .nemesis_instant("reinstall", json!({"device": device}));
+        self.hist.nemesis_instant(Action::Reinstall {
+            device: device.to_string(),
+        });
         single_line_token(token, "reinstall-device")
     }
 
@@ -685,18 +679,23 @@ async fn start_standby(pg: &Cluster, r: Replication) -> anyhow::Result<Failover>
     })
 }
 
-/// The error of `r` as text, for a nemesis record (null when `r` is Ok).
-fn err_text<T>(r: &anyhow::Result<T>) -> Option<String> {
-    r.as_ref().err().map(|e| format!("{e:#}"))
+/// A membership change, as the history records it.
+fn membership(action: Join, conv: &str, user: &str) -> Action {
+    Action::Membership {
+        action,
+        conv: conv.to_string(),
+        user: user.to_string(),
+        applied_by_an_earlier_attempt: false,
+    }
 }
 
 fn record_gateway_start(hist: &History, i: usize, opts: &GatewayOpts) {
-    hist.nemesis_instant(
-        "gateway-start",
-        json!({"gateway": i, "fault": opts.fault,
-               "sweep_ms": opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT),
-               "bug": gateway::gateway_bug()}),
-    );
+    hist.nemesis_instant(Action::GatewayStart {
+        gateway: i,
+        fault: opts.fault.clone(),
+        sweep_ms: opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT),
+        bug: gateway::gateway_bug(),
+    });
 }
 
 /// Devices whose client is connected and subscribed at the end of the history: per device
@@ -705,11 +704,11 @@ fn live_devices(entries: &[history::Entry]) -> BTreeSet<String> {
     let mut subscribed: HashMap<(String, u64), bool> = HashMap::new();
     for e in entries {
         let key = (e.process.clone(), e.instance);
-        match (e.kind, e.op.as_str()) {
-            (Type::Ok, "sub") => {
+        match &e.line {
+            Line::Ok(Done::Sub { .. }) => {
                 subscribed.insert(key, true);
             }
-            (Type::Ok, "connect") | (Type::Client, "disconnect" | "crash") => {
+            Line::Ok(Done::Connect {}) | Line::Client(Life::Disconnect {} | Life::Crash {}) => {
                 subscribed.insert(key, false);
             }
             _ => {}
@@ -727,7 +726,9 @@ impl World {
     /// connected, subscribed device holds every event visible to it, at most until sweep
     /// interval + 1 s after the last fault or send (D5); takes the final read of the
     /// database and of every client state file; writes `final.json` and `report.json`
-    /// beside `history.jsonl`; and runs the checker over the whole history.
+    /// beside `history.jsonl`; and runs the checker over the whole history as read back
+    /// from `history.jsonl`. A history that does not parse is an error (`report.json` says
+    /// ERROR and why): no caller can take it for a pass.
     pub async fn judge(&self) -> anyhow::Result<Judgement> {
         let hist = &self.hist;
         hist.wait_probes(Duration::from_secs(3)).await;
@@ -743,7 +744,7 @@ impl World {
         // The liveness clock starts at the last fault (nemesis) or acknowledged send.
         let from_ms = entries
             .iter()
-            .filter(|e| e.kind == Type::Nemesis || (e.kind == Type::Ok && e.op == "send"))
+            .filter(|e| matches!(e.line, Line::Nemesis(_) | Line::Ok(Done::Send { .. })))
             .map(|e| e.t_ms)
             .fold(0.0, f64::max);
         let deadline_ms = from_ms + bound_ms as f64;
@@ -760,13 +761,24 @@ impl World {
         let fin = self
             .final_read(&pool, sweep_ms, &live, bound_ms, waited_ms, missing)
             .await?;
-        hist.record("harness", 0, Type::Meta, "final", None, json!({}));
+        hist.record("harness", 0, None, Line::Meta(Meta::Final {}));
         let dir = self.pg.work_dir().to_path_buf();
         write_json(&dir.join("final.json"), &fin)?;
         let fin: checker::Final =
             serde_json::from_value(fin).context("the final read does not fit checker::Final")?;
-        let report = checker::check(&hist.entries(), &fin);
+        // The file a reviewer keeps is what is judged: a line that cannot be read back
+        // makes the judgement ERROR, never a line a rule skips.
+        let report = match hist.read_back() {
+            Ok(entries) => checker::check(&entries, &fin),
+            Err(e) => checker::Report::error(format!("{e:#}")),
+        };
         write_json(&dir.join("report.json"), &report)?;
+        if let Some(why) = &report.error {
+            anyhow::bail!(
+                "the run in {} could not be judged (verdict ERROR): {why}",
+                dir.display()
+            );
+        }
         Ok(Judgement { report, dir })
     }
 

@@ -5,6 +5,7 @@
 use futures_util::future::join_all;
 use harness::client::{Client, ClientError, ClientOptions, CrashAt};
 use harness::gateway::GatewayOpts;
+use harness::history::{Action, Line, Outcome, Recv};
 use harness::pg::ClusterOpts;
 use harness::util::{poll, wait_until};
 use harness::world::{Replication, World, WorldOpts};
@@ -1671,11 +1672,8 @@ async fn failover_check(id: &str, synchronous: bool) {
         let mut pushed_then_gone = 0;
         let mut seq_reused = 0;
         for e in w.history().entries() {
-            if e.kind == harness::history::Type::Recv && e.op == "push" {
-                let (Some(seq), Some(mid)) = (e.value["seq"].as_i64(), e.value["mid"].as_str())
-                else {
-                    continue;
-                };
+            if let Line::Recv(Recv::Push(ev)) = &e.line {
+                let (seq, mid) = (ev.seq, ev.mid.as_str());
                 match db.get(&seq) {
                     None => pushed_then_gone += 1,
                     Some(m) if m != mid => seq_reused += 1,
@@ -1862,12 +1860,17 @@ async fn im06_failover_pg_auto_failover() {
         let hist = w.history().clone();
         let fail_at = async {
             let rate = load.wait_acked(200).await;
-            let id = hist.nemesis_start("pg-primary-kill", json!({"node": "primary"}));
+            let id = hist.nemesis_start(Action::PgPrimaryKill(Outcome {
+                node: Some("primary".into()),
+                ..Outcome::default()
+            }));
             let crash = formation.crash_primary().await;
             hist.nemesis_end(
-                "pg-primary-kill",
                 id,
-                json!({"ok": crash.is_ok(), "node": crash.as_ref().ok().map(|c| c.node.clone())}),
+                Action::PgPrimaryKill(Outcome {
+                    node: crash.as_ref().ok().map(|c| c.node.clone()),
+                    ..Outcome::done(&crash)
+                }),
             );
             load.stop.store(true, std::sync::atomic::Ordering::SeqCst);
             anyhow::Ok((rate, crash?))
@@ -1906,10 +1909,11 @@ async fn im06_failover_pg_auto_failover() {
             .wait_switch(crash.port, Duration::from_secs(5))
             .await;
         if let Some(s) = &switch {
-            w.history().nemesis_instant(
-                "db-address-switch",
-                json!({"to": s.node, "port": s.port, "by": "the monitor's get_primary()"}),
-            );
+            w.history().nemesis_instant(Action::DbAddressSwitch {
+                to: s.node.clone(),
+                port: Some(s.port),
+                by: Some("the monitor's get_primary()".into()),
+            });
         }
         let detected_ms =
             formation.first_change_after(crash.at, |s| s.node == crash.node && s.goal != "primary");

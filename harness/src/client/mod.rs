@@ -54,7 +54,7 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 
-use crate::history::{History, Type};
+use crate::history::{History, Life, Line};
 
 pub use delivery::{AckPolicy, Delivery, HintAck};
 pub use observe::ClientStats;
@@ -410,7 +410,7 @@ impl Client {
         }
         let file = StateFile::new(device, token, epoch);
         let client = Client::from_file(state_path, file)?;
-        client.inner.rec(Type::Client, "create", None, json!({}));
+        client.inner.rec(None, Line::Client(Life::Create {}));
         {
             let mut st = client.inner.lock();
             client
@@ -425,7 +425,7 @@ impl Client {
     pub fn load(state_path: &Path) -> anyhow::Result<Client> {
         let file = StateFile::read(state_path)?;
         let client = Client::from_file(state_path, file)?;
-        client.inner.rec(Type::Client, "restart", None, json!({}));
+        client.inner.rec(None, Line::Client(Life::Restart {}));
         Ok(client)
     }
 
@@ -649,7 +649,7 @@ impl Client {
     /// ack. The state file stays as it was; `Client::load` models the restart.
     pub async fn crash(mut self) {
         self.inner.lock().dead = true;
-        self.inner.rec(Type::Client, "crash", None, json!({}));
+        self.inner.rec(None, Line::Client(Life::Crash {}));
         self.drop_connection().await;
     }
 

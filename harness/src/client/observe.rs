@@ -6,10 +6,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::{field_i64, field_str, Client, ClientError, Inner};
-use crate::history::Type;
+use crate::history::{
+    Completion, Done, EventRef, HintWhy, Line, OpName, Recv, Refused, Store, StoredRef, Unsure,
+    Via, MALFORMED_REPLY,
+};
 
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ClientStats {
@@ -57,113 +60,101 @@ const DEFINITE_ERROR_CODES: [&str; 7] = [
     "CURSOR_AHEAD",
 ];
 
-/// The invoke value of a request frame: the frame without `t`, `rid`, secrets and bodies.
-pub(super) fn invoke_value(frame: &Value) -> Value {
-    let mut v = frame.clone();
-    if let Some(o) = v.as_object_mut() {
-        o.remove("t");
-        o.remove("rid");
-        o.remove("token");
-        if let Some(body) = o.remove("body") {
-            let len = body.as_str().map_or(0, str::len);
-            o.insert("body_len".into(), json!(len));
-        }
-    }
-    v
-}
-
-/// The pieces of an `ev` object the history keeps (no body, no time).
-fn event_summary(ev: &Value) -> Value {
-    json!({"conv": ev.get("conv"), "seq": ev.get("seq"), "mid": ev.get("mid"),
-           "sender": ev.get("sender"), "cmid": ev.get("cmid")})
-}
-
-/// How a request ended, as a history line: its type and value.
-pub(super) fn completion(r: &Result<Value, ClientError>) -> (Type, Value) {
+/// How a request of `op` ended, as a history line. A success reply that is not the shape
+/// `op` is answered with is `info` (`malformed-reply`): the client could not learn what
+/// happened.
+pub(super) fn completion(op: OpName, r: &Result<Value, ClientError>) -> Line {
+    let unsure = |why: &str, msg: Option<String>| {
+        Line::Info(Completion {
+            op,
+            value: Unsure {
+                why: why.to_string(),
+                msg,
+            },
+        })
+    };
     match r {
-        Ok(reply) => {
-            let mut v = reply.clone();
-            if let Some(o) = v.as_object_mut() {
-                o.remove("t");
-                o.remove("rid");
-                if let Some(Value::Array(evs)) = o.get_mut("events") {
-                    for ev in evs.iter_mut() {
-                        *ev = event_summary(ev);
-                    }
-                }
-            }
-            (Type::Ok, v)
-        }
+        Ok(reply) => match Done::of_reply(op, reply) {
+            Ok(done) => Line::Ok(done),
+            Err(defect) => unsure(MALFORMED_REPLY, Some(defect)),
+        },
         Err(ClientError::Server { code, msg, .. })
             if DEFINITE_ERROR_CODES.contains(&code.as_str()) =>
         {
-            (Type::Fail, json!({"code": code, "msg": msg}))
+            Line::Fail(Completion {
+                op,
+                value: Refused {
+                    code: Some(code.clone()),
+                    msg: msg.clone(),
+                },
+            })
         }
-        Err(ClientError::Server { code, .. }) => (Type::Info, json!({"why": code})),
-        Err(ClientError::Timeout) => (Type::Info, json!({"why": "timeout"})),
-        Err(ClientError::Disconnected) => (Type::Info, json!({"why": "disconnected"})),
-        Err(ClientError::Other(e)) => {
-            (Type::Info, json!({"why": "other", "msg": format!("{e:#}")}))
-        }
+        Err(ClientError::Server { code, .. }) => unsure(code, None),
+        Err(ClientError::Timeout) => unsure("timeout", None),
+        Err(ClientError::Disconnected) => unsure("disconnected", None),
+        Err(ClientError::Other(e)) => unsure("other", Some(format!("{e:#}"))),
     }
 }
 
 impl Inner {
     /// Appends a history line for this client (no-op without a history).
-    pub(super) fn rec(
-        &self,
-        kind: Type,
-        op: &str,
-        op_id: Option<u64>,
-        value: Value,
-    ) -> Option<u64> {
+    pub(super) fn rec(&self, op_id: Option<u64>, line: Line) -> Option<u64> {
         self.hist
             .as_ref()
-            .map(|h| h.record(&self.device, self.instance, kind, op, op_id, value))
+            .map(|h| h.record(&self.device, self.instance, op_id, line))
     }
 
     /// Records events just persisted (call right after a successful `persist`).
-    pub(super) fn rec_store(&self, conv: &str, via: &str, events: &[(i64, Value)], cursor: i64) {
+    pub(super) fn rec_store(&self, conv: &str, via: Via, events: &[(i64, Value)], cursor: i64) {
         if events.is_empty() {
             return;
         }
-        let evs: Vec<Value> = events
+        let events = events
             .iter()
-            .map(|(seq, mid)| json!({"seq": seq, "mid": mid}))
+            .map(|(seq, mid)| StoredRef {
+                seq: *seq,
+                mid: mid.as_str().unwrap_or_default().to_string(),
+            })
             .collect();
         self.rec(
-            Type::Store,
-            "store",
             None,
-            json!({"conv": conv, "via": via, "events": evs, "cursor": cursor}),
+            Line::Store(Store::Store {
+                conv: conv.to_string(),
+                via,
+                events,
+                cursor,
+            }),
         );
     }
 
-    /// Records a received `event` (and probes it, D1) or `hint` in the history.
+    /// Records a received `event` (and probes it, D1) or `hint` in the history; a push
+    /// the history cannot name is recorded as `malformed`.
     pub(super) fn rec_push(&self, v: &Value) {
-        match field_str(v, "t") {
-            Some("event") => {
-                let ev = v.get("ev").cloned().unwrap_or(Value::Null);
-                let line = self.rec(Type::Recv, "push", None, event_summary(&ev));
-                if let (Some(h), Some(i)) = (&self.hist, line) {
-                    if let (Some(conv), Some(seq), Some(mid)) = (
-                        field_str(&ev, "conv"),
-                        field_i64(&ev, "seq"),
-                        field_str(&ev, "mid"),
-                    ) {
-                        h.probe(i, conv, seq, mid);
-                    }
+        let recv = match field_str(v, "t") {
+            Some("event") => match v.get("ev").and_then(EventRef::of_event) {
+                Some(ev) => Recv::Push(ev),
+                None => Recv::Malformed { frame: v.clone() },
+            },
+            Some("hint") => {
+                let why = v.get("why").cloned().map(serde_json::from_value::<HintWhy>);
+                match (field_str(v, "conv"), field_i64(v, "head"), why) {
+                    (Some(conv), Some(head), Some(Ok(why))) => Recv::Hint {
+                        conv: conv.to_string(),
+                        head,
+                        why,
+                    },
+                    _ => Recv::Malformed { frame: v.clone() },
                 }
             }
-            Some("hint") => {
-                self.rec(
-                    Type::Recv,
-                    "hint",
-                    None,
-                    json!({"conv": v.get("conv"), "head": v.get("head"), "why": v.get("why")}),
-                );
-            }
-            _ => {}
+            _ => return,
+        };
+        let probe = match &recv {
+            Recv::Push(ev) => Some((ev.conv.clone(), ev.seq, ev.mid.clone())),
+            _ => None,
+        };
+        let line = self.rec(None, Line::Recv(recv));
+        if let (Some(h), Some(i), Some((conv, seq, mid))) = (&self.hist, line, probe) {
+            h.probe(i, &conv, seq, &mid);
         }
     }
 }

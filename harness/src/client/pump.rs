@@ -12,11 +12,12 @@ use tokio::task::JoinSet;
 
 use super::delivery::{Hinted, NextPage, Pushed};
 use super::{bugs, field_i64, field_str, ClientError, CrashAt, Inner, SYNC_PAGES_MAX};
+use crate::history::{Invoke, Via};
 
 impl Inner {
     /// Sends an ack of the cursor before persisting `events` (the `ack-before-persist`
     /// client bug), then persists them, unless the crash point struck in between.
-    pub(super) async fn ack_then_persist(&self, conv: &str, via: &str, events: Vec<(i64, Value)>) {
+    pub(super) async fn ack_then_persist(&self, conv: &str, via: Via, events: Vec<(i64, Value)>) {
         let (cursor, timeout) = {
             let st = self.lock();
             (st.cursor(conv), st.opts.request_timeout)
@@ -51,7 +52,11 @@ impl Inner {
             .request_rec(
                 json!({"t": "ack", "conv": conv, "seq": seq}),
                 timeout,
-                json!({"conv": conv, "seq": seq, "explicit": explicit}),
+                Invoke::Ack {
+                    conv: conv.to_string(),
+                    seq,
+                    explicit,
+                },
             )
             .await;
         {
@@ -165,7 +170,7 @@ impl Inner {
                 } else {
                     let r = self.persist(st);
                     if r.is_ok() {
-                        self.rec_store(conv, "sync", &stored, cursor);
+                        self.rec_store(conv, Via::Sync, &stored, cursor);
                         st.sync_pages_done += 1;
                         let n = st.sync_pages_done;
                         if self.crash_point(st, CrashAt::AfterSyncPage(n)) {
@@ -180,7 +185,7 @@ impl Inner {
                 return Err(ClientError::Other(e));
             }
             if defer_persist {
-                self.ack_then_persist(conv, "sync", stored).await;
+                self.ack_then_persist(conv, Via::Sync, stored).await;
                 if self.lock().dead {
                     return Err(ClientError::Disconnected);
                 }
@@ -307,7 +312,7 @@ impl Inner {
                     if st.bug(bugs::ACK_BEFORE_PERSIST) {
                         deferred = Some(stored);
                     } else if self.persist(st).is_ok() {
-                        self.rec_store(&conv, "push", &stored, cursor);
+                        self.rec_store(&conv, Via::Push, &stored, cursor);
                     }
                     // A failed write is counted and blocks acks until a later write succeeds.
                     sync_after
@@ -316,7 +321,7 @@ impl Inner {
         };
         self.notify();
         if let Some(stored) = deferred {
-            self.ack_then_persist(&conv, "push", stored).await;
+            self.ack_then_persist(&conv, Via::Push, stored).await;
         }
         let ack_now = match sync_after {
             Some(from) => self.repair(&conv, from, "gap repair").await,

@@ -16,9 +16,9 @@ use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use super::observe::{completion, invoke_value};
-use super::{field_i64, field_str, pump, push_bounded, Client, ClientError, Inner};
-use crate::history::{History, Type};
+use super::observe::completion;
+use super::{field_str, pump, push_bounded, Client, ClientError, Inner};
+use crate::history::{Completion, Done, History, Invoke, Life, Line, OpName, Refused};
 
 /// Pushes waiting for the pump. When full, further pushes are dropped and counted
 /// (`pushes_overflowed`): the protocol repairs lost pushes (gap detection, sweep
@@ -51,7 +51,7 @@ impl Inner {
         frame: Value,
         timeout: Duration,
     ) -> Result<Value, ClientError> {
-        let invoke = invoke_value(&frame);
+        let invoke = Invoke::of_frame(&frame);
         self.request_rec(frame, timeout, invoke).await
     }
 
@@ -60,29 +60,25 @@ impl Inner {
         &self,
         frame: Value,
         timeout: Duration,
-        invoke: Value,
+        invoke: Invoke,
     ) -> Result<Value, ClientError> {
         if self.lock().dead {
             return Err(ClientError::Disconnected);
         }
-        let op = field_str(&frame, "t").unwrap_or("?").to_string();
+        let op = invoke.op();
         let op_id = self.hist.as_ref().map(History::next_op_id);
-        self.rec(Type::Invoke, &op, op_id, invoke);
+        self.rec(op_id, Line::Invoke(invoke));
         let r = self.request_inner(frame, timeout).await;
-        let (kind, value) = completion(&r);
-        let line = self.rec(kind, &op, op_id, value);
+        let done = completion(op, &r);
         // D1 probe: a `sent` reply means the event is committed, so another session must
         // see it now.
-        if let (Some(h), Some(i), Ok(reply)) = (&self.hist, line, &r) {
-            if op == "send" {
-                if let (Some(conv), Some(seq), Some(mid)) = (
-                    field_str(reply, "conv"),
-                    field_i64(reply, "seq"),
-                    field_str(reply, "mid"),
-                ) {
-                    h.probe(i, conv, seq, mid);
-                }
-            }
+        let probe = match &done {
+            Line::Ok(Done::Send { conv, seq, mid, .. }) => Some((conv.clone(), *seq, mid.clone())),
+            _ => None,
+        };
+        let line = self.rec(op_id, done);
+        if let (Some(h), Some(i), Some((conv, seq, mid))) = (&self.hist, line, probe) {
+            h.probe(i, &conv, seq, &mid);
         }
         r
     }
@@ -190,7 +186,7 @@ impl Inner {
                 st.conn = None;
                 st.subscribed = false;
                 if !st.dead {
-                    self.rec(Type::Client, "disconnect", None, json!({}));
+                    self.rec(None, Line::Client(Life::Disconnect {}));
                 }
             }
             let rids: Vec<String> = st
@@ -289,8 +285,12 @@ impl Client {
         self.drop_connection().await;
         let timeout = self.inner.opts().request_timeout;
         let op_id = self.inner.hist.as_ref().map(History::next_op_id);
-        self.inner
-            .rec(Type::Invoke, "connect", op_id, json!({"url": ws_url}));
+        self.inner.rec(
+            op_id,
+            Line::Invoke(Invoke::Connect {
+                url: ws_url.to_string(),
+            }),
+        );
         let r = tokio::time::timeout(
             timeout,
             tokio_tungstenite::connect_async_with_config(ws_url, None, true),
@@ -300,15 +300,19 @@ impl Client {
         .and_then(|r| r.with_context(|| format!("WebSocket connect to {ws_url}")));
         let (ws, _response) = match r {
             Ok(x) => {
-                self.inner.rec(Type::Ok, "connect", op_id, json!({}));
+                self.inner.rec(op_id, Line::Ok(Done::Connect {}));
                 x
             }
             Err(e) => {
                 self.inner.rec(
-                    Type::Fail,
-                    "connect",
                     op_id,
-                    json!({"msg": format!("{e:#}")}),
+                    Line::Fail(Completion {
+                        op: OpName::Connect,
+                        value: Refused {
+                            code: None,
+                            msg: format!("{e:#}"),
+                        },
+                    }),
                 );
                 return Err(e);
             }

@@ -5,7 +5,7 @@
 
 use super::runner::Outcome;
 use super::schedule::Schedule;
-use crate::history::{Entry, Type};
+use crate::history::{Action, Done, Entry, Invoke, Line, Nemesis, Phase, Recv, Type};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::path::Path;
@@ -45,34 +45,29 @@ fn bands(h: &[Entry], end: f64) -> Vec<Band> {
     let mut open: HashMap<u64, (String, String, f64)> = HashMap::new();
     let mut out = Vec::new();
     // Markers, not periods: drawn on the harness lane instead.
-    let markers = ["gateway-start", "gateway-exit", "nemesis-start"];
-    for e in h
-        .iter()
-        .filter(|e| e.kind == Type::Nemesis && !markers.contains(&e.op.as_str()))
-    {
-        let phase = e.value.get("phase").and_then(|v| v.as_str()).unwrap_or("");
-        let kind = if e.op == "fault" {
-            e.value
-                .get("kind")
-                .and_then(|v| v.as_str())
-                .unwrap_or("fault")
-                .to_string()
-        } else {
-            e.op.clone()
+    for e in h {
+        let Line::Nemesis(Nemesis { phase, action }) = &e.line else {
+            continue;
         };
-        let label = format!(
-            "#{} {kind} {}",
-            e.value
-                .get("fault")
-                .map(|v| v.to_string())
-                .unwrap_or_default(),
-            e.value.get("target").and_then(|v| v.as_str()).unwrap_or("")
-        );
+        if matches!(
+            action,
+            Action::GatewayStart { .. } | Action::GatewayExit { .. } | Action::NemesisStart { .. }
+        ) {
+            continue;
+        }
+        let (kind, label) = match action {
+            Action::Fault { fault, .. } => {
+                let kind = fault.kind.name().to_string();
+                let label = format!("#{} {kind} {}", fault.id, fault.target);
+                (kind, label)
+            }
+            _ => (action.name().to_string(), format!("# {} ", action.name())),
+        };
         match (phase, e.op_id) {
-            ("start", Some(id)) => {
+            (Phase::Start, Some(id)) => {
                 open.insert(id, (kind, label, e.t_ms));
             }
-            ("end", Some(id)) => {
+            (Phase::End, Some(id)) => {
                 if let Some((kind, label, from)) = open.remove(&id) {
                     out.push(Band {
                         kind,
@@ -117,7 +112,7 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
         let mut d: BTreeSet<String> = BTreeSet::new();
         for e in h {
             if matches!(
-                e.kind,
+                e.kind(),
                 Type::Invoke | Type::Ok | Type::Info | Type::Fail | Type::Recv | Type::Client
             ) {
                 d.insert(e.process.clone());
@@ -202,7 +197,7 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
         );
     }
     for e in h {
-        let (row, colour, r, what) = match (e.kind, e.op.as_str()) {
+        let (row, colour, r, what) = match (e.kind(), e.op()) {
             (Type::Ok, "send") => (lane.get(e.process.as_str()), "#2a2", 2.0, "sent"),
             (Type::Info, "send") => (lane.get(e.process.as_str()), "#e80", 3.0, "send info"),
             (Type::Fail, "send") => (lane.get(e.process.as_str()), "#888", 2.0, "send fail"),
@@ -226,7 +221,7 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
             x(e.t_ms),
             20.0 + LANE * (*row as f64 + 0.5),
             e.i,
-            esc(&e.value.to_string().chars().take(200).collect::<String>())
+            esc(&e.value_text().chars().take(200).collect::<String>())
         );
     }
     s.push_str("</svg><p>Bands: fault periods (hover for kind and target). Dots: green sent, orange send without answer, grey send refused, blue push, purple hint, red crash/exit, black (re)start.</p>");
@@ -237,27 +232,21 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
     let mut invoked: HashMap<(String, u64), f64> = HashMap::new();
     let mut sent_at: HashMap<(String, i64), f64> = HashMap::new();
     for e in h {
-        match (e.kind, e.op.as_str()) {
-            (Type::Invoke, "send") => {
+        match &e.line {
+            Line::Invoke(Invoke::Send { .. }) => {
                 if let Some(id) = e.op_id {
                     invoked.insert((e.process.clone(), id), e.t_ms);
                 }
             }
-            (Type::Ok, "send") => {
+            Line::Ok(Done::Send { conv, seq, .. }) => {
                 if let Some(t0) = e.op_id.and_then(|id| invoked.get(&(e.process.clone(), id))) {
                     send_lat.push((e.t_ms, e.t_ms - t0));
                 }
-                let conv = e.value.get("conv").and_then(|v| v.as_str()).unwrap_or("");
-                if let Some(seq) = e.value.get("seq").and_then(|v| v.as_i64()) {
-                    sent_at.entry((conv.to_string(), seq)).or_insert(e.t_ms);
-                }
+                sent_at.entry((conv.clone(), *seq)).or_insert(e.t_ms);
             }
-            (Type::Recv, "push") => {
-                let conv = e.value.get("conv").and_then(|v| v.as_str()).unwrap_or("");
-                if let Some(seq) = e.value.get("seq").and_then(|v| v.as_i64()) {
-                    if let Some(t0) = sent_at.get(&(conv.to_string(), seq)) {
-                        push_lat.push((e.t_ms, (e.t_ms - t0).max(0.0)));
-                    }
+            Line::Recv(Recv::Push(ev)) => {
+                if let Some(t0) = sent_at.get(&(ev.conv.clone(), ev.seq)) {
+                    push_lat.push((e.t_ms, (e.t_ms - t0).max(0.0)));
                 }
             }
             _ => {}
@@ -367,7 +356,7 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
         s.push_str("</ol>");
     }
     // The history lines the anomalies name (with context), and every fault line.
-    for e in h.iter().filter(|e| e.kind == Type::Nemesis) {
+    for e in h.iter().filter(|e| e.kind() == Type::Nemesis) {
         shown.insert(e.i);
     }
     let by_i: BTreeMap<u64, &Entry> = h.iter().map(|e| (e.i, e)).collect();
@@ -382,9 +371,9 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
             e.t_ms,
             esc(&e.process),
             e.instance,
-            e.kind,
-            esc(&e.op),
-            esc(&e.value.to_string())
+            e.kind(),
+            esc(e.op()),
+            esc(&e.value_text())
         );
     }
     s.push_str("</table><p>The whole history is <code>history.jsonl</code> beside this page.</p></body></html>\n");

@@ -15,6 +15,7 @@ use super::schedule::{Fault, FaultKind, Membership, Schedule};
 use crate::checker::{Anomaly, OpCounts, Quantiles, Report};
 use crate::client::{Client, ClientError, ClientOptions, HintAck};
 use crate::gateway::{self, GatewayOpts};
+use crate::history::{Action, Join};
 use crate::proxy::{Condition, Proxy};
 use crate::world::{World, WorldOpts};
 use anyhow::Context;
@@ -224,10 +225,11 @@ async fn drive(
     log: &mut Vec<Value>,
 ) -> anyhow::Result<Outcome> {
     let hist = w.history().clone();
-    hist.nemesis_instant(
-        "nemesis-start",
-        json!({"seed": schedule.seed, "repeat": repeat, "faults": schedule.faults.len()}),
-    );
+    hist.nemesis_instant(Action::NemesisStart {
+        seed: schedule.seed,
+        repeat: repeat.to_string(),
+        faults: schedule.faults.len(),
+    });
     // Several seeds share two cores (`--jobs`): a moment this process is not run is
     // recorded, and no time bound is judged across it.
     hist.watch_stalls();
@@ -323,7 +325,7 @@ async fn drive(
             match order {
                 2 => {
                     let f = &schedule.faults[i];
-                    let id = hist.nemesis_start("fault", fault_value(f));
+                    let id = hist.nemesis_start(fault_action(f, false));
                     let t = hist.now_ms();
                     let r = start_fault(w, &mut sup, &devices, f).await;
                     log[i] = json!({"id": f.id, "kind": f.kind.name(), "target": f.target,
@@ -332,11 +334,7 @@ async fn drive(
                     if f.end_ms > f.at_ms {
                         active.insert(i, id);
                     } else {
-                        hist.nemesis_end(
-                            "fault",
-                            id,
-                            json!({"kind": f.kind.name(), "fault": f.id}),
-                        );
+                        hist.nemesis_end(id, fault_action(f, false));
                         log[i]["ended_ms"] = json!(hist.now_ms());
                     }
                 }
@@ -344,11 +342,7 @@ async fn drive(
                     if let Some(id) = active.remove(&i) {
                         let f = &schedule.faults[i];
                         let r = end_fault(w, &mut sup, &devices, f).await;
-                        hist.nemesis_end(
-                            "fault",
-                            id,
-                            json!({"kind": f.kind.name(), "fault": f.id}),
-                        );
+                        hist.nemesis_end(id, fault_action(f, false));
                         log[i]["ended_ms"] = json!(hist.now_ms());
                         log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
                     }
@@ -388,15 +382,11 @@ async fn drive(
     for (i, id) in std::mem::take(&mut active).into_iter().rev() {
         let f = &schedule.faults[i];
         let r = end_fault(w, &mut sup, &devices, f).await;
-        hist.nemesis_end(
-            "fault",
-            id,
-            json!({"kind": f.kind.name(), "fault": f.id, "healed": true}),
-        );
+        hist.nemesis_end(id, fault_action(f, true));
         log[i]["ended_ms"] = json!(hist.now_ms());
         log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
     }
-    let heal_id = hist.nemesis_start("heal", json!({}));
+    let heal_id = hist.nemesis_start(Action::Heal { unsettled: vec![] });
     let heal_deadline = Instant::now() + Duration::from_millis(schedule.options.heal_ms);
     let mut unsettled: Vec<String>;
     let mut next_sweep = Instant::now();
@@ -425,7 +415,12 @@ async fn drive(
         }
         tokio::time::sleep(TICK).await;
     }
-    hist.nemesis_end("heal", heal_id, json!({"unsettled": unsettled}));
+    hist.nemesis_end(
+        heal_id,
+        Action::Heal {
+            unsettled: unsettled.clone(),
+        },
+    );
     let heal_error = if unsettled.is_empty() {
         None
     } else {
@@ -462,9 +457,11 @@ async fn drive(
         .filter(|(_, n)| **n > 0)
         .map(|(k, n)| (k.as_str().to_string(), *n))
         .collect();
+    // A history that could not be judged is an ERROR, never a pass.
+    let error = report.error.clone().or(heal_error);
     let verdict = if !anomalies.is_empty() {
         "FAIL"
-    } else if heal_error.is_some() {
+    } else if error.is_some() {
         "ERROR"
     } else {
         "PASS"
@@ -472,7 +469,7 @@ async fn drive(
     Ok(Outcome {
         seed: schedule.seed,
         verdict: verdict.into(),
-        error: heal_error,
+        error,
         repeat: repeat.to_string(),
         anomalies,
         first_anomalies: report.anomalies.iter().take(20).cloned().collect(),
@@ -507,11 +504,12 @@ async fn apply_membership(w: &World, shared: &Shared, m: &Membership) -> bool {
             let t = format!("{e:#}");
             let earlier = t.contains("is already a member") || t.contains("is not a member");
             if earlier {
-                w.history().nemesis_instant(
-                    "membership",
-                    json!({"action": m.op, "conv": m.conv, "user": m.user,
-                           "applied_by_an_earlier_attempt": true}),
-                );
+                w.history().nemesis_instant(Action::Membership {
+                    action: if join { Join::Join } else { Join::Leave },
+                    conv: m.conv.clone(),
+                    user: m.user.clone(),
+                    applied_by_an_earlier_attempt: true,
+                });
             }
             earlier
         }
@@ -529,12 +527,12 @@ async fn apply_membership(w: &World, shared: &Shared, m: &Membership) -> bool {
     applied
 }
 
-fn fault_value(f: &Fault) -> Value {
-    let mut v = serde_json::to_value(f).unwrap_or(Value::Null);
-    if let Some(o) = v.as_object_mut() {
-        o.insert("fault".into(), json!(f.id));
+/// The history's record of a schedule fault (its start and its end carry the same).
+fn fault_action(f: &Fault, healed: bool) -> Action {
+    Action::Fault {
+        fault: f.clone(),
+        healed,
     }
-    v
 }
 
 /// Keeps one gateway running behind the clients' proxy.
@@ -569,10 +567,10 @@ impl Supervisor {
             return;
         }
         let r = gateway::fault_control(&self.control, "disarm all").await;
-        w.history().nemesis_instant(
-            "stale-fault-disarmed",
-            json!({"armed": armed, "disarm": r.unwrap_or_else(|e| format!("{e:#}"))}),
-        );
+        w.history().nemesis_instant(Action::StaleFaultDisarmed {
+            armed: armed.to_string(),
+            disarm: r.unwrap_or_else(|e| format!("{e:#}")),
+        });
     }
 
     /// Restarts the gateway if it exited (a crash point fired) or is missing, unless a
@@ -585,10 +583,11 @@ impl Supervisor {
             match gw.try_exit_status() {
                 None => return,
                 Some(status) => {
-                    w.history().nemesis_instant(
-                        "gateway-exit",
-                        json!({"status": status.code(), "raw": status.to_string()}),
-                    );
+                    w.history().nemesis_instant(Action::GatewayExit {
+                        gateway: None,
+                        status: status.code(),
+                        raw: status.to_string(),
+                    });
                     w.gw = None;
                 }
             }

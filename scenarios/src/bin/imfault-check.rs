@@ -1,13 +1,13 @@
 //! `imfault-check DIR`: judges one scenario run again from its files. DIR holds
 //! `history.jsonl` and `final.json`; the report (`harness::checker::Report`) goes to stdout
-//! as pretty JSON, one summary line to stderr. Exit status: 0 PASS, 1 anomalies, 2 usage or
-//! read errors.
+//! as pretty JSON, one summary line to stderr. Exit status: 0 PASS, 1 anomalies, 2 usage error
+//! or ERROR (the files cannot be read or a history line does not parse).
 
 use std::io::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
-use harness::checker::{check, load_dir, Verdict};
+use harness::checker::{judge_dir, Verdict};
 
 /// Judge one scenario run again from its files: DIR holds history.jsonl and final.json.
 /// Prints the report as JSON on stdout and one summary line on stderr.
@@ -15,7 +15,8 @@ use harness::checker::{check, load_dir, Verdict};
 #[command(
     name = "imfault-check",
     after_help = "Reads no environment variables.\n\
-                  Exit status: 0 PASS, 1 anomalies found, 2 usage or read error."
+                  Exit status: 0 PASS, 1 anomalies found, 2 usage error or ERROR (unreadable files,\n\
+                  a history line that does not parse)."
 )]
 struct Args {
     /// A kept run directory (e.g. the work directory a failed check printed).
@@ -25,14 +26,9 @@ struct Args {
 fn main() -> ExitCode {
     let args: Args = clap::Parser::parse();
     let dir: &Path = &args.dir;
-    let (history, fin) = match load_dir(dir) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("imfault-check: {e:#}");
-            return ExitCode::from(2);
-        }
-    };
-    let report = check(&history, &fin);
+    // A history or final read that cannot be read is judged ERROR (printed like any
+    // report), never skipped.
+    let report = judge_dir(dir);
     let written = serde_json::to_string_pretty(&report)
         .map_err(std::io::Error::from)
         .and_then(|json| writeln!(std::io::stdout().lock(), "{json}"));
@@ -44,5 +40,6 @@ fn main() -> ExitCode {
     match report.verdict {
         Verdict::Pass => ExitCode::SUCCESS,
         Verdict::Fail => ExitCode::from(1),
+        Verdict::Error => ExitCode::from(2),
     }
 }

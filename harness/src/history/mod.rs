@@ -21,10 +21,14 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
 
-/// Version of the history line format; the checker refuses any other.
-pub const SCHEMA_VERSION: u32 = 1;
+mod line;
+pub use line::*;
+
+/// Version of the history line format; the checker refuses any other. 2: typed lines
+/// (every value a fixed shape, unknown fields refused), `phase` beside `op` on nemesis
+/// lines, `raw` requests, `gw-fault` for faults a scripted check arms.
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// A recorder that waited this long for the history (a write the kernel held up holds the
 /// lock), or a watchdog tick this late (the process was not run), writes an
@@ -37,35 +41,7 @@ pub const OBSERVER_STALL_MS: f64 = 250.0;
 /// The watchdog's period ([`History::watch_stalls`]).
 const WATCH_TICK: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// What kind of line an entry is (see evidence/README.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Type {
-    /// A client operation started (its request frame is about to leave).
-    Invoke,
-    /// The operation succeeded (a success reply).
-    Ok,
-    /// A definite error reply: the operation did not happen.
-    Fail,
-    /// No definite answer (timeout, connection lost, UNAVAILABLE, INTERNAL): it may or
-    /// may not have happened.
-    Info,
-    /// A push (`event`) or `hint` frame a client received.
-    Recv,
-    /// Events a client persisted to its state file (written before this line).
-    Store,
-    /// The client's life: create, restart (loaded from its state file), disconnect, crash.
-    Client,
-    /// A fault or nemesis action, with `value.phase` start / end (paired by `op_id`) or
-    /// instant.
-    Nemesis,
-    /// A D1 probe: was the event of a `sent` reply or a push visible to another session?
-    Probe,
-    /// Bookkeeping: `open` (first line), `final` (the final read was taken).
-    Meta,
-}
-
-/// One line of `history.jsonl`.
+/// One line of `history.jsonl`: where and when, then what ([`Line`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
     /// Position in the file, from 0.
@@ -80,19 +56,40 @@ pub struct Entry {
     /// Client instance: 1 for the first client of a device, +1 each time it is loaded
     /// again from its state file. 0 for non-client lines.
     pub instance: u64,
-    #[serde(rename = "type")]
-    pub kind: Type,
-    /// The operation: hello, send, ack, sync, sub, connect (client ops); push, hint
-    /// (recv); store; create, restart, disconnect, crash (client); the nemesis action; probe.
-    pub op: String,
-    /// Pairs an invoke with its completion, and a nemesis start with its end.
+    /// Pairs an invoke with its completion, and a nemesis start with its end. Required
+    /// (null when there is none): a line without it does not parse.
+    #[serde(deserialize_with = "Option::deserialize")]
     pub op_id: Option<u64>,
-    pub value: Value,
+    #[serde(flatten)]
+    pub line: Line,
+}
+
+impl Entry {
+    /// The line's `type`.
+    pub fn kind(&self) -> Type {
+        self.line.kind()
+    }
+
+    /// The line's `op`, as written.
+    pub fn op(&self) -> &'static str {
+        self.line.op()
+    }
+
+    /// The line's `value`, as written (for display).
+    pub fn value_text(&self) -> String {
+        serde_json::to_value(&self.line)
+            .ok()
+            .and_then(|v| v.get("value").cloned())
+            .unwrap_or_default()
+            .to_string()
+    }
 }
 
 struct Writer {
     out: BufWriter<File>,
     next_i: u64,
+    /// Lines that could not be written (the file is then not the history).
+    write_errors: u64,
     /// Entries written, kept for in-process judging.
     entries: Vec<Entry>,
 }
@@ -162,6 +159,7 @@ impl History {
                 w: Mutex::new(Writer {
                     out: BufWriter::new(file),
                     next_i: 0,
+                    write_errors: 0,
                     entries: Vec::new(),
                 }),
                 instances: Mutex::new(Default::default()),
@@ -172,10 +170,10 @@ impl History {
         h.record(
             "harness",
             0,
-            Type::Meta,
-            "open",
             None,
-            json!({"schema_version": SCHEMA_VERSION}),
+            Line::Meta(Meta::Open {
+                schema_version: SCHEMA_VERSION,
+            }),
         );
         Ok(h)
     }
@@ -196,44 +194,44 @@ impl History {
 
     /// Appends one line and returns its index. A write error is reported once on stderr
     /// and the entry is still kept in memory (the in-process judge sees it).
-    pub fn record(
-        &self,
-        process: &str,
-        instance: u64,
-        kind: Type,
-        op: &str,
-        op_id: Option<u64>,
-        value: Value,
-    ) -> u64 {
+    pub fn record(&self, process: &str, instance: u64, op_id: Option<u64>, line: Line) -> u64 {
         let asked = self.now_ms();
         let mut w = self.inner.w.lock().unwrap_or_else(PoisonError::into_inner);
         let t_ms = self.now_ms();
-        let line = |process: &str, instance, kind, op: &str, op_id, value| Entry {
+        let entry = |process: &str, instance, op_id, line| Entry {
             i: 0,
             t_ms,
             wall_us: wall_us_now(),
             process: process.to_string(),
             instance,
-            kind,
-            op: op.to_string(),
             op_id,
-            value,
+            line,
         };
         if t_ms - asked > OBSERVER_STALL_MS {
-            let stall = json!({"phase": "instant", "from_ms": asked, "to_ms": t_ms,
-                               "cause": "waited for the history"});
-            let e = line("harness", 0, Type::Nemesis, "observer-stall", None, stall);
-            self.append(&mut w, e);
+            let stall = Line::Nemesis(Nemesis {
+                phase: Phase::Instant,
+                action: Action::ObserverStall {
+                    from_ms: asked,
+                    to_ms: t_ms,
+                    cause: "waited for the history".into(),
+                },
+            });
+            self.append(&mut w, entry("harness", 0, None, stall));
         }
-        self.append(&mut w, line(process, instance, kind, op, op_id, value))
+        self.append(&mut w, entry(process, instance, op_id, line))
     }
 
     /// Writes one line under the lock, numbering it (`e.i` is set here).
     fn append(&self, w: &mut Writer, mut e: Entry) -> u64 {
         e.i = w.next_i;
         w.next_i += 1;
-        let line = serde_json::to_string(&e).unwrap_or_else(|_| "{}".into());
-        let ok = writeln!(w.out, "{line}").and_then(|_| w.out.flush());
+        let ok = serde_json::to_string(&e)
+            .map_err(std::io::Error::from)
+            .and_then(|line| writeln!(w.out, "{line}"))
+            .and_then(|_| w.out.flush());
+        if ok.is_err() {
+            w.write_errors += 1;
+        }
         if let Err(err) = ok {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| {
@@ -266,11 +264,11 @@ impl History {
                 let late = due.elapsed().as_secs_f64() * 1e3;
                 if late > OBSERVER_STALL_MS {
                     let to_ms = h.now_ms();
-                    h.nemesis_instant(
-                        "observer-stall",
-                        json!({"from_ms": to_ms - late, "to_ms": to_ms,
-                               "cause": "the harness was not run"}),
-                    );
+                    h.nemesis_instant(Action::ObserverStall {
+                        from_ms: to_ms - late,
+                        to_ms,
+                        cause: "the harness was not run".into(),
+                    });
                 }
                 due = Instant::now() + WATCH_TICK;
             }
@@ -279,28 +277,29 @@ impl History {
 
     /// A nemesis action that has a duration: writes `start` now and returns the op id for
     /// [`History::nemesis_end`].
-    pub fn nemesis_start(&self, op: &str, mut value: Value) -> u64 {
+    pub fn nemesis_start(&self, action: Action) -> u64 {
         let id = self.next_op_id();
-        if let Some(o) = value.as_object_mut() {
-            o.insert("phase".into(), json!("start"));
-        }
-        self.record("harness", 0, Type::Nemesis, op, Some(id), value);
+        self.nemesis(Phase::Start, Some(id), action);
         id
     }
 
-    pub fn nemesis_end(&self, op: &str, id: u64, mut value: Value) {
-        if let Some(o) = value.as_object_mut() {
-            o.insert("phase".into(), json!("end"));
-        }
-        self.record("harness", 0, Type::Nemesis, op, Some(id), value);
+    /// The end of the period [`History::nemesis_start`] began (`id`).
+    pub fn nemesis_end(&self, id: u64, action: Action) {
+        self.nemesis(Phase::End, Some(id), action);
     }
 
     /// A nemesis action without duration (a membership change, a backend terminated).
-    pub fn nemesis_instant(&self, op: &str, mut value: Value) {
-        if let Some(o) = value.as_object_mut() {
-            o.insert("phase".into(), json!("instant"));
-        }
-        self.record("harness", 0, Type::Nemesis, op, None, value);
+    pub fn nemesis_instant(&self, action: Action) {
+        self.nemesis(Phase::Instant, None, action);
+    }
+
+    fn nemesis(&self, phase: Phase, op_id: Option<u64>, action: Action) {
+        self.record(
+            "harness",
+            0,
+            op_id,
+            Line::Nemesis(Nemesis { phase, action }),
+        );
     }
 
     /// The next instance number of `device` (1 for its first client).
@@ -353,11 +352,15 @@ impl History {
             h.record(
                 "probe",
                 0,
-                Type::Probe,
-                "probe",
                 None,
-                json!({"of": of, "conv": conv, "seq": seq, "expect_mid": mid,
-                       "found_mid": found, "error": error}),
+                Line::Probe(ProbeLine::Probe {
+                    of,
+                    conv,
+                    seq,
+                    expect_mid: mid,
+                    found_mid: found,
+                    error,
+                }),
             );
             h.inner.probes_in_flight.fetch_sub(1, Ordering::SeqCst);
         });
@@ -375,6 +378,30 @@ impl History {
             }
         })
         .await;
+    }
+
+    /// The history as the file holds it: flushed, read back and parsed ([`read`]), under
+    /// the writers' lock, so the judge judges exactly what a reviewer can judge again from
+    /// the file. An error when a line could not be written or does not parse.
+    pub fn read_back(&self) -> anyhow::Result<Vec<Entry>> {
+        let mut w = self.inner.w.lock().unwrap_or_else(PoisonError::into_inner);
+        w.out.flush().context("flush the history")?;
+        anyhow::ensure!(
+            w.write_errors == 0,
+            "{} of {} history lines could not be written to {}",
+            w.write_errors,
+            w.next_i,
+            self.inner.path.display()
+        );
+        let entries = read(&self.inner.path)?;
+        anyhow::ensure!(
+            entries.len() as u64 == w.next_i,
+            "{} holds {} lines, {} were recorded",
+            self.inner.path.display(),
+            entries.len(),
+            w.next_i
+        );
+        Ok(entries)
     }
 
     /// Every entry written so far, in order.
@@ -396,25 +423,150 @@ impl std::fmt::Debug for History {
     }
 }
 
-/// Reads a `history.jsonl` (refusing another schema version in its `open` line).
+/// Reads a `history.jsonl`: every line must parse as a typed [`Entry`], and the first
+/// must be the `open` line of this [`SCHEMA_VERSION`]. Any other line is an error naming
+/// the line and what is wrong with it, never a line skipped: a checker that skipped what
+/// it cannot read would judge a history it has not seen.
 pub fn read(path: &Path) -> anyhow::Result<Vec<Entry>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    parse(&text).with_context(|| format!("history {}", path.display()))
+}
+
+/// [`read`] of a history's text.
+pub fn parse(text: &str) -> anyhow::Result<Vec<Entry>> {
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
+        if n == 0 {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("line 1 is not JSON: {line:.200}"))?;
+            let version = v
+                .get("value")
+                .and_then(|v| v.get("schema_version"))
+                .and_then(serde_json::Value::as_u64);
+            anyhow::ensure!(
+                version == Some(u64::from(SCHEMA_VERSION)),
+                "line 1: history schema_version {version:?}, this checker reads {SCHEMA_VERSION}"
+            );
         }
         let e: Entry = serde_json::from_str(line)
-            .with_context(|| format!("{}:{}: not a history entry", path.display(), n + 1))?;
-        if e.kind == Type::Meta && e.op == "open" {
-            let v = e.value["schema_version"].as_u64();
+            .with_context(|| format!("line {} is not a history entry: {line:.300}", n + 1))?;
+        anyhow::ensure!(
+            e.i == n as u64,
+            "line {} is numbered i={} (lines are numbered from 0 in order)",
+            n + 1,
+            e.i
+        );
+        if n == 0 {
             anyhow::ensure!(
-                v == Some(u64::from(SCHEMA_VERSION)),
-                "{}: history schema_version {v:?}, this checker reads {SCHEMA_VERSION}",
-                path.display()
+                matches!(e.line, Line::Meta(Meta::Open { .. })),
+                "line 1 is not the `open` line"
             );
         }
         out.push(e);
     }
+    anyhow::ensure!(!out.is_empty(), "the history is empty (no `open` line)");
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// What the recorders write is what the reader reads: every kind of line, from request
+    /// frames and replies as the client sees them, read back from the file equal to the
+    /// entries kept in memory; and the file is what is judged (`read_back`).
+    #[test]
+    fn recorded_lines_read_back_equal_and_frames_map_to_typed_requests() {
+        let tmp = tempfile::tempdir().unwrap();
+        let h = History::create(&tmp.path().join("history.jsonl")).unwrap();
+        let frames = [
+            json!({"t": "hello", "device": "a1", "token": "secret", "epoch": 1}),
+            json!({"t": "send", "conv": "c1", "cmid": "k1", "body": "hé"}),
+            json!({"t": "ack", "conv": "c1", "seq": -1}),
+            json!({"t": "sync", "conv": "c1"}),
+            json!({"t": "sub"}),
+            json!({"t": "no-such-request", "rid": "x"}),
+            json!({"t": "ack", "conv": "c1", "seq": "x"}),
+        ];
+        let invokes: Vec<Invoke> = frames.iter().map(Invoke::of_frame).collect();
+        assert_eq!(
+            invokes[0],
+            Invoke::Hello {
+                device: "a1".into(),
+                epoch: 1
+            }
+        );
+        assert_eq!(
+            invokes[1],
+            Invoke::Send {
+                conv: "c1".into(),
+                cmid: "k1".into(),
+                body_len: 3
+            }
+        );
+        assert_eq!(
+            invokes[2],
+            Invoke::Ack {
+                conv: "c1".into(),
+                seq: -1,
+                explicit: false
+            }
+        );
+        assert_eq!(
+            invokes[3],
+            Invoke::Sync {
+                conv: "c1".into(),
+                after: None,
+                limit: None
+            }
+        );
+        assert_eq!(
+            invokes[5],
+            Invoke::Raw {
+                frame: json!({"t": "no-such-request"})
+            }
+        );
+        assert_eq!(invokes[6].op(), OpName::Raw);
+        for (n, inv) in invokes.into_iter().enumerate() {
+            h.record("a1", 1, Some(n as u64), Line::Invoke(inv));
+        }
+        let sent = json!({"t": "sent", "rid": "c1", "conv": "c1", "seq": 1, "mid": "m",
+                          "dup": false, "epoch": 1});
+        let synced = json!({"t": "synced", "conv": "c1", "head": 1, "complete": true,
+            "events": [{"conv": "c1", "seq": 1, "mid": "m", "sender": "alice", "cmid": "k1",
+                        "kind": "msg", "body": "hé", "at": 5}]});
+        for (op, reply) in [(OpName::Send, &sent), (OpName::Sync, &synced)] {
+            let done = Done::of_reply(op, reply).unwrap();
+            h.record("a1", 1, Some(9), Line::Ok(done));
+        }
+        let e = Done::of_reply(OpName::Send, &json!({"t": "sent", "conv": "c1"})).unwrap_err();
+        assert!(e.contains("missing field `seq`"), "{e}");
+        assert_eq!(
+            Done::of_reply(OpName::Raw, &json!({"t": "error", "rid": "x"})).unwrap(),
+            Done::Raw {
+                reply: json!({"t": "error"})
+            }
+        );
+        let id = h.nemesis_start(Action::PgCrash(Outcome::default()));
+        h.nemesis_end(
+            id,
+            Action::PgCrash(Outcome::done(&anyhow::Result::<()>::Ok(()))),
+        );
+        h.nemesis_instant(Action::Heal { unsettled: vec![] });
+        h.record(
+            "b1",
+            2,
+            None,
+            Line::Recv(Recv::Hint {
+                conv: "c1".into(),
+                head: 3,
+                why: HintWhy::Sweep,
+            }),
+        );
+        let back = h.read_back().unwrap();
+        assert_eq!(back, h.entries());
+        assert_eq!(back.len(), 1 + 7 + 2 + 3 + 1);
+        assert_eq!(back[0].op(), "open");
+    }
 }

@@ -1,0 +1,688 @@
+//! The typed lines of `history.jsonl`: what each line may say, one Rust type per line
+//! kind, written and read by the same serde derivation (format: evidence/README.md,
+//! "History", `schema_version` [`super::SCHEMA_VERSION`]).
+//!
+//! Owns: the shape of every line: `{"type", "op", "value"}` plus, for nemesis lines,
+//! `"phase"`. Every value struct refuses unknown fields and every field the checker reads
+//! is required, so a line written by another version, or a field renamed, does not parse:
+//! reading such a history fails loudly ([`super::read`]), and the judgement is ERROR,
+//! never a rule that skips the line. Must not: record (`super::History` does) or judge
+//! (`crate::checker` does).
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::nemesis::schedule::{Fault, FaultKind};
+
+/// What a line is: the `type` tag, then the `op` and `value` of its kind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Line {
+    /// A client operation started (its request frame is about to leave).
+    Invoke(Invoke),
+    /// The operation succeeded (a success reply).
+    Ok(Done),
+    /// A definite error reply: the operation did not happen.
+    Fail(Completion<Refused>),
+    /// No definite answer (timeout, connection lost, `UNAVAILABLE`, `INTERNAL`, a reply the
+    /// client could not read): it may or may not have happened.
+    Info(Completion<Unsure>),
+    /// A push (`event`) or `hint` frame a client received.
+    Recv(Recv),
+    /// Events a client persisted to its state file (written before this line).
+    Store(Store),
+    /// The client's life: create, restart (loaded from its state file), disconnect, crash.
+    Client(Life),
+    /// A fault or nemesis action, with its phase: start / end (paired by `op_id`) or
+    /// instant.
+    Nemesis(Nemesis),
+    /// A D1 probe: was the event of a `sent` reply or a push visible to another session?
+    Probe(ProbeLine),
+    /// Bookkeeping: `open` (first line), `final` (the final read was taken).
+    Meta(Meta),
+}
+
+/// The `type` of a line, without its contents (statistics, timelines).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Type {
+    Invoke,
+    Ok,
+    Fail,
+    Info,
+    Recv,
+    Store,
+    Client,
+    Nemesis,
+    Probe,
+    Meta,
+}
+
+/// A client operation: the `op` of its invoke and completion lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OpName {
+    Hello,
+    Send,
+    Ack,
+    Sub,
+    Sync,
+    Connect,
+    /// A frame the typed requests cannot express (hostile tests).
+    Raw,
+}
+
+impl OpName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OpName::Hello => "hello",
+            OpName::Send => "send",
+            OpName::Ack => "ack",
+            OpName::Sub => "sub",
+            OpName::Sync => "sync",
+            OpName::Connect => "connect",
+            OpName::Raw => "raw",
+        }
+    }
+}
+
+/// An invoke: the request as the history keeps it (no `rid`, no token, a body's length
+/// instead of the body).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    tag = "op",
+    content = "value",
+    rename_all = "kebab-case",
+    deny_unknown_fields
+)]
+pub enum Invoke {
+    Hello {
+        device: String,
+        epoch: i64,
+    },
+    Send {
+        conv: String,
+        cmid: String,
+        body_len: usize,
+    },
+    /// `explicit`: a test acked on purpose, not the client's own logic; the checker holds
+    /// only the client's own acks to D3.
+    Ack {
+        conv: String,
+        seq: i64,
+        explicit: bool,
+    },
+    Sub {},
+    Sync {
+        conv: String,
+        after: Option<i64>,
+        limit: Option<i64>,
+    },
+    /// Opening the WebSocket.
+    Connect {
+        url: String,
+    },
+    /// A request frame that is none of the above (a hostile test's frame), kept as sent
+    /// without `rid`, token or body.
+    Raw {
+        frame: Value,
+    },
+}
+
+impl Invoke {
+    pub fn op(&self) -> OpName {
+        match self {
+            Invoke::Hello { .. } => OpName::Hello,
+            Invoke::Send { .. } => OpName::Send,
+            Invoke::Ack { .. } => OpName::Ack,
+            Invoke::Sub {} => OpName::Sub,
+            Invoke::Sync { .. } => OpName::Sync,
+            Invoke::Connect { .. } => OpName::Connect,
+            Invoke::Raw { .. } => OpName::Raw,
+        }
+    }
+
+    /// The invoke of a request frame (a JSON object with `t`): the typed request when the
+    /// frame is one, else [`Invoke::Raw`]. Drops `rid` and `token`; a `body` becomes
+    /// `body_len`.
+    pub fn of_frame(frame: &Value) -> Invoke {
+        let mut v = frame.clone();
+        let mut t = None;
+        if let Some(o) = v.as_object_mut() {
+            t = o.remove("t");
+            o.remove("rid");
+            o.remove("token");
+            if let Some(body) = o.remove("body") {
+                let len = body.as_str().map_or(0, str::len);
+                o.insert("body_len".into(), len.into());
+            }
+        }
+        let typed = t
+            .as_ref()
+            .and_then(Value::as_str)
+            .filter(|t| !matches!(*t, "connect" | "raw"));
+        if let (Some(op), Value::Object(o)) = (typed, &v) {
+            let mut o = o.clone();
+            // `sync` may leave out `after` and `limit`; an ack sent as a raw frame is not
+            // marked explicit (the checker holds it to D3 like the client's own).
+            if op == "sync" {
+                o.entry("after").or_insert(Value::Null);
+                o.entry("limit").or_insert(Value::Null);
+            }
+            if op == "ack" {
+                o.entry("explicit").or_insert(Value::Bool(false));
+            }
+            let tagged = serde_json::json!({"op": op, "value": o});
+            if let Ok(inv) = serde_json::from_value(tagged) {
+                return inv;
+            }
+        }
+        if let (Some(t), Some(o)) = (t, v.as_object_mut()) {
+            o.insert("t".into(), t);
+        }
+        Invoke::Raw { frame: v }
+    }
+}
+
+/// An `ok` completion: the success reply as the history keeps it (no `t`, no `rid`,
+/// events without body or time).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    tag = "op",
+    content = "value",
+    rename_all = "kebab-case",
+    deny_unknown_fields
+)]
+pub enum Done {
+    Hello {
+        user: String,
+        device: String,
+        epoch: i64,
+    },
+    Send {
+        conv: String,
+        seq: i64,
+        mid: String,
+        dup: bool,
+        epoch: i64,
+    },
+    Ack {
+        conv: String,
+        delivered: i64,
+    },
+    Sub {
+        convs: Vec<SubConv>,
+    },
+    Sync {
+        conv: String,
+        events: Vec<EventRef>,
+        head: i64,
+        complete: bool,
+    },
+    Connect {},
+    /// The reply to a [`Invoke::Raw`] request, as received (without `rid`).
+    Raw {
+        reply: Value,
+    },
+}
+
+impl Done {
+    pub fn op(&self) -> OpName {
+        match self {
+            Done::Hello { .. } => OpName::Hello,
+            Done::Send { .. } => OpName::Send,
+            Done::Ack { .. } => OpName::Ack,
+            Done::Sub { .. } => OpName::Sub,
+            Done::Sync { .. } => OpName::Sync,
+            Done::Connect {} => OpName::Connect,
+            Done::Raw { .. } => OpName::Raw,
+        }
+    }
+
+    /// The `ok` line of `op` for a success reply; Err (the reply's defect) when the reply
+    /// is not the shape `op` is answered with.
+    pub fn of_reply(op: OpName, reply: &Value) -> Result<Done, String> {
+        let mut v = reply.clone();
+        if let Some(o) = v.as_object_mut() {
+            o.remove("rid");
+            if op != OpName::Raw {
+                o.remove("t");
+            }
+            if let Some(Value::Array(evs)) = o.get_mut("events") {
+                for ev in evs.iter_mut() {
+                    if let Some(e) = ev.as_object_mut() {
+                        e.retain(|k, _| EventRef::FIELDS.contains(&k.as_str()));
+                    }
+                }
+            }
+        }
+        if op == OpName::Raw {
+            return Ok(Done::Raw { reply: v });
+        }
+        let tagged = serde_json::json!({"op": op, "value": v});
+        serde_json::from_value(tagged).map_err(|e| format!("unexpected {} reply: {e}", op.as_str()))
+    }
+}
+
+/// One conversation of a `subbed` reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubConv {
+    pub conv: String,
+    pub head: i64,
+    pub delivered: i64,
+}
+
+/// An event as the history names it (pushes and sync pages): no body, no time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventRef {
+    pub conv: String,
+    pub seq: i64,
+    pub mid: String,
+    pub sender: String,
+    pub cmid: String,
+}
+
+impl EventRef {
+    const FIELDS: [&'static str; 5] = ["conv", "seq", "mid", "sender", "cmid"];
+
+    /// The history's name of an `ev` object; None when it lacks a field.
+    pub fn of_event(ev: &Value) -> Option<EventRef> {
+        let mut o = ev.as_object()?.clone();
+        o.retain(|k, _| Self::FIELDS.contains(&k.as_str()));
+        serde_json::from_value(Value::Object(o)).ok()
+    }
+}
+
+/// A completion line that is not `ok`: the operation and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Completion<V> {
+    pub op: OpName,
+    pub value: V,
+}
+
+/// A definite error reply (or a WebSocket that could not be opened).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Refused {
+    /// The error code; None for a failed `connect`.
+    pub code: Option<String>,
+    pub msg: String,
+}
+
+/// The `why` of a success reply the client could not read ([`Done::of_reply`]).
+pub const MALFORMED_REPLY: &str = "malformed-reply";
+
+/// No definite answer: `why` is the error code, `timeout`, `disconnected`,
+/// [`MALFORMED_REPLY`] or `other`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Unsure {
+    pub why: String,
+    pub msg: Option<String>,
+}
+
+/// Why the gateway sent a `hint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HintWhy {
+    Sweep,
+    Overflow,
+}
+
+/// A frame a client received unasked.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    tag = "op",
+    content = "value",
+    rename_all = "kebab-case",
+    deny_unknown_fields
+)]
+pub enum Recv {
+    Push(EventRef),
+    Hint {
+        conv: String,
+        head: i64,
+        why: HintWhy,
+    },
+    /// A push the client could not read (missing fields, an unknown `why`): counted, not
+    /// applied.
+    Malformed {
+        frame: Value,
+    },
+}
+
+/// How stored events arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Via {
+    Push,
+    Sync,
+}
+
+/// One event in a `store` line.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoredRef {
+    pub seq: i64,
+    pub mid: String,
+}
+
+/// Events a client persisted: the `op` is always `store`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    tag = "op",
+    content = "value",
+    rename_all = "kebab-case",
+    deny_unknown_fields
+)]
+pub enum Store {
+    Store {
+        conv: String,
+        via: Via,
+        events: Vec<StoredRef>,
+        /// The client's cursor after the store.
+        cursor: i64,
+    },
+}
+
+/// The client's life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    tag = "op",
+    content = "value",
+    rename_all = "kebab-case",
+    deny_unknown_fields
+)]
+pub enum Life {
+    Create {},
+    /// Loaded again from its state file.
+    Restart {},
+    /// The connection was lost (the client did not close it).
+    Disconnect {},
+    /// Killed without flushing.
+    Crash {},
+}
+
+/// A D1 probe: the op is always `probe`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    tag = "op",
+    content = "value",
+    rename_all = "kebab-case",
+    deny_unknown_fields
+)]
+pub enum ProbeLine {
+    Probe {
+        /// The line (`Entry::i`) of the `sent` reply or push probed.
+        of: u64,
+        conv: String,
+        seq: i64,
+        expect_mid: String,
+        found_mid: Option<String>,
+        /// The probe could not read (the database was down): ignored.
+        error: Option<String>,
+    },
+}
+
+/// Bookkeeping lines.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    tag = "op",
+    content = "value",
+    rename_all = "kebab-case",
+    deny_unknown_fields
+)]
+pub enum Meta {
+    /// The first line.
+    Open { schema_version: u32 },
+    /// The judge took the final read.
+    Final {},
+}
+
+/// Start and end of a nemesis period (paired by `op_id`), or an instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    Start,
+    End,
+    Instant,
+}
+
+/// A nemesis line: its phase and what was done.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Nemesis {
+    pub phase: Phase,
+    #[serde(flatten)]
+    pub action: Action,
+}
+
+/// How a database action went (null on a start line).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Outcome {
+    pub ok: Option<bool>,
+    pub error: Option<String>,
+    /// The node acted on (a formation's primary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// What a power cut threw away (`LazyFs`'s report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut: Option<Value>,
+}
+
+impl Outcome {
+    pub fn of<T, U: Serialize>(r: &anyhow::Result<T>, cut: impl FnOnce(&T) -> U) -> Outcome {
+        Outcome {
+            ok: Some(r.is_ok()),
+            error: r.as_ref().err().map(|e| format!("{e:#}")),
+            node: None,
+            cut: r
+                .as_ref()
+                .ok()
+                .and_then(|t| serde_json::to_value(cut(t)).ok()),
+        }
+    }
+
+    /// A finished action that reports nothing but success or its error.
+    pub fn done<T>(r: &anyhow::Result<T>) -> Outcome {
+        Outcome {
+            cut: None,
+            ..Outcome::of(r, |_| ())
+        }
+    }
+}
+
+/// A membership change made by the harness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Join {
+    Join,
+    Leave,
+}
+
+/// What the nemesis (or a scripted check) did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    tag = "op",
+    content = "value",
+    rename_all = "kebab-case",
+    deny_unknown_fields
+)]
+pub enum Action {
+    /// The nemesis runner began a schedule.
+    NemesisStart {
+        seed: u64,
+        /// Which run of the seed (`--repeat`).
+        repeat: String,
+        faults: usize,
+    },
+    /// A gateway process started (`sweep_ms` bounds D5 from here).
+    GatewayStart {
+        gateway: usize,
+        fault: Option<String>,
+        sweep_ms: u64,
+        bug: Option<String>,
+    },
+    /// A gateway process exited (a crash point fired, or it was killed).
+    GatewayExit {
+        gateway: Option<usize>,
+        status: Option<i32>,
+        raw: String,
+    },
+    GatewayKill {
+        gateway: usize,
+    },
+    PgCrash(Outcome),
+    PgRestart(Outcome),
+    PgPowerCut(Outcome),
+    PgPrimaryKill(Outcome),
+    PgPromote(Outcome),
+    ReplicationLinkCut {},
+    /// The gateways' database address moved (to a promoted standby).
+    DbAddressSwitch {
+        to: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        port: Option<u16>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
+    },
+    PgTerminateBackend {
+        pid: i32,
+        terminated: bool,
+    },
+    /// A fault of a nemesis schedule (start and end carry the same fault; `healed`: ended
+    /// by the heal, not by its schedule).
+    Fault {
+        fault: Fault,
+        healed: bool,
+    },
+    /// A frame fault a scripted check armed on gateway `gateway` (`spec` in `IM_FAULT`
+    /// syntax).
+    GwFault {
+        point: String,
+        action: String,
+        spec: String,
+        gateway: usize,
+    },
+    Membership {
+        action: Join,
+        conv: String,
+        user: String,
+        /// The change was found already made (an earlier attempt committed).
+        applied_by_an_earlier_attempt: bool,
+    },
+    /// A device was given a new install (its old one is stale).
+    Reinstall {
+        device: String,
+    },
+    /// The heal: every fault ended, every device brought back.
+    Heal {
+        unsettled: Vec<String>,
+    },
+    /// A fault found still armed during the heal, and disarmed.
+    StaleFaultDisarmed {
+        /// The control socket's `list`.
+        armed: String,
+        /// Its answer to `disarm all`.
+        disarm: String,
+    },
+    /// The harness itself was not run on time: what it recorded in `[from_ms, to_ms]` was
+    /// recorded late.
+    ObserverStall {
+        from_ms: f64,
+        to_ms: f64,
+        cause: String,
+    },
+}
+
+impl Action {
+    /// The `op` of the line.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Action::NemesisStart { .. } => "nemesis-start",
+            Action::GatewayStart { .. } => "gateway-start",
+            Action::GatewayExit { .. } => "gateway-exit",
+            Action::GatewayKill { .. } => "gateway-kill",
+            Action::PgCrash(_) => "pg-crash",
+            Action::PgRestart(_) => "pg-restart",
+            Action::PgPowerCut(_) => "pg-power-cut",
+            Action::PgPrimaryKill(_) => "pg-primary-kill",
+            Action::PgPromote(_) => "pg-promote",
+            Action::ReplicationLinkCut {} => "replication-link-cut",
+            Action::DbAddressSwitch { .. } => "db-address-switch",
+            Action::PgTerminateBackend { .. } => "pg-terminate-backend",
+            Action::Fault { .. } => "fault",
+            Action::GwFault { .. } => "gw-fault",
+            Action::Membership { .. } => "membership",
+            Action::Reinstall { .. } => "reinstall",
+            Action::Heal { .. } => "heal",
+            Action::StaleFaultDisarmed { .. } => "stale-fault-disarmed",
+            Action::ObserverStall { .. } => "observer-stall",
+        }
+    }
+
+    /// The frame fault this action arms, if it is one: (point, action).
+    pub fn frame_fault(&self) -> Option<(&str, &str)> {
+        match self {
+            Action::GwFault { point, action, .. } => Some((point, action)),
+            Action::Fault { fault, .. } => match &fault.kind {
+                FaultKind::GwFault { point, action } => Some((point, action)),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
+impl Line {
+    pub fn kind(&self) -> Type {
+        match self {
+            Line::Invoke(_) => Type::Invoke,
+            Line::Ok(_) => Type::Ok,
+            Line::Fail(_) => Type::Fail,
+            Line::Info(_) => Type::Info,
+            Line::Recv(_) => Type::Recv,
+            Line::Store(_) => Type::Store,
+            Line::Client(_) => Type::Client,
+            Line::Nemesis(_) => Type::Nemesis,
+            Line::Probe(_) => Type::Probe,
+            Line::Meta(_) => Type::Meta,
+        }
+    }
+
+    /// The `op` of the line, as written.
+    pub fn op(&self) -> &'static str {
+        match self {
+            Line::Invoke(i) => i.op().as_str(),
+            Line::Ok(d) => d.op().as_str(),
+            Line::Fail(c) => c.op.as_str(),
+            Line::Info(c) => c.op.as_str(),
+            Line::Recv(Recv::Push(_)) => "push",
+            Line::Recv(Recv::Hint { .. }) => "hint",
+            Line::Recv(Recv::Malformed { .. }) => "malformed",
+            Line::Store(_) => "store",
+            Line::Client(Life::Create {}) => "create",
+            Line::Client(Life::Restart {}) => "restart",
+            Line::Client(Life::Disconnect {}) => "disconnect",
+            Line::Client(Life::Crash {}) => "crash",
+            Line::Nemesis(n) => n.action.name(),
+            Line::Probe(_) => "probe",
+            Line::Meta(Meta::Open { .. }) => "open",
+            Line::Meta(Meta::Final {}) => "final",
+        }
+    }
+
+    /// The client operation of an invoke or completion line.
+    pub fn client_op(&self) -> Option<OpName> {
+        match self {
+            Line::Invoke(i) => Some(i.op()),
+            Line::Ok(d) => Some(d.op()),
+            Line::Fail(c) => Some(c.op),
+            Line::Info(c) => Some(c.op),
+            _ => None,
+        }
+    }
+}
