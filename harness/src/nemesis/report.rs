@@ -339,11 +339,18 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
                 .iter()
                 .map(|i| format!("<a href=\"#h{i}\">{i}</a>"))
                 .collect();
+            // Where, read from the witness (the data), then the sentence made from it.
+            let at = [a.witness.device(), a.witness.conv()]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join(" in ");
             let _ = write!(
                 s,
-                "<li><b>{}</b> ({}) {} — lines {}</li>",
+                "<li><b>{}</b> ({}) <i>{}</i>: {} — lines {}</li>",
                 esc(a.kind.as_str()),
                 esc(&a.invariant),
+                esc(&at),
                 esc(&a.msg),
                 links.join(", ")
             );

@@ -1,0 +1,40 @@
+//! Membership: a device sees only events inside its user's periods (S1).
+
+use super::*;
+
+/// Rule 9, `s1-outside` (S1: a device sees only events inside its user's membership
+/// periods): every pushed event and every event of a sync reply lies in one of the
+/// periods of the receiving device's user. A device the final read does not know has no
+/// periods.
+pub(super) fn s1_outside(cx: &Ctx, out: &mut Findings) {
+    for e in cx.h {
+        let (how, events): (&str, Vec<(&str, i64)>) = match &e.line {
+            Line::Recv(Recv::Push(ev)) => ("push", vec![(&ev.conv, ev.seq)]),
+            Line::Ok(Done::Sync { events, .. }) => (
+                "sync",
+                events.iter().map(|ev| (ev.conv.as_str(), ev.seq)).collect(),
+            ),
+            _ => continue,
+        };
+        let device = e.process.as_str();
+        let user = cx.user(device).unwrap_or("(unknown user)");
+        let mut outside: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+        for (conv, seq) in events {
+            if !inside(cx.periods_of(device, conv).unwrap_or(&[]), seq) {
+                outside.entry(conv).or_default().push(seq);
+            }
+        }
+        for (conv, seqs) in outside {
+            let w = Witness::OutsidePeriods {
+                device: device.to_string(),
+                user: user.to_string(),
+                conv: conv.to_string(),
+                seqs,
+                how: how.to_string(),
+                line: e.i,
+                periods: cx.periods_of(device, conv).unwrap_or(&[]).to_vec(),
+            };
+            out.push(Anomaly::new(Kind::S1Outside, w, vec![e.i]));
+        }
+    }
+}

@@ -1,0 +1,1459 @@
+//! The checker's unit tests: hand-built histories, one per rule and per exception.
+
+use super::*;
+use serde_json::json;
+
+/// Builds a history line by line; the clock advances 1 ms per line unless told.
+struct B {
+    h: Vec<Entry>,
+    t: f64,
+    op: u64,
+}
+
+const WALL0: i64 = 1_700_000_000_000_000;
+
+impl B {
+    fn new() -> B {
+        let mut b = B {
+            h: Vec::new(),
+            t: 0.0,
+            op: 0,
+        };
+        b.line(
+            "harness",
+            0,
+            Type::Meta,
+            "open",
+            None,
+            json!({"schema_version": crate::history::SCHEMA_VERSION}),
+        );
+        b
+    }
+
+    fn line(
+        &mut self,
+        process: &str,
+        instance: u64,
+        kind: Type,
+        op: &str,
+        op_id: Option<u64>,
+        value: Value,
+    ) -> u64 {
+        self.t += 1.0;
+        let i = self.h.len() as u64;
+        // Written as a line of history.jsonl and parsed as the checker's reader parses
+        // it: a test line of the wrong shape fails here, loudly.
+        let mut value = value;
+        let mut line = json!({
+            "i": i, "t_ms": self.t, "wall_us": WALL0 + (self.t * 1000.0) as i64,
+            "process": process, "instance": instance, "type": kind, "op": op,
+            "op_id": op_id,
+        });
+        if kind == Type::Nemesis {
+            let phase = value
+                .as_object_mut()
+                .and_then(|o| o.remove("phase"))
+                .unwrap_or(json!("instant"));
+            line["phase"] = phase;
+        }
+        line["value"] = value;
+        let e: Entry = serde_json::from_value(line.clone())
+            .unwrap_or_else(|err| panic!("test line {line} does not parse: {err}"));
+        self.h.push(e);
+        i
+    }
+
+    fn wait(&mut self, ms: f64) {
+        self.t += ms;
+    }
+
+    fn wall(&self, line: u64) -> i64 {
+        self.h[line as usize].wall_us
+    }
+
+    /// An invoke; returns its op id.
+    fn invoke(&mut self, dev: &str, op: &str, v: Value) -> u64 {
+        self.op += 1;
+        let id = self.op;
+        self.line(dev, 1, Type::Invoke, op, Some(id), v);
+        id
+    }
+
+    fn done(&mut self, dev: &str, kind: Type, op: &str, id: u64, v: Value) -> u64 {
+        self.line(dev, 1, kind, op, Some(id), v)
+    }
+
+    /// A send answered `sent`; returns the ok line.
+    fn send(&mut self, dev: &str, conv: &str, cmid: &str, seq: i64, mid: &str) -> u64 {
+        let id = self.invoke(
+            dev,
+            "send",
+            json!({"conv": conv, "cmid": cmid, "body_len": 1}),
+        );
+        self.done(
+            dev,
+            Type::Ok,
+            "send",
+            id,
+            json!({"conv": conv, "seq": seq, "mid": mid, "dup": false, "epoch": 1}),
+        )
+    }
+
+    /// A send that timed out.
+    fn send_info(&mut self, dev: &str, conv: &str, cmid: &str) {
+        let id = self.invoke(
+            dev,
+            "send",
+            json!({"conv": conv, "cmid": cmid, "body_len": 1}),
+        );
+        self.done(dev, Type::Info, "send", id, json!({"why": "timeout"}));
+    }
+
+    /// A non-overlapping ack; returns (invoke line, ok line).
+    fn ack(
+        &mut self,
+        dev: &str,
+        conv: &str,
+        seq: i64,
+        explicit: bool,
+        delivered: i64,
+    ) -> (u64, u64) {
+        let id = self.invoke(
+            dev,
+            "ack",
+            json!({"conv": conv, "seq": seq, "explicit": explicit}),
+        );
+        let inv = self.h.len() as u64 - 1;
+        let ok = self.done(
+            dev,
+            Type::Ok,
+            "ack",
+            id,
+            json!({"conv": conv, "delivered": delivered}),
+        );
+        (inv, ok)
+    }
+
+    fn push(&mut self, dev: &str, conv: &str, seq: i64, mid: &str) -> u64 {
+        self.line(
+            dev,
+            1,
+            Type::Recv,
+            "push",
+            None,
+            json!({"conv": conv, "seq": seq, "mid": mid, "sender": "alice", "cmid": "x"}),
+        )
+    }
+
+    fn hint(&mut self, dev: &str, conv: &str, head: i64, why: &str) -> u64 {
+        self.line(
+            dev,
+            1,
+            Type::Recv,
+            "hint",
+            None,
+            json!({"conv": conv, "head": head, "why": why}),
+        )
+    }
+
+    fn store(&mut self, dev: &str, via: &str, conv: &str, evs: &[(i64, &str)]) -> u64 {
+        let events: Vec<Value> = evs
+            .iter()
+            .map(|(q, m)| json!({"seq": q, "mid": m}))
+            .collect();
+        let cursor = evs.last().map_or(0, |e| e.0);
+        self.line(
+            dev,
+            1,
+            Type::Store,
+            "store",
+            None,
+            json!({"conv": conv, "via": via, "events": events, "cursor": cursor}),
+        )
+    }
+
+    fn sync(&mut self, dev: &str, conv: &str, after: i64, evs: &[(i64, &str)], head: i64) -> u64 {
+        let id = self.invoke(
+            dev,
+            "sync",
+            json!({"conv": conv, "after": after, "limit": 100}),
+        );
+        let events: Vec<Value> = evs
+            .iter()
+            .map(|(q, m)| json!({"conv": conv, "seq": q, "mid": m, "sender": "alice", "cmid": "x"}))
+            .collect();
+        self.done(
+            dev,
+            Type::Ok,
+            "sync",
+            id,
+            json!({"conv": conv, "head": head, "complete": true, "events": events}),
+        )
+    }
+
+    fn client(&mut self, dev: &str, op: &str) -> u64 {
+        self.line(dev, 1, Type::Client, op, None, json!({}))
+    }
+
+    fn gateway_start(&mut self, sweep_ms: u64) -> u64 {
+        self.line(
+            "harness",
+            0,
+            Type::Nemesis,
+            "gateway-start",
+            None,
+            json!({"gateway": 0, "fault": null, "sweep_ms": sweep_ms, "bug": null, "phase": "instant"}),
+        )
+    }
+
+    fn probe(
+        &mut self,
+        of: u64,
+        conv: &str,
+        seq: i64,
+        expect: &str,
+        found: Option<&str>,
+        error: Option<&str>,
+    ) -> u64 {
+        self.line("probe", 0, Type::Probe, "probe", None, json!({"of": of, "conv": conv, "seq": seq, "expect_mid": expect, "found_mid": found, "error": error}))
+    }
+}
+
+/// A final read: users alice (a1) and bob (b1), both members of c1 from seq 1, with
+/// `rows` (conv, seq, mid, sender_device, cmid) and heads from them.
+fn fin(rows: &[(&str, i64, &str, &str, &str)]) -> Final {
+    let user = |d: &str| if d.starts_with('a') { "alice" } else { "bob" };
+    let mut heads = BTreeMap::from([("c1".to_string(), 0)]);
+    for r in rows {
+        let h = heads.entry(r.0.to_string()).or_insert(0);
+        *h = (*h).max(r.1);
+    }
+    Final {
+        schema_version: 1,
+        t_ms: 0.0,
+        wall_us: 0,
+        sweep_ms: 1000,
+        events: rows
+            .iter()
+            .map(|r| FinalEvent {
+                conv: r.0.into(),
+                seq: r.1,
+                mid: r.2.into(),
+                sender_user: user(r.3).into(),
+                sender_device: r.3.into(),
+                cmid: r.4.into(),
+            })
+            .collect(),
+        heads,
+        memberships: ["alice", "bob"]
+            .iter()
+            .map(|u| Membership {
+                conv: "c1".into(),
+                user: (*u).into(),
+                from_seq: 1,
+                to_seq: None,
+            })
+            .collect(),
+        devices: BTreeMap::from([
+            ("a1".to_string(), "alice".to_string()),
+            ("b1".to_string(), "bob".to_string()),
+        ]),
+        cursors: Vec::new(),
+        cursor_audit: Vec::new(),
+        stores: BTreeMap::new(),
+        live: vec!["a1".into(), "b1".into()],
+        liveness: Liveness {
+            bound_ms: 2000,
+            waited_ms: 0.0,
+            missing: BTreeMap::new(),
+        },
+    }
+}
+
+/// A cursor write of `dev` in c1.
+fn audit(dev: &str, old: Option<i64>, new: i64, wall_us: i64) -> CursorWrite {
+    CursorWrite {
+        device: dev.into(),
+        conv: "c1".into(),
+        old,
+        new,
+        wall_us,
+    }
+}
+
+fn cursor(dev: &str, conv: &str, delivered: i64) -> FinalCursor {
+    FinalCursor {
+        device: dev.into(),
+        conv: conv.into(),
+        delivered,
+    }
+}
+
+/// Puts `evs` as `dev`'s state file for c1.
+fn state_file(f: &mut Final, dev: &str, evs: &[(i64, &str)]) {
+    let evs = evs
+        .iter()
+        .map(|(seq, mid)| StoredEvent {
+            seq: *seq,
+            mid: (*mid).into(),
+        })
+        .collect();
+    f.stores
+        .insert(dev.into(), BTreeMap::from([("c1".to_string(), evs)]));
+}
+
+/// The kinds found, in report order.
+fn kinds(b: &B, f: &Final) -> Vec<&'static str> {
+    check(&b.h, f)
+        .anomalies
+        .iter()
+        .map(|a| a.kind.as_str())
+        .collect()
+}
+
+fn only(b: &B, f: &Final, kind: Kind) -> Vec<Anomaly> {
+    check(&b.h, f)
+        .anomalies
+        .into_iter()
+        .filter(|a| a.kind == kind)
+        .collect()
+}
+
+/// Two rows m1, m2 of c1 sent by a1 (cmids x1, x2).
+fn two_rows() -> Final {
+    fin(&[("c1", 1, "m1", "a1", "x1"), ("c1", 2, "m2", "a1", "x2")])
+}
+
+#[test]
+fn a_clean_realistic_history_passes_with_every_count_zero() {
+    let (b, f) = realistic();
+    let r = check(&b.h, &f);
+    assert_eq!(r.anomalies, vec![], "{}", r.summary());
+    assert_eq!(r.verdict, Verdict::Pass);
+    assert_eq!(r.counts.len(), 13);
+    assert!(Kind::ALL.iter().all(|k| r.counts[k] == 0));
+    let json = serde_json::to_value(&r).unwrap();
+    for k in Kind::ALL {
+        assert_eq!(json["counts"][k.as_str()], json!(0), "{k}");
+    }
+    assert_eq!(json["verdict"], json!("PASS"));
+    assert_eq!(
+        r.summary(),
+        format!("PASS, 0 anomalies over {} entries", b.h.len())
+    );
+    assert_eq!(
+        r.stats.ops["send"],
+        OpCounts {
+            invoke: 2,
+            ok: 2,
+            fail: 0,
+            info: 0
+        }
+    );
+    assert_eq!(r.stats.ops["ack"].ok, 4);
+    assert_eq!((r.stats.pushes, r.stats.hints, r.stats.stores), (3, 1, 4));
+    assert_eq!(
+        r.stats.probes,
+        ProbeCounts {
+            total: 3,
+            visible: 3,
+            errors: 0
+        }
+    );
+    assert_eq!(r.stats.delivery_ms.n, 4);
+    assert_eq!(r.stats.repair_ms.n, 1);
+    assert!(r.stats.repair_ms.p50.unwrap() > 900.0);
+    assert_eq!(
+        r.stats.sweep_hint_gaps_ms,
+        GapQuantiles {
+            n: 0,
+            p50: None,
+            max: None
+        }
+    );
+    let back: Report = serde_json::from_value(json).unwrap();
+    assert_eq!(back, r);
+}
+
+/// Two devices, two messages, one push lost and repaired by a sweep hint and a sync:
+/// a history every rule passes, and its final read.
+fn realistic() -> (B, Final) {
+    let mut b = B::new();
+    b.client("a1", "create");
+    b.client("b1", "create");
+    for d in ["a1", "b1"] {
+        let id = b.invoke(d, "hello", json!({"device": d, "epoch": 1}));
+        b.done(
+            d,
+            Type::Ok,
+            "hello",
+            id,
+            json!({"user": "u", "device": d, "epoch": 1}),
+        );
+        let id = b.invoke(d, "sub", json!({}));
+        b.done(
+            d,
+            Type::Ok,
+            "sub",
+            id,
+            json!({"convs": [{"conv": "c1", "head": 0, "delivered": 0}]}),
+        );
+    }
+    let ok1 = b.send("a1", "c1", "x1", 1, "m1");
+    b.probe(ok1, "c1", 1, "m1", Some("m1"), None);
+    for d in ["a1", "b1"] {
+        let p = b.push(d, "c1", 1, "m1");
+        b.probe(p, "c1", 1, "m1", Some("m1"), None);
+        b.store(d, "push", "c1", &[(1, "m1")]);
+        b.ack(d, "c1", 1, false, 1);
+    }
+    b.send("a1", "c1", "x2", 2, "m2");
+    b.push("a1", "c1", 2, "m2");
+    b.store("a1", "push", "c1", &[(2, "m2")]);
+    let (a_ack2, _) = b.ack("a1", "c1", 2, false, 2);
+    // b1 lost the push of 2: the sweep hints it, it syncs and acks.
+    b.wait(900.0);
+    b.hint("b1", "c1", 2, "sweep");
+    b.sync("b1", "c1", 1, &[(2, "m2")], 2);
+    b.store("b1", "sync", "c1", &[(2, "m2")]);
+    let (b_ack2, _) = b.ack("b1", "c1", 2, false, 2);
+    b.line("harness", 0, Type::Meta, "final", None, json!({}));
+
+    let mut f = two_rows();
+    f.cursor_audit = vec![
+        audit("a1", None, 1, b.wall(a_ack2) - 10),
+        audit("b1", None, 1, b.wall(a_ack2) - 5),
+        audit("a1", Some(1), 2, b.wall(a_ack2) + 5),
+        audit("b1", Some(1), 2, b.wall(b_ack2) + 5),
+    ];
+    for d in ["a1", "b1"] {
+        f.cursors.push(cursor(d, "c1", 2));
+        state_file(&mut f, d, &[(1, "m1"), (2, "m2")]);
+    }
+    f.liveness
+        .missing
+        .insert("b1".into(), BTreeMap::from([("c1".to_string(), vec![])]));
+    (b, f)
+}
+
+/// Every key of `v`, at any depth, as a path of keys and array indexes.
+fn key_paths(v: &Value, at: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+    match v {
+        Value::Object(o) => {
+            for (k, x) in o {
+                at.push(k.clone());
+                out.push(at.clone());
+                key_paths(x, at, out);
+                at.pop();
+            }
+        }
+        Value::Array(xs) => {
+            for (i, x) in xs.iter().enumerate() {
+                at.push(format!("[{i}]"));
+                key_paths(x, at, out);
+                at.pop();
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Renames the last key of `path` in `v` (appends `_renamed`).
+fn rename(v: &mut Value, path: &[String]) {
+    let (last, parents) = path.split_last().unwrap();
+    let mut at = v;
+    for p in parents {
+        at = match p.strip_prefix('[').and_then(|p| p.strip_suffix(']')) {
+            Some(i) => &mut at[i.parse::<usize>().unwrap()],
+            None => &mut at[p.as_str()],
+        };
+    }
+    let o = at.as_object_mut().unwrap();
+    let x = o.remove(last).unwrap();
+    o.insert(format!("{last}_renamed"), x);
+}
+
+/// Issue 20: a history field renamed (by another version of the recorder, or by hand)
+/// makes the judgement ERROR, not a rule that skips the line and passes. Every key of
+/// every line of a history holding every kind of line the checker reads, at any depth,
+/// is renamed in turn: each time the history no longer parses, naming the line; and
+/// the judgement of the run directory is ERROR.
+#[test]
+fn a_renamed_history_field_makes_the_judgement_error_never_a_skip() {
+    let (mut b, f) = realistic();
+    b.gateway_start(1000);
+    let fault = json!({"id": 3, "at_ms": 10, "end_ms": 20, "target": "gateway",
+                       "kind": "gw-fault", "point": "gw.push", "action": "drop"});
+    for phase in ["start", "end"] {
+        let v = json!({"phase": phase, "fault": fault.clone(), "healed": false});
+        b.line("harness", 0, Type::Nemesis, "fault", Some(90), v);
+    }
+    for v in [
+        json!({"phase": "start"}),
+        json!({"phase": "end", "ok": true, "error": null}),
+    ] {
+        b.line("harness", 0, Type::Nemesis, "pg-crash", Some(91), v);
+    }
+    b.line(
+        "harness",
+        0,
+        Type::Nemesis,
+        "observer-stall",
+        None,
+        json!({"from_ms": 1.0, "to_ms": 300.0, "cause": "test"}),
+    );
+    b.send_info("a1", "c1", "x9");
+    b.probe(3, "c1", 1, "m1", None, Some("down"));
+    let tmp = tempfile::Builder::new()
+        .prefix("imfault-rename-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
+    let lines: Vec<Value> =
+        b.h.iter()
+            .map(|e| serde_json::to_value(e).unwrap())
+            .collect();
+    let text = |lines: &[Value]| {
+        lines
+            .iter()
+            .map(|l| l.to_string() + "\n")
+            .collect::<String>()
+    };
+    std::fs::write(dir.join("history.jsonl"), text(&lines)).unwrap();
+    std::fs::write(dir.join("final.json"), serde_json::to_string(&f).unwrap()).unwrap();
+    assert_eq!(judge_dir(dir).verdict, Verdict::Pass);
+
+    let mut renamed = 0;
+    for (n, line) in lines.iter().enumerate() {
+        let mut paths = Vec::new();
+        key_paths(line, &mut Vec::new(), &mut paths);
+        for path in paths {
+            let mut edited = lines.clone();
+            rename(&mut edited[n], &path);
+            let e = format!("{:#}", crate::history::parse(&text(&edited)).unwrap_err());
+            assert!(
+                e.contains(&format!("line {}", n + 1)),
+                "renaming {path:?} of line {}: {e}",
+                n + 1
+            );
+            renamed += 1;
+        }
+    }
+    assert!(renamed > 300, "{renamed}");
+
+    // End to end, from the run directory: the mid of a `sent` reply renamed.
+    let ok = lines
+        .iter()
+        .position(|l| l["type"] == "ok" && l["op"] == "send")
+        .unwrap();
+    let mut edited = lines.clone();
+    rename(&mut edited[ok], &["value".into(), "mid".into()]);
+    std::fs::write(dir.join("history.jsonl"), text(&edited)).unwrap();
+    let r = judge_dir(dir);
+    assert_eq!(r.verdict, Verdict::Error);
+    let why = r.error.as_deref().unwrap();
+    assert!(why.contains(&format!("line {}", ok + 1)), "{why}");
+    assert!(r.summary().starts_with("ERROR"), "{}", r.summary());
+    assert_eq!(serde_json::to_value(&r).unwrap()["verdict"], json!("ERROR"));
+}
+
+#[test]
+fn kind_names_are_the_serialised_names() {
+    for k in Kind::ALL {
+        assert_eq!(serde_json::to_value(k).unwrap(), json!(k.as_str()));
+    }
+}
+
+#[test]
+fn nearest_rank_quantiles() {
+    let q = quantiles(vec![5.0, 1.0, 4.0, 2.0, 3.0]);
+    assert_eq!(
+        (q.n, q.p50, q.p95, q.max),
+        (5, Some(3.0), Some(5.0), Some(5.0))
+    );
+    let q = quantiles(vec![1.0, 2.0]);
+    assert_eq!(q.p50, Some(1.0));
+    assert_eq!(quantiles(vec![]), Quantiles::default());
+}
+
+#[test]
+fn lost_when_an_acked_row_is_missing_or_has_another_mid() {
+    let mut b = B::new();
+    b.send("a1", "c1", "x1", 1, "m1");
+    b.send("a1", "c1", "x2", 2, "m2");
+    let f = fin(&[("c1", 2, "other", "a1", "x2")]);
+    let lost = only(&b, &f, Kind::Lost);
+    assert_eq!(lost.len(), 2, "{lost:?}");
+    assert!(lost[0].msg.contains("no row c1:1"), "{}", lost[0].msg);
+    assert!(lost[1].msg.contains("has mid other"), "{}", lost[1].msg);
+    assert_eq!(lost[0].entries, vec![2]);
+    assert_eq!(lost[0].invariant, "D1/D6");
+}
+
+/// Issue 20: an anomaly's proof is data: the conversation, seq, device and database row
+/// are read from the witness (the sentence is generated from it, never the other way).
+#[test]
+fn the_witness_names_the_conversation_seq_device_and_row() {
+    let mut b = B::new();
+    b.send("a1", "c1", "x2", 2, "m2");
+    let f = fin(&[("c1", 2, "other", "a1", "x2")]);
+    let lost = only(&b, &f, Kind::Lost);
+    let Witness::SentNotKept { devices, sent, row } = &lost[0].witness else {
+        panic!("{:?}", lost[0].witness);
+    };
+    assert_eq!(devices, &vec!["a1".to_string()]);
+    assert_eq!(
+        (sent.conv.as_str(), sent.seq, sent.mid.as_str()),
+        ("c1", 2, "m2")
+    );
+    assert_eq!(sent.line, Some(lost[0].entries[0]));
+    assert_eq!(row.as_ref().map(|r| r.mid.as_str()), Some("other"));
+    assert_eq!(lost[0].witness.conv(), Some("c1"));
+    assert_eq!(lost[0].witness.device(), Some("a1"));
+    assert_eq!(lost[0].msg, lost[0].witness.explain());
+    let json = serde_json::to_value(&lost[0]).unwrap();
+    assert_eq!(json["witness"]["shape"], json!("sent-not-kept"));
+    assert_eq!(json["witness"]["row"]["mid"], json!("other"));
+    let back: Anomaly = serde_json::from_value(json).unwrap();
+    assert_eq!(back, lost[0]);
+}
+
+/// Issue 20: the rules table covers every kind, each kind from one family, and each
+/// family is a file of `checker/`.
+#[test]
+fn every_kind_is_reported_by_exactly_one_rule_family() {
+    for k in Kind::ALL {
+        let families: std::collections::BTreeSet<&str> = RULES
+            .iter()
+            .filter(|r| r.kinds.contains(k))
+            .map(|r| r.family)
+            .collect();
+        assert_eq!(families.len(), 1, "{k}: {families:?}");
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/checker");
+    for r in RULES {
+        assert!(
+            dir.join(format!("{}.rs", r.family)).is_file(),
+            "rule {} names family {}",
+            r.name,
+            r.family
+        );
+    }
+}
+
+/// Issue 20: the documentation of the kinds derives from the one table: evidence/README.md's
+/// checker table has exactly one row per kind, holding the table's invariant and "flagged
+/// when" word for word, and no row for a kind the table does not have.
+#[test]
+fn the_readme_checker_table_is_the_kinds_table() {
+    let readme = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../evidence/README.md");
+    let text = std::fs::read_to_string(readme).unwrap();
+    let start = text.find("| kind | invariant | flagged when |").unwrap();
+    let rows: Vec<&str> = text[start..]
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    let want: Vec<String> = Kind::ALL
+        .iter()
+        .map(|k| {
+            format!(
+                "| `{}` | {} | {} |",
+                k.as_str(),
+                k.invariant(),
+                k.flagged_when()
+            )
+        })
+        .collect();
+    assert_eq!(rows, want);
+}
+
+#[test]
+fn an_info_send_absent_at_the_end_is_not_lost() {
+    let mut b = B::new();
+    b.send_info("a1", "c1", "x1");
+    b.send_info("a1", "c1", "x2");
+    let f = fin(&[("c1", 1, "m2", "a1", "x2")]);
+    let r = check(&b.h, &f);
+    assert_eq!(r.verdict, Verdict::Pass, "{:?}", r.anomalies);
+    assert_eq!(
+        r.stats.info_sends,
+        InfoSends {
+            total: 2,
+            present: 1,
+            absent: 1
+        }
+    );
+}
+
+#[test]
+fn duplicated_rows_of_one_cmid_or_two_answers_for_one_cmid() {
+    let mut b = B::new();
+    b.send("a1", "c1", "x1", 1, "m1");
+    b.send("a1", "c1", "x1", 2, "m2");
+    let f = two_rows_same_cmid();
+    let d = only(&b, &f, Kind::Duplicated);
+    assert_eq!(d.len(), 2, "{d:?}");
+    assert!(d
+        .iter()
+        .any(|a| a.msg.contains("2 rows for (sender alice, cmid x1)")));
+    assert!(d
+        .iter()
+        .any(|a| a.msg.contains("a1's cmid x1 was answered sent with c1:1")));
+}
+
+fn two_rows_same_cmid() -> Final {
+    fin(&[("c1", 1, "m1", "a1", "x1"), ("c1", 2, "m2", "a1", "x1")])
+}
+
+#[test]
+fn a_dup_reply_with_the_original_seq_is_not_duplicated() {
+    let mut b = B::new();
+    b.send_info("a1", "c1", "x1");
+    b.send("a1", "c1", "x1", 1, "m1");
+    b.send("a1", "c1", "x1", 1, "m1");
+    let f = fin(&[("c1", 1, "m1", "a1", "x1")]);
+    assert_eq!(kinds(&b, &f), Vec::<&str>::new());
+}
+
+#[test]
+fn unexpected_row_never_sent() {
+    let mut b = B::new();
+    b.send("a1", "c1", "x1", 1, "m1");
+    let f = two_rows();
+    let u = only(&b, &f, Kind::Unexpected);
+    assert_eq!(u.len(), 1);
+    assert!(u[0]
+        .msg
+        .contains("row c1:2 (mid m2, sender alice/a1, cmid x2) was never sent by a1"));
+    assert!(u[0].entries.is_empty());
+}
+
+#[test]
+fn a_row_from_an_info_send_is_expected() {
+    let mut b = B::new();
+    b.send_info("a1", "c1", "x1");
+    let f = fin(&[("c1", 1, "m1", "a1", "x1")]);
+    let r = check(&b.h, &f);
+    assert_eq!(r.verdict, Verdict::Pass, "{:?}", r.anomalies);
+    assert_eq!(
+        r.stats.info_sends,
+        InfoSends {
+            total: 1,
+            present: 1,
+            absent: 0
+        }
+    );
+}
+
+#[test]
+fn p1_gap_when_rows_are_not_one_to_head() {
+    let mut b = B::new();
+    b.send_info("a1", "c1", "x1");
+    b.send_info("a1", "c1", "x3");
+    let mut f = fin(&[("c1", 1, "m1", "a1", "x1"), ("c1", 3, "m3", "a1", "x3")]);
+    let gap = only(&b, &f, Kind::P1Gap);
+    assert_eq!(gap.len(), 1);
+    assert_eq!(gap[0].msg, "c1 has head 3 but no rows for seqs 2");
+    f.heads.insert("c1".into(), 1);
+    let gap = only(&b, &f, Kind::P1Gap);
+    assert_eq!(gap[0].msg, "c1 has head 1 but rows outside 1..=1: 3");
+}
+
+#[test]
+fn gapless_rows_are_not_a_p1_gap() {
+    let mut b = B::new();
+    b.send("a1", "c1", "x1", 1, "m1");
+    b.send("a1", "c1", "x2", 2, "m2");
+    let mut f = two_rows();
+    f.heads.insert("c2".into(), 0);
+    assert_eq!(kinds(&b, &f), Vec::<&str>::new());
+}
+
+#[test]
+fn d3_ack_beyond_what_was_stored_before_the_invoke() {
+    let mut b = B::new();
+    b.store("b1", "push", "c1", &[(1, "m1")]);
+    let id = b.invoke(
+        "b1",
+        "ack",
+        json!({"conv": "c1", "seq": 2, "explicit": false}),
+    );
+    // Stored after the ack left: too late.
+    b.store("b1", "push", "c1", &[(2, "m2")]);
+    b.done(
+        "b1",
+        Type::Ok,
+        "ack",
+        id,
+        json!({"conv": "c1", "delivered": 2}),
+    );
+    let f = two_rows();
+    let d3 = only(&b, &f, Kind::D3AckBeyondStore);
+    assert_eq!(d3.len(), 1, "{d3:?}");
+    assert_eq!(
+        d3[0].msg,
+        "b1 acked c1:2 while it had stored contiguously only through 1, not c1:2 (line 2)"
+    );
+    assert_eq!(d3[0].entries, vec![2]);
+}
+
+#[test]
+fn d3_a_hole_below_the_ack_is_flagged() {
+    let mut b = B::new();
+    b.store("b1", "push", "c1", &[(2, "m2")]);
+    b.ack("b1", "c1", 2, false, 2);
+    let d3 = only(&b, &two_rows(), Kind::D3AckBeyondStore);
+    assert_eq!(d3.len(), 1);
+    assert!(
+        d3[0].msg.contains("only through 0, not c1:1"),
+        "{}",
+        d3[0].msg
+    );
+}
+
+#[test]
+fn an_explicit_ack_beyond_the_store_is_not_d3_but_counted() {
+    let mut b = B::new();
+    b.ack("b1", "c1", 2, true, 2);
+    let r = check(&b.h, &two_rows());
+    assert_eq!(r.counts[&Kind::D3AckBeyondStore], 0);
+    assert_eq!(r.stats.explicit_acks, 1);
+}
+
+#[test]
+fn a_seq_invisible_to_the_user_is_not_a_hole() {
+    let mut b = B::new();
+    b.store("b1", "sync", "c1", &[(2, "m2"), (4, "m4")]);
+    b.ack("b1", "c1", 4, false, 4);
+    let mut f = fin(&[
+        ("c1", 1, "m1", "a1", "x1"),
+        ("c1", 2, "m2", "a1", "x2"),
+        ("c1", 3, "m3", "a1", "x3"),
+        ("c1", 4, "m4", "a1", "x4"),
+    ]);
+    // bob joined at 2, left before 3, came back at 4.
+    f.memberships[1] = Membership {
+        conv: "c1".into(),
+        user: "bob".into(),
+        from_seq: 2,
+        to_seq: Some(3),
+    };
+    f.memberships.push(Membership {
+        conv: "c1".into(),
+        user: "bob".into(),
+        from_seq: 4,
+        to_seq: None,
+    });
+    assert!(only(&b, &f, Kind::D3AckBeyondStore).is_empty());
+    // The same ack with 2 not stored is a hole.
+    let mut b = B::new();
+    b.store("b1", "sync", "c1", &[(4, "m4")]);
+    b.ack("b1", "c1", 4, false, 4);
+    assert_eq!(only(&b, &f, Kind::D3AckBeyondStore).len(), 1);
+}
+
+#[test]
+fn d3_cursor_moved_without_an_earlier_ack() {
+    let mut b = B::new();
+    let (inv, _) = b.ack("b1", "c1", 1, true, 1);
+    let mut f = two_rows();
+    f.cursor_audit = vec![
+        // No ack of 2 at all.
+        audit("b1", None, 2, b.wall(inv) + 10),
+        // The ack of 1 came after this write.
+        audit("b1", Some(0), 1, b.wall(inv) - 10),
+    ];
+    let d3 = only(&b, &f, Kind::D3CursorUnexplained);
+    assert_eq!(d3.len(), 2, "{d3:?}");
+    assert_eq!(d3[0].entries, vec![inv]);
+    assert!(d3[0].msg.contains("moved 0 -> 1"), "{}", d3[0].msg);
+    assert!(d3[1].msg.contains("moved none -> 2"), "{}", d3[1].msg);
+}
+
+#[test]
+fn a_cursor_increase_after_a_matching_ack_is_explained() {
+    let mut b = B::new();
+    let (inv, _) = b.ack("b1", "c1", 2, true, 2);
+    let mut f = two_rows();
+    f.cursor_audit = vec![
+        audit("b1", None, 2, b.wall(inv) + 10),
+        // Not an increase (GREATEST kept 2): nothing to explain.
+        audit("b1", Some(2), 2, b.wall(inv) + 20),
+    ];
+    assert!(only(&b, &f, Kind::D3CursorUnexplained).is_empty());
+}
+
+#[test]
+fn d4_a_later_ack_reply_below_an_earlier_one() {
+    let mut b = B::new();
+    let (_, ok5) = b.ack("b1", "c1", 2, true, 2);
+    let (inv, ok) = b.ack("b1", "c1", 1, true, 1);
+    let d4 = only(&b, &two_rows(), Kind::D4Decrease);
+    assert_eq!(d4.len(), 1, "{d4:?}");
+    assert_eq!(d4[0].entries, vec![ok5, inv, ok]);
+    assert_eq!(
+        d4[0].msg,
+        "b1 got delivered 1 for c1 from ack (invoked line 3, answered line 4) after it had received delivered 2 (line 2)"
+    );
+}
+
+#[test]
+fn d4_a_sub_reply_below_an_earlier_ack() {
+    let mut b = B::new();
+    b.ack("b1", "c1", 2, true, 2);
+    let id = b.invoke("b1", "sub", json!({}));
+    b.done(
+        "b1",
+        Type::Ok,
+        "sub",
+        id,
+        json!({"convs": [{"conv": "c1", "head": 2, "delivered": 0}]}),
+    );
+    assert_eq!(only(&b, &two_rows(), Kind::D4Decrease).len(), 1);
+}
+
+#[test]
+fn overlapping_acks_answered_out_of_order_are_not_d4() {
+    let mut b = B::new();
+    let id1 = b.invoke(
+        "b1",
+        "ack",
+        json!({"conv": "c1", "seq": 1, "explicit": true}),
+    );
+    let id2 = b.invoke(
+        "b1",
+        "ack",
+        json!({"conv": "c1", "seq": 2, "explicit": true}),
+    );
+    b.done(
+        "b1",
+        Type::Ok,
+        "ack",
+        id2,
+        json!({"conv": "c1", "delivered": 2}),
+    );
+    b.done(
+        "b1",
+        Type::Ok,
+        "ack",
+        id1,
+        json!({"conv": "c1", "delivered": 1}),
+    );
+    // A later op is compared with both.
+    b.ack("b1", "c1", 2, true, 2);
+    assert!(only(&b, &two_rows(), Kind::D4Decrease).is_empty());
+}
+
+#[test]
+fn d4_audit_decrease_and_final_cursor_outside_the_head() {
+    let b = B::new();
+    let mut f = two_rows();
+    f.cursor_audit = vec![audit("b1", Some(2), 1, 5)];
+    f.cursors = vec![
+        cursor("a1", "c1", 3),
+        cursor("b1", "c1", -1),
+        cursor("b1", "c2", 0),
+    ];
+    let d4 = only(&b, &f, Kind::D4Decrease);
+    assert_eq!(d4.len(), 3, "{d4:?}");
+    assert!(d4
+        .iter()
+        .any(|a| a.msg.contains("written down from 2 to 1")));
+    assert!(d4
+        .iter()
+        .any(|a| a.msg == "final cursor of a1 in c1 is 3, outside 0..=2 (head)"));
+}
+
+#[test]
+fn s1_push_or_sync_event_outside_the_membership() {
+    let mut b = B::new();
+    let p = b.push("b1", "c1", 1, "m1");
+    let s = b.sync("b1", "c1", 0, &[(1, "m1"), (2, "m2")], 2);
+    let mut f = two_rows();
+    f.memberships[1].from_seq = 2;
+    let s1 = only(&b, &f, Kind::S1Outside);
+    assert_eq!(s1.len(), 2, "{s1:?}");
+    assert_eq!(s1[0].entries, vec![p]);
+    assert_eq!(s1[1].entries, vec![s]);
+    assert_eq!(
+        s1[0].msg,
+        "b1 (bob) received c1 seqs 1 by push at line 1, outside bob's periods of c1: [2, ∞)"
+    );
+}
+
+#[test]
+fn events_inside_the_membership_are_not_s1() {
+    let mut b = B::new();
+    b.push("b1", "c1", 2, "m2");
+    b.sync("b1", "c1", 1, &[(2, "m2")], 2);
+    let mut f = two_rows();
+    f.memberships[1].from_seq = 2;
+    assert!(only(&b, &f, Kind::S1Outside).is_empty());
+}
+
+#[test]
+fn d5_not_repaired_only_for_non_empty_missing_lists() {
+    let mut b = B::new();
+    let ok2 = b.send("a1", "c1", "x2", 2, "m2");
+    let mut f = two_rows();
+    f.liveness.waited_ms = 2500.0;
+    f.liveness
+        .missing
+        .insert("a1".into(), BTreeMap::from([("c1".to_string(), vec![])]));
+    assert!(only(&b, &f, Kind::D5NotRepaired).is_empty());
+    f.liveness
+        .missing
+        .insert("b1".into(), BTreeMap::from([("c1".to_string(), vec![2])]));
+    let d5 = only(&b, &f, Kind::D5NotRepaired);
+    assert_eq!(d5.len(), 1);
+    assert_eq!(
+        d5[0].msg,
+        "b1 still misses c1 seqs 2 after the judge waited 2500 ms (bound 2000 ms)"
+    );
+    assert_eq!(d5[0].entries, vec![ok2]);
+}
+
+#[test]
+fn d5_sweep_hints_too_far_apart() {
+    let mut b = B::new();
+    b.gateway_start(1000);
+    let h1 = b.hint("b1", "c1", 2, "sweep");
+    b.wait(2500.0);
+    let h2 = b.hint("b1", "c1", 2, "sweep");
+    let r = check(&b.h, &two_rows());
+    let late: Vec<_> = r
+        .anomalies
+        .iter()
+        .filter(|a| a.kind == Kind::D5SweepLate)
+        .collect();
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert_eq!(late[0].entries, vec![h1, h2]);
+    assert!(
+        late[0]
+            .msg
+            .contains("2501 ms apart (sweep_ms 1000, allowed 2000 ms)"),
+        "{}",
+        late[0].msg
+    );
+    assert_eq!(
+        r.stats.sweep_hint_gaps_ms,
+        GapQuantiles {
+            n: 1,
+            p50: Some(2501.0),
+            max: Some(2501.0)
+        }
+    );
+}
+
+/// Seed 829's shape: the harness stalled 1.7 s, then recorded the queued hints; its
+/// watchdog's `observer-stall` line may come after them. The gap is not judged, and the
+/// same gap with the stall elsewhere still is.
+#[test]
+fn d5_sweep_gap_across_an_observer_stall_is_not_judged() {
+    for (stall_inside, want) in [(true, 0), (false, 1)] {
+        let mut b = B::new();
+        b.gateway_start(500);
+        b.hint("b1", "c1", 2, "sweep");
+        let t1 = b.t;
+        b.wait(1900.0);
+        b.hint("b1", "c1", 2, "sweep");
+        let (from, to) = if stall_inside {
+            (t1 + 100.0, t1 + 1850.0)
+        } else {
+            (b.t + 10.0, b.t + 400.0)
+        };
+        b.wait(500.0);
+        b.line(
+            "harness",
+            0,
+            Type::Nemesis,
+            "observer-stall",
+            None,
+            json!({"phase": "instant", "from_ms": from, "to_ms": to,
+                   "cause": "the harness was not run"}),
+        );
+        let r = check(&b.h, &two_rows());
+        let late = r
+            .anomalies
+            .iter()
+            .filter(|a| a.kind == Kind::D5SweepLate)
+            .count();
+        assert_eq!(
+            late, want,
+            "stall inside the gap: {stall_inside}: {:?}",
+            r.anomalies
+        );
+    }
+}
+
+#[test]
+fn d5_sweep_median_too_slow() {
+    let mut b = B::new();
+    b.gateway_start(1000);
+    b.hint("b1", "c1", 2, "sweep");
+    for _ in 0..3 {
+        b.wait(1799.0);
+        b.hint("b1", "c1", 2, "sweep");
+    }
+    let late = only(&b, &two_rows(), Kind::D5SweepLate);
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert!(
+        late[0].msg.contains("every 1800 ms (median of 3 gaps)"),
+        "{}",
+        late[0].msg
+    );
+    assert_eq!(late[0].entries.len(), 4);
+}
+
+#[test]
+fn sweep_hints_are_not_late_across_an_ack_a_reconnect_or_a_gateway_start() {
+    let mut b = B::new();
+    b.gateway_start(1000);
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(5000.0);
+    b.ack("b1", "c1", 2, false, 2); // caught up: the next hint is a new episode
+    b.wait(5000.0);
+    b.hint("b1", "c1", 3, "sweep");
+    b.wait(5000.0);
+    b.client("b1", "disconnect");
+    b.hint("b1", "c1", 3, "sweep");
+    b.wait(5000.0);
+    b.gateway_start(1000);
+    b.hint("b1", "c1", 3, "sweep");
+    b.hint("b1", "c1", 3, "overflow"); // not a sweep hint
+    b.hint("a1", "c1", 3, "sweep"); // another device
+    b.wait(900.0);
+    b.hint("b1", "c1", 3, "sweep");
+    // An ack below the head does not end the episode, and the gap is fine.
+    b.ack("b1", "c1", 2, false, 2);
+    b.hint("b1", "c1", 3, "sweep");
+    let r = check(&b.h, &two_rows());
+    assert_eq!(r.counts[&Kind::D5SweepLate], 0, "{:?}", r.anomalies);
+    assert_eq!(r.stats.sweep_hint_gaps_ms.n, 2);
+}
+
+/// A sweep hint before the database went away and the next one after it came back
+/// are not one late interval (a failover under pg_auto_failover takes seconds); a gap
+/// after the fault is judged again.
+#[test]
+fn sweep_hints_are_not_late_across_a_database_outage() {
+    let mut b = B::new();
+    b.gateway_start(1000);
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(100.0);
+    b.line(
+        "harness",
+        0,
+        Type::Nemesis,
+        "pg-primary-kill",
+        None,
+        json!({"phase": "start"}),
+    );
+    b.wait(6900.0);
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(1500.0);
+    b.hint("b1", "c1", 2, "sweep");
+    // Until the address moves to the promoted standby, the sweep's queries time out.
+    b.wait(2500.0);
+    b.hint("b1", "c1", 2, "sweep");
+    assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+    b.line(
+        "harness",
+        0,
+        Type::Nemesis,
+        "db-address-switch",
+        None,
+        json!({"phase": "instant", "to": "127.0.0.1:5433"}),
+    );
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(2500.0);
+    let h = b.hint("b1", "c1", 2, "sweep");
+    let late = only(&b, &two_rows(), Kind::D5SweepLate);
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert_eq!(late[0].entries[1], h);
+}
+
+/// A crashed database is down until a restart succeeds: a failed restart excuses the
+/// gaps after it too; after a successful one, gaps are judged again.
+#[test]
+fn sweep_hints_are_not_judged_until_the_database_is_restarted() {
+    let mut b = B::new();
+    b.gateway_start(200);
+    let nemesis = |b: &mut B, op: &str, id: u64, v: Value| {
+        b.line("harness", 0, Type::Nemesis, op, Some(id), v);
+    };
+    nemesis(&mut b, "pg-crash", 1, json!({"phase": "start"}));
+    nemesis(&mut b, "pg-crash", 1, json!({"phase": "end", "ok": true}));
+    for _ in 0..4 {
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(1500.0);
+    }
+    nemesis(&mut b, "pg-restart", 2, json!({"phase": "start"}));
+    nemesis(
+        &mut b,
+        "pg-restart",
+        2,
+        json!({"phase": "end", "ok": false}),
+    );
+    for _ in 0..4 {
+        b.hint("b1", "c1", 2, "sweep");
+        b.wait(1500.0);
+    }
+    assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+    nemesis(&mut b, "pg-restart", 3, json!({"phase": "start"}));
+    nemesis(&mut b, "pg-restart", 3, json!({"phase": "end", "ok": true}));
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(1500.0);
+    let h = b.hint("b1", "c1", 2, "sweep");
+    let late = only(&b, &two_rows(), Kind::D5SweepLate);
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert_eq!(late[0].entries[1], h);
+}
+
+/// Issue 10: hints received while a nemesis fault is in force (here a gateway pause)
+/// are not judged, nor a gap that spans its start or end; a membership change excuses
+/// nothing; a late gap with no fault in force is still caught.
+#[test]
+fn sweep_hints_are_not_judged_while_a_fault_is_in_force() {
+    let pause = json!({"id": 1, "at_ms": 100, "end_ms": 6100, "target": "gateway",
+                       "kind": "gw-pause"});
+    let mut b = B::new();
+    b.gateway_start(1000);
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(100.0);
+    b.line(
+        "harness",
+        0,
+        Type::Nemesis,
+        "fault",
+        Some(77),
+        json!({"phase": "start", "fault": pause.clone(), "healed": false}),
+    );
+    b.wait(3000.0);
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(3000.0);
+    b.hint("b1", "c1", 2, "sweep");
+    b.line(
+        "harness",
+        0,
+        Type::Nemesis,
+        "fault",
+        Some(77),
+        json!({"phase": "end", "fault": pause, "healed": false}),
+    );
+    b.wait(900.0);
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(900.0);
+    b.hint("b1", "c1", 2, "sweep");
+    assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+    b.line(
+        "harness",
+        0,
+        Type::Nemesis,
+        "membership",
+        None,
+        json!({"phase": "instant", "action": "join", "conv": "c1", "user": "carol",
+               "applied_by_an_earlier_attempt": false}),
+    );
+    b.wait(2500.0);
+    let h = b.hint("b1", "c1", 2, "sweep");
+    let late = only(&b, &two_rows(), Kind::D5SweepLate);
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert_eq!(late[0].entries[1], h);
+}
+
+/// Issue 10: a frame dropped by the gateway (a push, an ack before it takes effect)
+/// leaves the sweep alone, so a late gap while it is in force is caught; a dropped
+/// ack reply is not judged (the ack took effect and the sweep stopped hinting).
+#[test]
+fn sweep_hints_are_judged_while_a_harmless_fault_is_in_force() {
+    let fault = |b: &mut B, id: u64, point: &str, phase: &str| {
+        let f = json!({"id": id, "at_ms": 0, "end_ms": 2000, "target": "gateway",
+                       "kind": "gw-fault", "point": point, "action": "drop"});
+        let v = json!({"phase": phase, "fault": f, "healed": false});
+        b.line("harness", 0, Type::Nemesis, "fault", Some(id), v);
+    };
+    let mut b = B::new();
+    b.gateway_start(500);
+    fault(&mut b, 5, "gw.recv.ack", "start");
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(1600.0);
+    let h = b.hint("b1", "c1", 2, "sweep");
+    fault(&mut b, 5, "gw.recv.ack", "end");
+    let late = only(&b, &two_rows(), Kind::D5SweepLate);
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert_eq!(late[0].entries[1], h);
+
+    let mut b = B::new();
+    b.gateway_start(500);
+    fault(&mut b, 6, "gw.reply.ack", "start");
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(1600.0);
+    b.hint("b1", "c1", 2, "sweep");
+    fault(&mut b, 6, "gw.reply.ack", "end");
+    assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+}
+
+#[test]
+fn sweep_ms_falls_back_to_the_final_read() {
+    let mut b = B::new();
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(2500.0);
+    b.hint("b1", "c1", 2, "sweep");
+    let mut f = two_rows();
+    assert_eq!(only(&b, &f, Kind::D5SweepLate).len(), 1);
+    f.sweep_ms = 2000;
+    assert!(only(&b, &f, Kind::D5SweepLate).is_empty());
+}
+
+#[test]
+fn store_mismatch_state_file_or_two_mids_for_one_seq() {
+    let mut b = B::new();
+    let p1 = b.push("b1", "c1", 1, "m1");
+    let st = b.store("b1", "push", "c1", &[(1, "m1")]);
+    let s2 = b.sync("b1", "c1", 0, &[(1, "zz")], 2);
+    let mut f = two_rows();
+    state_file(&mut f, "b1", &[(1, "m1"), (2, "bad"), (3, "m3")]);
+    let sm = only(&b, &f, Kind::StoreMismatch);
+    assert_eq!(sm.len(), 3, "{sm:?}");
+    assert_eq!(sm[0].entries, vec![p1, s2]);
+    assert_eq!(
+        sm[0].msg,
+        format!("b1 received c1:1 as mid m1 (line {p1}) and as mid zz (line {s2})")
+    );
+    assert!(sm
+        .iter()
+        .any(|a| a.msg == "b1's state file holds c1:2 = mid bad but the row has mid m2"));
+    assert!(
+        sm.iter()
+            .any(|a| a.msg
+                == "b1's state file holds c1:3 = mid m3 but the final read has no such row")
+    );
+    assert!(st > p1);
+}
+
+#[test]
+fn a_push_received_twice_with_one_mid_is_not_a_mismatch() {
+    let mut b = B::new();
+    b.push("b1", "c1", 1, "m1");
+    b.push("b1", "c1", 1, "m1");
+    b.store("b1", "push", "c1", &[(1, "m1")]);
+    b.sync("b1", "c1", 0, &[(1, "m1")], 1);
+    let mut f = fin(&[("c1", 1, "m1", "a1", "x1")]);
+    state_file(&mut f, "b1", &[(1, "m1")]);
+    let r = check(&b.h, &f);
+    assert_eq!(r.counts[&Kind::StoreMismatch], 0, "{:?}", r.anomalies);
+}
+
+#[test]
+fn reply_or_push_before_commit_when_a_probe_misses_the_row() {
+    let mut b = B::new();
+    let ok = b.send("a1", "c1", "x1", 1, "m1");
+    let pr = b.probe(ok, "c1", 1, "m1", None, None);
+    let p = b.push("b1", "c1", 1, "m1");
+    let pp = b.probe(p, "c1", 1, "m1", Some("other"), None);
+    let r = check(&b.h, &fin(&[("c1", 1, "m1", "a1", "x1")]));
+    let k: Vec<_> = r
+        .anomalies
+        .iter()
+        .map(|a| (a.kind, a.entries.clone()))
+        .collect();
+    assert_eq!(
+        k,
+        vec![
+            (Kind::ReplyBeforeCommit, vec![ok, pr]),
+            (Kind::PushBeforeCommit, vec![p, pp])
+        ]
+    );
+    assert_eq!(
+        r.anomalies[0].msg,
+        format!("a1's sent reply c1:1 (mid m1, line {ok}) was not visible to another session: found no row (probe line {pr})")
+    );
+    assert_eq!(
+        r.summary(),
+        "FAIL: 2 anomalies: reply-before-commit=1, push-before-commit=1"
+    );
+}
+
+#[test]
+fn a_probe_with_an_error_is_ignored() {
+    let mut b = B::new();
+    let ok = b.send("a1", "c1", "x1", 1, "m1");
+    b.probe(ok, "c1", 1, "m1", None, Some("connection refused"));
+    let r = check(&b.h, &fin(&[("c1", 1, "m1", "a1", "x1")]));
+    assert_eq!(r.verdict, Verdict::Pass, "{:?}", r.anomalies);
+    assert_eq!(
+        r.stats.probes,
+        ProbeCounts {
+            total: 1,
+            visible: 0,
+            errors: 1
+        }
+    );
+}
+
+#[test]
+fn anomalies_are_ordered_by_kind_then_first_entry() {
+    let mut b = B::new();
+    let ok = b.send("a1", "c1", "x1", 1, "m1");
+    b.probe(ok, "c1", 1, "m1", None, None);
+    b.send("a1", "c1", "x9", 9, "m9");
+    let f = fin(&[("c1", 1, "m1", "a1", "x1"), ("c1", 3, "m3", "z1", "q")]);
+    let k = kinds(&b, &f);
+    assert_eq!(
+        k,
+        vec!["lost", "unexpected", "p1-gap", "reply-before-commit"]
+    );
+}
+
+#[test]
+fn load_dir_reads_both_files_and_refuses_another_schema() {
+    let tmp = tempfile::Builder::new()
+        .prefix("imfault-checker-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path().to_path_buf();
+    let mut b = B::new();
+    b.send("a1", "c1", "x1", 1, "m1");
+    let lines: Vec<String> =
+        b.h.iter()
+            .map(|e| serde_json::to_string(e).unwrap())
+            .collect();
+    std::fs::write(dir.join("history.jsonl"), lines.join("\n") + "\n").unwrap();
+    let f = fin(&[("c1", 1, "m1", "a1", "x1")]);
+    std::fs::write(dir.join("final.json"), serde_json::to_string(&f).unwrap()).unwrap();
+    let (h, f2) = load_dir(&dir).unwrap();
+    assert_eq!((h, f2), (b.h.clone(), f));
+
+    std::fs::write(dir.join("final.json"), r#"{"schema_version": 2}"#).unwrap();
+    let e = load_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("schema_version Some(2)"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let e = format!("{:#}", load_dir(&dir).unwrap_err());
+    assert!(e.contains("history.jsonl"), "{e}");
+}
+
+#[test]
+fn a_history_of_twenty_thousand_lines_is_judged_quickly() {
+    let mut b = B::new();
+    let n = 3000;
+    let mut rows = Vec::new();
+    let mids: Vec<String> = (1..=n).map(|q| format!("m{q}")).collect();
+    let cmids: Vec<String> = (1..=n).map(|q| format!("x{q}")).collect();
+    for q in 1..=n {
+        let (mid, cmid) = (&mids[q as usize - 1], &cmids[q as usize - 1]);
+        let ok = b.send("a1", "c1", cmid, q, mid);
+        b.probe(ok, "c1", q, mid, Some(mid), None);
+        b.push("b1", "c1", q, mid);
+        b.store("b1", "push", "c1", &[(q, mid)]);
+        b.ack("b1", "c1", q, false, q);
+        rows.push(("c1", q, mid.as_str(), "a1", cmid.as_str()));
+    }
+    assert!(b.h.len() > 20_000);
+    let started = std::time::Instant::now();
+    let r = check(&b.h, &fin(&rows));
+    assert_eq!(r.verdict, Verdict::Pass, "{:?}", &r.anomalies[..1]);
+    assert_eq!(r.stats.delivery_ms.n, n as u64);
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}
