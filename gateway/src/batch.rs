@@ -21,7 +21,7 @@
 //! its database deadline, and a job whose request stopped waiting is dropped before any
 //! database work (a stall piles up nothing for requests that are gone).
 
-use crate::bugs;
+use crate::bugs::{self, Bug};
 use crate::error::WireError;
 use crate::faults::{self, points};
 use crate::store::{self, Notifier, Principal, RowOutcome, SendOutcome, Sent};
@@ -102,7 +102,7 @@ async fn take<J>(rx: &mut mpsc::Receiver<J>, max: usize) -> Option<Vec<J>> {
 /// transaction (`hooked`: a bug that acts before its COMMIT).
 pub fn bypassed(hooked: bool) -> bool {
     hooked
-        || [bugs::COMMIT_AFTER_REPLY, bugs::SEQ_GAP, bugs::NO_DEDUP]
+        || [Bug::CommitAfterReply, Bug::SeqGap, Bug::NoDedup]
             .into_iter()
             .any(bugs::active)
 }
@@ -292,7 +292,7 @@ async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
 /// A batch failed before or at its COMMIT (`e`): nothing of it is known to be stored, so
 /// no row is answered from it; each row is sent again on its own.
 async fn failed(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>, e: WireError) {
-    if bugs::active(bugs::BATCH_FAILS_INNOCENTS) {
+    if bugs::active(Bug::BatchFailsInnocents) {
         for job in rows {
             let _ = job.done.send(Err(e.clone()));
         }

@@ -22,7 +22,7 @@
 //! after the close handshake).
 
 use crate::batch;
-use crate::bugs;
+use crate::bugs::{self, Bug};
 use crate::config::{SUB_CONVS_MAX, SYNC_LIMIT_DEFAULT};
 use crate::error::WireError;
 use crate::faults::{self, points};
@@ -242,7 +242,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     // finishes; then linger at most CLOSE_LINGER. Dropping the socket with unread data
     // would make the kernel send a reset, and the peer would lose what is still in flight.
     let drain = async {
-        if code == CloseCode::Abnormal || bugs::active(bugs::NO_CLOSE_DRAIN) {
+        if code == CloseCode::Abnormal || bugs::active(Bug::NoCloseDrain) {
             return;
         }
         while let Some(m) = stream.next().await {
@@ -426,7 +426,7 @@ impl Members {
     }
 
     fn seen(&self, conv: &str) {
-        if bugs::active(bugs::FORGETFUL_MEMBER) {
+        if bugs::active(Bug::ForgetfulMember) {
             return;
         }
         let mut m = self.lock();
@@ -437,7 +437,7 @@ impl Members {
     }
 
     fn forget(&self, conv: &str) {
-        if bugs::active(bugs::STICKY_MEMBER) {
+        if bugs::active(Bug::StickyMember) {
             return;
         }
         self.lock().remove(conv);
@@ -482,8 +482,8 @@ impl Session {
         &self,
         rid: Option<&str>,
     ) -> Option<(Arc<UncommittedHook>, Arc<AtomicBool>)> {
-        let reply = bugs::active(bugs::REPLY_BEFORE_COMMIT);
-        let push = bugs::active(bugs::PUSH_BEFORE_COMMIT);
+        let reply = bugs::active(Bug::ReplyBeforeCommit);
+        let push = bugs::active(Bug::PushBeforeCommit);
         if !reply && !push {
             return None;
         }
@@ -785,9 +785,7 @@ async fn writer(
             Some(Out::Frame(q)) => q,
         };
         let point = match next.kind {
-            Kind::Event | Kind::Hint
-                if outbox.is_revoked() && !bugs::active(bugs::STALE_BACKLOG) =>
-            {
+            Kind::Event | Kind::Hint if outbox.is_revoked() && !bugs::active(Bug::StaleBacklog) => {
                 continue
             }
             Kind::Sent => Some(points::GW_REPLY_SEND),
@@ -842,7 +840,7 @@ async fn writer(
             if let Some(pending) = outbox.take_overflow() {
                 let pending = pending
                     .into_iter()
-                    .filter(|_| !bugs::active(bugs::NO_OVERFLOW_HINT));
+                    .filter(|_| !bugs::active(Bug::NoOverflowHint));
                 for (conv, head) in pending {
                     let why = HintWhy::Overflow;
                     let hint = protocol::render(&Frame::Push(Push::Hint {

@@ -2,7 +2,7 @@
 //! fan-out read and the sweep query. Functions return wire errors (`WireError`) and log the
 //! database detail themselves; they know nothing of sockets or frames.
 
-use crate::bugs;
+use crate::bugs::{self, Bug};
 use crate::error::{from_db, WireError};
 use crate::faults::{self, points};
 use crate::protocol::{ConvHead, Event};
@@ -117,7 +117,7 @@ pub async fn connect(
     let timeout_ms = statement_timeout
         .map_or(0, |t| t.as_millis().max(1))
         .to_string();
-    let connect_sql: &'static str = if bugs::active(bugs::ASYNC_COMMIT) {
+    let connect_sql: &'static str = if bugs::active(Bug::AsyncCommit) {
         // Leaked once per pool: only in the controls build.
         let sql = bugs::rewrite(CONNECT_SQL, ASYNC_COMMIT_EDITS);
         Box::leak(sql.into_boxed_str())
@@ -475,7 +475,7 @@ pub async fn send(
             return answer;
         }
     }
-    let taken_early = if bugs::active(bugs::SEQ_GAP) {
+    let taken_early = if bugs::active(Bug::SeqGap) {
         // Autocommitted: a rollback below no longer gives the seq back.
         let taken = sqlx::query(TAKE_SEQ_SQL)
             .bind(conv)
@@ -495,7 +495,7 @@ pub async fn send(
             .await
             .map_err(db("send.seq"))?,
     };
-    let insert_sql: Cow<'static, str> = if bugs::active(bugs::NO_DEDUP) {
+    let insert_sql: Cow<'static, str> = if bugs::active(Bug::NoDedup) {
         bugs::rewrite(SEND_INSERT_SQL, NO_DEDUP_EDITS).into()
     } else {
         SEND_INSERT_SQL.into()
@@ -554,7 +554,7 @@ pub async fn send(
         .map_err(db("send.uncommitted"))?;
         hook(&sent, &event_from(&row), &row.get::<Vec<String>, _>(8));
     }
-    if bugs::active(bugs::COMMIT_AFTER_REPLY) {
+    if bugs::active(Bug::CommitAfterReply) {
         let (notifier, conv) = (notifier.clone(), conv.to_string());
         tokio::spawn(async move {
             let point = faults::gate(points::SEND_BEFORE_COMMIT, (), ()).await;
@@ -623,7 +623,7 @@ const CURSOR_OVERWRITE_EDITS: &[(&str, &str)] = &[(
 /// D4: GREATEST never lowers it; an ack above the user's visible head is CURSOR_AHEAD and
 /// writes nothing. S1: a user without any membership period gets NOT_MEMBER.
 pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result<i64, WireError> {
-    let sql: Cow<'static, str> = if bugs::active(bugs::CURSOR_OVERWRITE) {
+    let sql: Cow<'static, str> = if bugs::active(Bug::CursorOverwrite) {
         bugs::rewrite(ACK_SQL, CURSOR_OVERWRITE_EDITS).into()
     } else {
         ACK_SQL.into()
@@ -770,7 +770,7 @@ pub async fn send_batch_commit(
         // Dropping `tx` rolls the batch back.
         ControlFlow::Break(r) => r,
     };
-    if bugs::active(bugs::BATCH_REPLY_ROLLED_BACK) {
+    if bugs::active(Bug::BatchReplyRolledBack) {
         return Ok(Some(out));
     }
     rolled_back
@@ -842,7 +842,7 @@ pub async fn ack_batch(
     pool: &PgPool,
     rows: &[AckRow<'_>],
 ) -> Result<Vec<Result<i64, WireError>>, WireError> {
-    let sql: Cow<'static, str> = if bugs::active(bugs::CURSOR_OVERWRITE) {
+    let sql: Cow<'static, str> = if bugs::active(Bug::CursorOverwrite) {
         bugs::rewrite(ACK_BATCH_SQL, CURSOR_OVERWRITE_EDITS).into()
     } else {
         ACK_BATCH_SQL.into()
@@ -1001,7 +1001,7 @@ pub async fn sync(
     }
     drop(rows);
     assert_page_order(&events, after, head);
-    if bugs::active(bugs::CURSOR_ON_SYNC) {
+    if bugs::active(Bug::CursorOnSync) {
         if let Some(last) = events.last() {
             // The server moves the cursor itself, without a device ack.
             sqlx::query(
@@ -1101,7 +1101,7 @@ pub async fn events_with_audience(
     ranges: &[Range],
 ) -> Result<Vec<(Event, Audience)>, sqlx::Error> {
     let mut sql = events_with_audience_sql();
-    if bugs::active(bugs::S1_LEAK) {
+    if bugs::active(Bug::S1Leak) {
         sql = bugs::rewrite(&sql, S1_LEAK_EDITS);
     }
     let convs: Vec<&str> = ranges.iter().map(|r| r.conv.as_str()).collect();
