@@ -97,16 +97,6 @@ async fn take<J>(rx: &mut mpsc::Receiver<J>, max: usize) -> Option<Vec<J>> {
     Some(jobs)
 }
 
-/// Whether sends go through the single send transaction ([`store::send`]) instead of
-/// group commit: only in the controls build, for the deliberate bugs written against that
-/// transaction (`hooked`: a bug that acts before its COMMIT).
-pub fn bypassed(hooked: bool) -> bool {
-    hooked
-        || [Bug::CommitAfterReply, Bug::SeqGap, Bug::NoDedup]
-            .into_iter()
-            .any(bugs::active)
-}
-
 /// One send waiting for its batch.
 pub struct SendJob {
     pub who: Principal,
@@ -315,7 +305,7 @@ async fn alone(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>) {
     let rows = rows.into_iter().filter(|j| !gone(&j.done));
     futures_util::future::join_all(rows.map(|job| async move {
         let ctx = store::SendCtx {
-            on_uncommitted: None,
+            observer: None,
             notifier,
             known_member: job.known_member,
         };

@@ -1,7 +1,8 @@
 //! Deliberate bugs: the negative controls a test suite runs to prove it catches a broken
 //! invariant. Owns the list of bugs (the [`Bug`] enum, each bug named once, below) and the
 //! `IM_BUG` parser; the call sites in `store`, `batch`, `conn`, `fanout`, `sweep` and `main`
-//! decide where each one acts, by variant.
+//! decide where each one acts, by variant, except the bugs that act inside a send: those
+//! are one match in `observer`, the send path's observer.
 //!
 //! Must not be compiled into anything but the controls build (`--features faults,bugs`, a
 //! debug build): without the `bugs` feature [`active`] is a constant `false`, so every bug

@@ -5,7 +5,7 @@
 use crate::bugs::{self, Bug};
 use crate::error::{from_db, WireError};
 use crate::faults::{self, points};
-use crate::protocol::{ConvHead, Event};
+use crate::protocol::{ConvHead, Event, Reply};
 use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -295,6 +295,19 @@ pub struct Sent {
     pub epoch: i64,
 }
 
+impl Sent {
+    /// The `sent` reply to a send to `conv`.
+    pub fn reply(&self, conv: &str) -> Reply {
+        Reply::Sent {
+            conv: conv.to_string(),
+            seq: self.seq,
+            mid: self.mid.clone(),
+            dup: self.dup,
+            epoch: self.epoch,
+        }
+    }
+}
+
 /// The outcome of a send: a reply, or (after a `drop` fault) none at all.
 #[derive(Debug)]
 pub enum SendOutcome {
@@ -341,7 +354,7 @@ const TAKE_SEQ_SQL: &str = "UPDATE conversations SET next_seq = next_seq + 1 WHE
          RETURNING next_seq - 1, epoch::bigint";
 
 /// The send INSERT (see [`send`]).
-const SEND_INSERT_SQL: &str = "WITH ins AS (
+pub(crate) const SEND_INSERT_SQL: &str = "WITH ins AS (
                      INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
                      SELECT $1, $2, $3, $4, $5, $6
                      WHERE EXISTS (SELECT 1 FROM memberships
@@ -354,7 +367,8 @@ const SEND_INSERT_SQL: &str = "WITH ins AS (
 
 /// What the `no-dedup` bug removes from [`SEND_INSERT_SQL`] (with the constraint gone, the
 /// `ON CONFLICT` would be an error).
-const NO_DEDUP_EDITS: &[(&str, &str)] = &[("ON CONFLICT (sender_user, cmid) DO NOTHING", "")];
+pub(crate) const NO_DEDUP_EDITS: &[(&str, &str)] =
+    &[("ON CONFLICT (sender_user, cmid) DO NOTHING", "")];
 
 /// The name PostgreSQL gave `UNIQUE (sender_user, cmid)` of `events` (migration 0001).
 const DEDUP_CONSTRAINT: &str = "events_sender_user_cmid_key";
@@ -372,10 +386,43 @@ pub async fn drop_dedup_constraint(pool: &PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A hook [`send`] calls between the INSERT and the `send.before_commit` point, with the
-/// reply-to-be, the event as inserted and the users with an open membership (read in the
-/// same transaction). Only the deliberate bugs of the controls build pass one.
-pub type UncommittedHook = dyn Fn(&Sent, &Event, &[String]) + Send + Sync;
+/// What may watch a send between its INSERT and its COMMIT and bend the transaction around
+/// it: the one seam of [`send`] for the deliberate bugs that act inside a send (the
+/// controls build's `crate::observer`, set once in `State`). Every default is SPEC 3's
+/// transaction; production passes none ([`Unobserved`]), which overrides nothing.
+pub trait SendObserver: Send + Sync {
+    /// Whether the seq is taken before BEGIN, in a statement of its own (autocommitted),
+    /// instead of in the transaction (P1).
+    fn seq_before_begin(&self) -> bool {
+        false
+    }
+
+    /// The INSERT to run: [`SEND_INSERT_SQL`] (D2, S1).
+    fn insert_sql(&self) -> Cow<'static, str> {
+        Cow::Borrowed(SEND_INSERT_SQL)
+    }
+
+    /// Whether [`Self::uncommitted`] is to be called (it costs a read in the transaction).
+    fn watches_uncommitted(&self) -> bool {
+        false
+    }
+
+    /// Called between the INSERT and the `send.before_commit` point, with the reply-to-be,
+    /// the event as inserted and the users with an open membership (read in the same
+    /// transaction).
+    fn uncommitted(&self, _sent: &Sent, _event: &Event, _audience: &[String]) {}
+
+    /// Whether the `send.before_commit` point and COMMIT run in a task of their own, the
+    /// send answering without waiting for them (D1 requires waiting).
+    fn commit_after_reply(&self) -> bool {
+        false
+    }
+}
+
+/// Production's [`SendObserver`]: watches nothing and bends nothing.
+pub struct Unobserved;
+
+impl SendObserver for Unobserved {}
 
 /// Why a send inserted nothing: a stale install, or an earlier send of `(user, cmid)` (a
 /// duplicate, D2, or CMID_CONFLICT), else NOT_MEMBER (no such conversation or no open
@@ -422,8 +469,8 @@ pub async fn outsider(
 
 /// What [`send`] needs besides the message.
 pub struct SendCtx<'a> {
-    /// `None` except for the deliberate bugs (`bugs`) that break D1.
-    pub on_uncommitted: Option<&'a UncommittedHook>,
+    /// `None` (SPEC 3's transaction) except for the deliberate bugs that act inside a send.
+    pub observer: Option<&'a dyn SendObserver>,
     /// Told every committed `(conv, seq)`, after COMMIT returned.
     pub notifier: &'a Notifier,
     /// The connection saw this user's send to this conversation commit before: the
@@ -466,40 +513,17 @@ pub async fn send(
     ctx: SendCtx<'_>,
 ) -> Result<SendOutcome, WireError> {
     let SendCtx {
-        on_uncommitted,
+        observer,
         notifier,
         known_member,
     } = ctx;
+    let observer = observer.unwrap_or(&Unobserved);
     if !known_member {
         if let Some(answer) = outsider(pool, who, conv, cmid, body).await {
             return answer;
         }
     }
-    let taken_early = if bugs::active(Bug::SeqGap) {
-        // Autocommitted: a rollback below no longer gives the seq back.
-        let taken = sqlx::query(TAKE_SEQ_SQL)
-            .bind(conv)
-            .fetch_optional(pool)
-            .await
-            .map_err(db("send.seq"))?;
-        Some(taken)
-    } else {
-        None
-    };
-    let mut tx = pool.begin().await.map_err(db("send.begin"))?;
-    let taken = match taken_early {
-        Some(taken) => taken,
-        None => sqlx::query(TAKE_SEQ_SQL)
-            .bind(conv)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db("send.seq"))?,
-    };
-    let insert_sql: Cow<'static, str> = if bugs::active(Bug::NoDedup) {
-        bugs::rewrite(SEND_INSERT_SQL, NO_DEDUP_EDITS).into()
-    } else {
-        SEND_INSERT_SQL.into()
-    };
+    let (mut tx, taken) = begin_taking_seq(pool, conv, observer).await?;
     let inserted = match taken {
         None => None,
         Some(taken) => {
@@ -513,7 +537,7 @@ pub async fn send(
             {
                 return r;
             }
-            let row = sqlx::query(&insert_sql)
+            let row = sqlx::query(&observer.insert_sql())
                 .bind(conv)
                 .bind(seq)
                 .bind(&who.user)
@@ -540,31 +564,11 @@ pub async fn send(
         dup: false,
         epoch: conv_epoch,
     };
-    if let Some(hook) = on_uncommitted {
-        let row = sqlx::query(&format!(
-            "SELECT {EVENT_COLUMNS},
-                    ARRAY(SELECT DISTINCT m.user_id FROM memberships m
-                          WHERE m.conv_id = e.conv_id AND m.to_seq IS NULL)
-             FROM events e WHERE e.conv_id = $1 AND e.seq = $2"
-        ))
-        .bind(conv)
-        .bind(seq)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db("send.uncommitted"))?;
-        hook(&sent, &event_from(&row), &row.get::<Vec<String>, _>(8));
+    if observer.watches_uncommitted() {
+        show_uncommitted(&mut tx, conv, &sent, observer).await?;
     }
-    if bugs::active(Bug::CommitAfterReply) {
-        let (notifier, conv) = (notifier.clone(), conv.to_string());
-        tokio::spawn(async move {
-            let point = faults::gate(points::SEND_BEFORE_COMMIT, (), ()).await;
-            if point.is_continue() {
-                match tx.commit().await {
-                    Ok(()) => notifier.committed(&conv, seq),
-                    Err(e) => tracing::warn!(error = %e, "commit after the reply failed"),
-                }
-            }
-        });
+    if observer.commit_after_reply() {
+        commit_detached(tx, notifier.clone(), conv.to_string(), seq);
         return Ok(SendOutcome::Reply(sent));
     }
     if let ControlFlow::Break(r) = faults::gate(
@@ -591,6 +595,86 @@ pub async fn send(
     }
     Ok(SendOutcome::Reply(sent))
 }
+
+/// BEGIN, and the seq with the conversation's row lock taken in the transaction (P1):
+/// `None` for no such conversation. A [`SendObserver`] may have the seq taken before BEGIN
+/// instead, autocommitted on the pool, so that a rollback no longer gives it back.
+async fn begin_taking_seq(
+    pool: &PgPool,
+    conv: &str,
+    observer: &dyn SendObserver,
+) -> Result<
+    (
+        sqlx::Transaction<'static, sqlx::Postgres>,
+        Option<sqlx::postgres::PgRow>,
+    ),
+    WireError,
+> {
+    let taken_early = if observer.seq_before_begin() {
+        let taken = sqlx::query(TAKE_SEQ_SQL)
+            .bind(conv)
+            .fetch_optional(pool)
+            .await
+            .map_err(db("send.seq"))?;
+        Some(taken)
+    } else {
+        None
+    };
+    let mut tx = pool.begin().await.map_err(db("send.begin"))?;
+    let taken = match taken_early {
+        Some(taken) => taken,
+        None => sqlx::query(TAKE_SEQ_SQL)
+            .bind(conv)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db("send.seq"))?,
+    };
+    Ok((tx, taken))
+}
+
+/// Shows a [`SendObserver`] the event `sent` inserted, before COMMIT, with the users with an
+/// open membership, read in the transaction.
+async fn show_uncommitted(
+    tx: &mut sqlx::PgConnection,
+    conv: &str,
+    sent: &Sent,
+    observer: &dyn SendObserver,
+) -> Result<(), WireError> {
+    let row = sqlx::query(&format!(
+        "SELECT {EVENT_COLUMNS},
+                ARRAY(SELECT DISTINCT m.user_id FROM memberships m
+                      WHERE m.conv_id = e.conv_id AND m.to_seq IS NULL)
+         FROM events e WHERE e.conv_id = $1 AND e.seq = $2"
+    ))
+    .bind(conv)
+    .bind(sent.seq)
+    .fetch_one(tx)
+    .await
+    .map_err(db("send.uncommitted"))?;
+    observer.uncommitted(sent, &event_from(&row), &row.get::<Vec<String>, _>(8));
+    Ok(())
+}
+
+/// The `send.before_commit` point and COMMIT of `tx`, in a task of their own that nobody
+/// waits for (a [`SendObserver`] that breaks D1 asked for it); the notifier is told after
+/// COMMIT returned, as in [`send`].
+fn commit_detached(
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    notifier: Notifier,
+    conv: String,
+    seq: i64,
+) {
+    tokio::spawn(async move {
+        let point = faults::gate(points::SEND_BEFORE_COMMIT, (), ()).await;
+        if point.is_continue() {
+            match tx.commit().await {
+                Ok(()) => notifier.committed(&conv, seq),
+                Err(e) => tracing::warn!(error = %e, "commit after the reply failed"),
+            }
+        }
+    });
+}
+
 /// The ack statement (see [`ack`]).
 const ACK_SQL: &str = "WITH chk AS (
              SELECT d.install_epoch::bigint AS install_epoch,
