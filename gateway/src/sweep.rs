@@ -512,6 +512,15 @@ async fn db<T>(
 mod tests {
     use super::*;
 
+    /// The configuration table's default of `IM_SWEEP_PAGE_INSTALLS` is [`PAGE_INSTALLS`].
+    #[test]
+    fn the_configured_page_default_is_page_installs() {
+        assert_eq!(
+            crate::config::default_of("IM_SWEEP_PAGE_INSTALLS"),
+            PAGE_INSTALLS.to_string()
+        );
+    }
+
     fn row(d: &str, conv: &str, head: i64) -> LaggingRow {
         (d.into(), 1, conv.into(), head)
     }
