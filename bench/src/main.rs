@@ -700,7 +700,7 @@ mod tests {
             fanout: ok(fanout),
             sweep: ok(sweep),
             repair: ok(repair),
-            two_gateways: ok(twogw::TwoGateways::default()),
+            two_gateways: ok(result::TwoGateways::default()),
             conns: ok(conns::Conns::default()),
         }
     }

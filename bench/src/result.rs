@@ -8,7 +8,6 @@ use std::collections::BTreeMap;
 use crate::cpu::{CpuPerOp, CpuUse};
 use crate::env::Environment;
 use crate::pgss::StmtStat;
-use crate::twogw::TwoGateways;
 use crate::util::{r3, ratio, Latency};
 
 /// 2: the single `result` became `data_integrity` and `targets_met` (with `targets`).
@@ -616,6 +615,30 @@ pub struct RepairInterval {
     pub wall_s: f64,
 }
 
+// ---------------------------------------------------------------- two_gateways
+
+/// One configuration's figures (part `two_gateways`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct TwoGatewaysRun {
+    pub gateways: usize,
+    pub sends_acked: u64,
+    pub sends_per_s: f64,
+    pub pushes: u64,
+    pub pushes_per_s: f64,
+    pub send_errors: u64,
+}
+
+/// The part's figures: the two runs and the data check over both.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct TwoGateways {
+    pub conversations: usize,
+    pub receivers_per_conversation: usize,
+    pub duration_s: f64,
+    pub one: TwoGatewaysRun,
+    pub two: TwoGatewaysRun,
+    pub data_check: DataCheck,
+}
+
 // ---------------------------------------------------------------- metrics
 
 /// Why a part has no figures (`<part> <status>: <reason>`).
@@ -971,6 +994,45 @@ impl Repair {
                 )
             })
             .collect()
+    }
+}
+
+impl TwoGateways {
+    /// The flat metrics of this part (no limits: a measurement, two against one).
+    pub fn metrics(&self) -> Vec<Metric> {
+        let m = |name: &str, v: f64, unit: &str| Metric::value(name, v, unit);
+        vec![
+            m(
+                "two_gateways.one.sends_per_s",
+                self.one.sends_per_s,
+                "sends/s",
+            ),
+            m(
+                "two_gateways.two.sends_per_s",
+                self.two.sends_per_s,
+                "sends/s",
+            ),
+            Metric::ratio_of(
+                "two_gateways.sends_two_vs_one",
+                self.two.sends_per_s,
+                self.one.sends_per_s,
+            ),
+            m(
+                "two_gateways.one.pushes_per_s",
+                self.one.pushes_per_s,
+                "frames/s",
+            ),
+            m(
+                "two_gateways.two.pushes_per_s",
+                self.two.pushes_per_s,
+                "frames/s",
+            ),
+            Metric::ratio_of(
+                "two_gateways.pushes_two_vs_one",
+                self.two.pushes_per_s,
+                self.one.pushes_per_s,
+            ),
+        ]
     }
 }
 

@@ -15,70 +15,9 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::provision::{self, Device};
-use crate::result::{DataCheck, Metric};
+use crate::result::{DataCheck, TwoGateways, TwoGatewaysRun};
 use crate::util::{progress, r3, secs};
 use crate::{wire, Ctx};
-
-/// One configuration's figures.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
-pub struct Run {
-    pub gateways: usize,
-    pub sends_acked: u64,
-    pub sends_per_s: f64,
-    pub pushes: u64,
-    pub pushes_per_s: f64,
-    pub send_errors: u64,
-}
-
-/// The part's figures: the two runs and the data check over both.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
-pub struct TwoGateways {
-    pub conversations: usize,
-    pub receivers_per_conversation: usize,
-    pub duration_s: f64,
-    pub one: Run,
-    pub two: Run,
-    pub data_check: DataCheck,
-}
-
-impl TwoGateways {
-    /// The flat metrics of this part (no limits: a measurement, two against one).
-    pub fn metrics(&self) -> Vec<Metric> {
-        let m = |name: &str, v: f64, unit: &str| Metric::value(name, v, unit);
-        vec![
-            m(
-                "two_gateways.one.sends_per_s",
-                self.one.sends_per_s,
-                "sends/s",
-            ),
-            m(
-                "two_gateways.two.sends_per_s",
-                self.two.sends_per_s,
-                "sends/s",
-            ),
-            Metric::ratio_of(
-                "two_gateways.sends_two_vs_one",
-                self.two.sends_per_s,
-                self.one.sends_per_s,
-            ),
-            m(
-                "two_gateways.one.pushes_per_s",
-                self.one.pushes_per_s,
-                "frames/s",
-            ),
-            m(
-                "two_gateways.two.pushes_per_s",
-                self.two.pushes_per_s,
-                "frames/s",
-            ),
-            Metric::ratio_of(
-                "two_gateways.pushes_two_vs_one",
-                self.two.pushes_per_s,
-                self.one.pushes_per_s,
-            ),
-        ]
-    }
-}
 
 /// Provisions `tg<k>-*` (conversations, senders, receivers) and runs the load for
 /// `duration` against `gateways` (device `i` of each role on gateway `i % n`); returns the
@@ -89,7 +28,7 @@ async fn one_run(
     gateways: &[harness::gateway::Gateway],
     duration: Duration,
     acked_all: &Arc<Mutex<Vec<(String, String)>>>,
-) -> anyhow::Result<(Run, f64)> {
+) -> anyhow::Result<(TwoGatewaysRun, f64)> {
     let p = &ctx.params;
     let (nc, nr) = (p.two_gateways_conversations, p.two_gateways_receivers);
     let convs: Vec<String> = (0..nc).map(|c| format!("tg{k}-c{c}")).collect();
@@ -169,7 +108,7 @@ async fn one_run(
     let acked = acked.into_inner().unwrap();
     let sends_acked = acked.len() as u64;
     acked_all.lock().unwrap().extend(acked);
-    let run = Run {
+    let run = TwoGatewaysRun {
         gateways: gateways.len(),
         sends_acked,
         pushes,
@@ -184,7 +123,10 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<TwoGateways> {
     let acked_all = Arc::new(Mutex::new(Vec::new()));
     let round = secs(p.two_gateways_s / 2.0);
     // (counts, seconds) per configuration, summed over its two rounds.
-    let mut sums = [(Run::default(), 0.0f64), (Run::default(), 0.0f64)];
+    let mut sums = [
+        (TwoGatewaysRun::default(), 0.0f64),
+        (TwoGatewaysRun::default(), 0.0f64),
+    ];
     for (k, n) in [1usize, 2, 2, 1].into_iter().enumerate() {
         progress(&format!(
             "[two_gateways {}/4] {n} gateway(s) on the database",

@@ -21,7 +21,7 @@
 //! its database deadline, and a job whose request stopped waiting is dropped before any
 //! database work (a stall piles up nothing for requests that are gone).
 
-use crate::bugs;
+use crate::bugs::{self, Bug};
 use crate::error::WireError;
 use crate::faults::{self, points};
 use crate::store::{self, Notifier, Principal, RowOutcome, SendOutcome, Sent};
@@ -95,16 +95,6 @@ async fn take<J>(rx: &mut mpsc::Receiver<J>, max: usize) -> Option<Vec<J>> {
         }
     }
     Some(jobs)
-}
-
-/// Whether sends go through the single send transaction ([`store::send`]) instead of
-/// group commit: only in the controls build, for the deliberate bugs written against that
-/// transaction (`hooked`: a bug that acts before its COMMIT).
-pub fn bypassed(hooked: bool) -> bool {
-    hooked
-        || [bugs::COMMIT_AFTER_REPLY, bugs::SEQ_GAP, bugs::NO_DEDUP]
-            .into_iter()
-            .any(bugs::active)
 }
 
 /// One send waiting for its batch.
@@ -292,7 +282,7 @@ async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
 /// A batch failed before or at its COMMIT (`e`): nothing of it is known to be stored, so
 /// no row is answered from it; each row is sent again on its own.
 async fn failed(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>, e: WireError) {
-    if bugs::active(bugs::BATCH_FAILS_INNOCENTS) {
+    if bugs::active(Bug::BatchFailsInnocents) {
         for job in rows {
             let _ = job.done.send(Err(e.clone()));
         }
@@ -315,7 +305,7 @@ async fn alone(pool: &PgPool, notifier: &Notifier, rows: Vec<SendJob>) {
     let rows = rows.into_iter().filter(|j| !gone(&j.done));
     futures_util::future::join_all(rows.map(|job| async move {
         let ctx = store::SendCtx {
-            on_uncommitted: None,
+            observer: None,
             notifier,
             known_member: job.known_member,
         };

@@ -329,10 +329,6 @@ mod tests {
             Some(2 << 20)
         );
         assert_eq!(default_of("IM_LISTEN"), "127.0.0.1:8080");
-        assert_eq!(
-            default_of("IM_SWEEP_PAGE_INSTALLS"),
-            crate::sweep::PAGE_INSTALLS.to_string()
-        );
         let help = env_help();
         let line = help
             .lines()

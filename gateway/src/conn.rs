@@ -22,18 +22,17 @@
 //! after the close handshake).
 
 use crate::batch;
-use crate::bugs;
+use crate::bugs::{self, Bug};
 use crate::config::{SUB_CONVS_MAX, SYNC_LIMIT_DEFAULT};
 use crate::error::WireError;
 use crate::faults::{self, points};
 use crate::hub::{self, CloseRequest, ConnHandle, Out, Outbox, Reserved};
 use crate::protocol::{self, Frame, HintWhy, Kind, Push, Reply, Request};
 use crate::state::State;
-use crate::store::{self, Principal, SendOutcome, Sent, UncommittedHook};
+use crate::store::{self, Principal, SendObserver, SendOutcome};
 use futures_util::{SinkExt, StreamExt};
 use std::net::SocketAddr;
 use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpStream;
@@ -242,7 +241,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
     // finishes; then linger at most CLOSE_LINGER. Dropping the socket with unread data
     // would make the kernel send a reset, and the peer would lose what is still in flight.
     let drain = async {
-        if code == CloseCode::Abnormal || bugs::active(bugs::NO_CLOSE_DRAIN) {
+        if code == CloseCode::Abnormal || bugs::active(Bug::NoCloseDrain) {
             return;
         }
         while let Some(m) = stream.next().await {
@@ -426,7 +425,7 @@ impl Members {
     }
 
     fn seen(&self, conv: &str) {
-        if bugs::active(bugs::FORGETFUL_MEMBER) {
+        if bugs::active(Bug::ForgetfulMember) {
             return;
         }
         let mut m = self.lock();
@@ -437,7 +436,7 @@ impl Members {
     }
 
     fn forget(&self, conv: &str) {
-        if bugs::active(bugs::STICKY_MEMBER) {
+        if bugs::active(Bug::StickyMember) {
             return;
         }
         self.lock().remove(conv);
@@ -476,37 +475,6 @@ impl Session {
         }
     }
 
-    /// The hook `store::send` calls before COMMIT, for the deliberate bugs that break D1
-    /// there (`None` otherwise, always without the `bugs` feature), and whether it replied.
-    fn uncommitted_hook(
-        &self,
-        rid: Option<&str>,
-    ) -> Option<(Arc<UncommittedHook>, Arc<AtomicBool>)> {
-        let reply = bugs::active(bugs::REPLY_BEFORE_COMMIT);
-        let push = bugs::active(bugs::PUSH_BEFORE_COMMIT);
-        if !reply && !push {
-            return None;
-        }
-        let replied = Arc::new(AtomicBool::new(false));
-        let flag = replied.clone();
-        let outbox = self.handle.outbox.clone();
-        let state = self.state.clone();
-        let rid = rid.map(str::to_string);
-        let hook = move |sent: &Sent, ev: &protocol::Event, audience: &[String]| {
-            if reply {
-                flag.store(true, Ordering::Release);
-                outbox.reply_unbudgeted(rid.as_deref(), &sent_reply(&ev.conv, sent));
-            }
-            if push {
-                let frame = protocol::event_frame(ev);
-                for c in state.hub.conns_of(audience) {
-                    c.push(ev, &frame);
-                }
-            }
-        };
-        Some((Arc::new(hook), replied))
-    }
-
     /// Handles one request after hello, replies (or, after a `drop` fault, does not).
     async fn dispatch(&self, rid: Option<&str>, req: Result<Request, WireError>) {
         let req = match req {
@@ -523,12 +491,13 @@ impl Session {
             Request::Send { conv, cmid, body } => {
                 let w = who.clone();
                 let c = conv.clone();
-                // `None` but for the deliberate bugs that act before COMMIT.
-                let early = self.uncommitted_hook(rid);
-                let hook = early.as_ref().map(|(h, _)| h.clone());
+                // `None` but for the deliberate bugs that act inside a send (`observer`).
+                let watch = st.observer.watch(&self.handle.outbox, rid);
+                let watched = watch.clone();
                 let notifier = st.notifier.clone();
                 let member = self.members.known(&conv);
-                let sends = (!batch::bypassed(hook.is_some())).then(|| st.clone());
+                // Group commit, unless a watch needs the single send transaction.
+                let sends = watch.is_none().then(|| st.clone());
                 let deadline = tokio::time::Instant::now() + st.cfg.db_work_deadline();
                 let r = st
                     .db(move |pool| async move {
@@ -545,7 +514,7 @@ impl Session {
                                 .await;
                         }
                         let ctx = store::SendCtx {
-                            on_uncommitted: hook.as_deref(),
+                            observer: watched.as_deref().map(|w| w as &dyn SendObserver),
                             notifier: &notifier,
                             known_member: member,
                         };
@@ -559,8 +528,8 @@ impl Session {
                     }
                     _ => {}
                 }
-                if early.is_some_and(|(_, replied)| replied.load(Ordering::Acquire)) {
-                    // `reply-before-commit`: the reply already left; nothing more is said.
+                if watch.is_some_and(|w| w.replied()) {
+                    // The reply already left, before COMMIT: nothing more is said.
                     return;
                 }
                 let sent = match r {
@@ -572,7 +541,7 @@ impl Session {
                 if !self.pass(rid, points::API_AFTER_SEND_COMMIT).await {
                     return;
                 }
-                self.reply(rid, Ok(sent_reply(&conv, &sent))).await
+                self.reply(rid, Ok(sent.reply(&conv))).await
             }
             Request::Ack { conv, seq } => {
                 if !self.pass(rid, points::GW_RECV_ACK).await {
@@ -643,16 +612,6 @@ impl Session {
 }
 
 /// The `sent` reply.
-fn sent_reply(conv: &str, sent: &Sent) -> Reply {
-    Reply::Sent {
-        conv: conv.to_string(),
-        seq: sent.seq,
-        mid: sent.mid.clone(),
-        dup: sent.dup,
-        epoch: sent.epoch,
-    }
-}
-
 /// What the writer does with a frame whose fault point fired.
 enum Faulted {
     /// `drop`, or `error` on a push: the frame is not written.
@@ -785,9 +744,7 @@ async fn writer(
             Some(Out::Frame(q)) => q,
         };
         let point = match next.kind {
-            Kind::Event | Kind::Hint
-                if outbox.is_revoked() && !bugs::active(bugs::STALE_BACKLOG) =>
-            {
+            Kind::Event | Kind::Hint if outbox.is_revoked() && !bugs::active(Bug::StaleBacklog) => {
                 continue
             }
             Kind::Sent => Some(points::GW_REPLY_SEND),
@@ -842,7 +799,7 @@ async fn writer(
             if let Some(pending) = outbox.take_overflow() {
                 let pending = pending
                     .into_iter()
-                    .filter(|_| !bugs::active(bugs::NO_OVERFLOW_HINT));
+                    .filter(|_| !bugs::active(Bug::NoOverflowHint));
                 for (conv, head) in pending {
                     let why = HintWhy::Overflow;
                     let hint = protocol::render(&Frame::Push(Push::Hint {

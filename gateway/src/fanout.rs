@@ -42,7 +42,7 @@
 //! Fault points: `fanout.notify` (the NOTIFY), `fanout.read` (a fan-out read),
 //! `fanout.listen` (an attempt to regain LISTEN).
 
-use crate::bugs;
+use crate::bugs::{self, Bug};
 use crate::faults::{self, points};
 use crate::state::State;
 use crate::store;
@@ -93,7 +93,7 @@ pub async fn notify_loop(
     local: mpsc::Sender<Notified>,
 ) {
     let mut batch: Vec<(String, i64)> = Vec::new();
-    let no_handoff = bugs::active(bugs::NO_LOCAL_HANDOFF);
+    let no_handoff = bugs::active(Bug::NoLocalHandoff);
     loop {
         let first = tokio::select! {
             // At shutdown, notify what already committed (the feed would find it anyway).
@@ -164,7 +164,7 @@ pub async fn feed(
     tx: mpsc::Sender<Notified>,
     mut session: tokio::sync::watch::Receiver<Option<store::FeedMark>>,
 ) {
-    if bugs::active(bugs::NO_FEED) {
+    if bugs::active(Bug::NoFeed) {
         return;
     }
     let mut tick = tokio::time::interval(Duration::from_millis(state.cfg.sweep_interval_ms));
@@ -260,7 +260,7 @@ pub async fn run(state: Arc<State>, first: Listening, notifier_rx: store::Notifi
                     Ok(Listening { listener, mark }) => {
                         tracing::info!("LISTEN connection regained: sweeping at once");
                         backoff = Duration::from_millis(50);
-                        if !bugs::active(bugs::NO_REGAIN_PASS) {
+                        if !bugs::active(Bug::NoRegainPass) {
                             state.sweep_now.notify_one();
                         }
                         if tx.send(Notified::NewSession).await.is_err() {
@@ -399,7 +399,7 @@ impl Order {
     fn new() -> Order {
         Order {
             last: HashMap::new(),
-            checked: !bugs::active(bugs::SEQ_GAP),
+            checked: !bugs::active(Bug::SeqGap),
         }
     }
 
@@ -543,7 +543,7 @@ async fn deliver_batch(state: &State, order: &mut Order, notified: &[(String, i6
         Err(error) => {
             for r in ranges
                 .iter()
-                .filter(|_| !bugs::active(bugs::READ_FAIL_UNRECORDED))
+                .filter(|_| !bugs::active(Bug::ReadFailUnrecorded))
             {
                 state.changes.read_failed(&r.conv);
             }

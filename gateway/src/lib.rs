@@ -34,6 +34,7 @@ pub mod hub;
 pub mod invariant;
 pub mod limits;
 pub mod migrate;
+pub mod observer;
 pub mod protocol;
 pub mod server;
 pub mod state;

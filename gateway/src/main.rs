@@ -6,7 +6,8 @@
 
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use im_gateway::{admin, bugs, config, dbconnect, fanout, faults, migrate, server, store};
+use im_gateway::bugs::{self, Bug};
+use im_gateway::{admin, config, dbconnect, fanout, faults, migrate, server, store};
 use std::io::Write;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
@@ -114,8 +115,8 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Cmd::Bugs => {
-            for (name, what) in bugs::ALL {
-                println!("{name:<20} {what}");
+            for bug in Bug::ALL {
+                println!("{:<20} {}", bug.name(), bug.describe());
             }
             if !bugs::ENABLED {
                 eprintln!("im-gateway: this build has no `bugs` feature: IM_BUG is refused");
@@ -168,7 +169,7 @@ fn main() -> ExitCode {
         }
         // Then IM_BUG (the controls build's deliberate bugs), also before any connection.
         match bugs::install(&std::env::var("IM_BUG").unwrap_or_default()) {
-            Ok(Some(name)) => eprintln!("deliberate bug active: {name}"),
+            Ok(Some(bug)) => eprintln!("deliberate bug active: {bug}"),
             Ok(None) => {}
             Err(e) => {
                 eprintln!("im-gateway: {e}");
@@ -271,7 +272,7 @@ async fn serve() -> anyhow::Result<()> {
         %full_page_writes,
         "database session durability"
     );
-    if bugs::active(bugs::NO_DEDUP) {
+    if bugs::active(Bug::NoDedup) {
         store::drop_dedup_constraint(&pool).await?;
     }
     let pg_listener = fanout::listen(&pool)

@@ -13,6 +13,7 @@
 use crate::config::Config;
 use crate::hub::Hub;
 use crate::limits::{AddrCounts, HelloThrottle};
+use crate::observer::Observer;
 use crate::state::{State, FANOUT_POOL_MAX};
 use crate::{batch, conn, fanout, store, sweep};
 use sqlx::PgPool;
@@ -82,13 +83,15 @@ pub async fn serve(
         cfg.send_batch_max,
     );
     let acks = batch::acks(pool.clone(), cfg.batch_slots, cfg.send_batch_max);
+    let hub = Arc::new(Hub::default());
     let state = Arc::new(State {
+        observer: Observer::new(hub.clone()),
+        hub,
         sends,
         acks,
         pool,
         fanout_pool,
         notifier,
-        hub: Hub::default(),
         tracker: TaskTracker::new(),
         cancel: cancel.clone(),
         sweep_now: Notify::new(),

@@ -1,6 +1,7 @@
 //! The state every task of a running gateway shares: configuration, the database pool,
-//! the [`Hub`] of live connections, the failed-hello throttle, and the task lifetimes (one
-//! root `CancellationToken`, one `TaskTracker`), plus the per-request database deadline.
+//! the [`Hub`] of live connections, the failed-hello throttle, the send path's observer,
+//! and the task lifetimes (one root `CancellationToken`, one `TaskTracker`), plus the
+//! per-request database deadline.
 //!
 //! A leaf: it imports nothing from `conn`, `fanout`, `sweep` or `server`. Those three take
 //! an `Arc<State>`; `server` builds it and is the only module that starts their `run`.
@@ -9,9 +10,11 @@ use crate::config::Config;
 use crate::error::WireError;
 use crate::hub::Hub;
 use crate::limits::HelloThrottle;
+use crate::observer::Observer;
 use crate::store::Notifier;
 use sqlx::PgPool;
 use std::future::Future;
+use std::sync::Arc;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -22,7 +25,7 @@ pub struct State {
     /// Request and sweep work (the LISTEN connection is taken from it once, by `fanout`).
     pub pool: PgPool,
     /// Who is connected, authenticated and subscribed.
-    pub hub: Hub,
+    pub hub: Arc<Hub>,
     /// Every task of the gateway, waited for (bounded) at shutdown.
     pub tracker: TaskTracker,
     /// The root token: cancelled on SIGTERM/SIGINT.
@@ -42,6 +45,8 @@ pub struct State {
     pub sends: crate::batch::Sends,
     /// Batches of acks (`batch`).
     pub acks: crate::batch::Acks,
+    /// The send path's observer: watches no send in production (`observer`).
+    pub observer: Observer,
 }
 
 /// Connections of [`State::fanout_pool`]: one each for the notifier, the fan-out reads and

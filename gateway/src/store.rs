@@ -2,10 +2,10 @@
 //! fan-out read and the sweep query. Functions return wire errors (`WireError`) and log the
 //! database detail themselves; they know nothing of sockets or frames.
 
-use crate::bugs;
+use crate::bugs::{self, Bug};
 use crate::error::{from_db, WireError};
 use crate::faults::{self, points};
-use crate::protocol::{ConvHead, Event};
+use crate::protocol::{ConvHead, Event, Reply};
 use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -117,7 +117,7 @@ pub async fn connect(
     let timeout_ms = statement_timeout
         .map_or(0, |t| t.as_millis().max(1))
         .to_string();
-    let connect_sql: &'static str = if bugs::active(bugs::ASYNC_COMMIT) {
+    let connect_sql: &'static str = if bugs::active(Bug::AsyncCommit) {
         // Leaked once per pool: only in the controls build.
         let sql = bugs::rewrite(CONNECT_SQL, ASYNC_COMMIT_EDITS);
         Box::leak(sql.into_boxed_str())
@@ -295,6 +295,19 @@ pub struct Sent {
     pub epoch: i64,
 }
 
+impl Sent {
+    /// The `sent` reply to a send to `conv`.
+    pub fn reply(&self, conv: &str) -> Reply {
+        Reply::Sent {
+            conv: conv.to_string(),
+            seq: self.seq,
+            mid: self.mid.clone(),
+            dup: self.dup,
+            epoch: self.epoch,
+        }
+    }
+}
+
 /// The outcome of a send: a reply, or (after a `drop` fault) none at all.
 #[derive(Debug)]
 pub enum SendOutcome {
@@ -341,7 +354,7 @@ const TAKE_SEQ_SQL: &str = "UPDATE conversations SET next_seq = next_seq + 1 WHE
          RETURNING next_seq - 1, epoch::bigint";
 
 /// The send INSERT (see [`send`]).
-const SEND_INSERT_SQL: &str = "WITH ins AS (
+pub(crate) const SEND_INSERT_SQL: &str = "WITH ins AS (
                      INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
                      SELECT $1, $2, $3, $4, $5, $6
                      WHERE EXISTS (SELECT 1 FROM memberships
@@ -354,7 +367,8 @@ const SEND_INSERT_SQL: &str = "WITH ins AS (
 
 /// What the `no-dedup` bug removes from [`SEND_INSERT_SQL`] (with the constraint gone, the
 /// `ON CONFLICT` would be an error).
-const NO_DEDUP_EDITS: &[(&str, &str)] = &[("ON CONFLICT (sender_user, cmid) DO NOTHING", "")];
+pub(crate) const NO_DEDUP_EDITS: &[(&str, &str)] =
+    &[("ON CONFLICT (sender_user, cmid) DO NOTHING", "")];
 
 /// The name PostgreSQL gave `UNIQUE (sender_user, cmid)` of `events` (migration 0001).
 const DEDUP_CONSTRAINT: &str = "events_sender_user_cmid_key";
@@ -372,10 +386,43 @@ pub async fn drop_dedup_constraint(pool: &PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A hook [`send`] calls between the INSERT and the `send.before_commit` point, with the
-/// reply-to-be, the event as inserted and the users with an open membership (read in the
-/// same transaction). Only the deliberate bugs of the controls build pass one.
-pub type UncommittedHook = dyn Fn(&Sent, &Event, &[String]) + Send + Sync;
+/// What may watch a send between its INSERT and its COMMIT and bend the transaction around
+/// it: the one seam of [`send`] for the deliberate bugs that act inside a send (the
+/// controls build's `crate::observer`, set once in `State`). Every default is SPEC 3's
+/// transaction; production passes none ([`Unobserved`]), which overrides nothing.
+pub trait SendObserver: Send + Sync {
+    /// Whether the seq is taken before BEGIN, in a statement of its own (autocommitted),
+    /// instead of in the transaction (P1).
+    fn seq_before_begin(&self) -> bool {
+        false
+    }
+
+    /// The INSERT to run: [`SEND_INSERT_SQL`] (D2, S1).
+    fn insert_sql(&self) -> Cow<'static, str> {
+        Cow::Borrowed(SEND_INSERT_SQL)
+    }
+
+    /// Whether [`Self::uncommitted`] is to be called (it costs a read in the transaction).
+    fn watches_uncommitted(&self) -> bool {
+        false
+    }
+
+    /// Called between the INSERT and the `send.before_commit` point, with the reply-to-be,
+    /// the event as inserted and the users with an open membership (read in the same
+    /// transaction).
+    fn uncommitted(&self, _sent: &Sent, _event: &Event, _audience: &[String]) {}
+
+    /// Whether the `send.before_commit` point and COMMIT run in a task of their own, the
+    /// send answering without waiting for them (D1 requires waiting).
+    fn commit_after_reply(&self) -> bool {
+        false
+    }
+}
+
+/// Production's [`SendObserver`]: watches nothing and bends nothing.
+pub struct Unobserved;
+
+impl SendObserver for Unobserved {}
 
 /// Why a send inserted nothing: a stale install, or an earlier send of `(user, cmid)` (a
 /// duplicate, D2, or CMID_CONFLICT), else NOT_MEMBER (no such conversation or no open
@@ -422,8 +469,8 @@ pub async fn outsider(
 
 /// What [`send`] needs besides the message.
 pub struct SendCtx<'a> {
-    /// `None` except for the deliberate bugs (`bugs`) that break D1.
-    pub on_uncommitted: Option<&'a UncommittedHook>,
+    /// `None` (SPEC 3's transaction) except for the deliberate bugs that act inside a send.
+    pub observer: Option<&'a dyn SendObserver>,
     /// Told every committed `(conv, seq)`, after COMMIT returned.
     pub notifier: &'a Notifier,
     /// The connection saw this user's send to this conversation commit before: the
@@ -466,40 +513,17 @@ pub async fn send(
     ctx: SendCtx<'_>,
 ) -> Result<SendOutcome, WireError> {
     let SendCtx {
-        on_uncommitted,
+        observer,
         notifier,
         known_member,
     } = ctx;
+    let observer = observer.unwrap_or(&Unobserved);
     if !known_member {
         if let Some(answer) = outsider(pool, who, conv, cmid, body).await {
             return answer;
         }
     }
-    let taken_early = if bugs::active(bugs::SEQ_GAP) {
-        // Autocommitted: a rollback below no longer gives the seq back.
-        let taken = sqlx::query(TAKE_SEQ_SQL)
-            .bind(conv)
-            .fetch_optional(pool)
-            .await
-            .map_err(db("send.seq"))?;
-        Some(taken)
-    } else {
-        None
-    };
-    let mut tx = pool.begin().await.map_err(db("send.begin"))?;
-    let taken = match taken_early {
-        Some(taken) => taken,
-        None => sqlx::query(TAKE_SEQ_SQL)
-            .bind(conv)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db("send.seq"))?,
-    };
-    let insert_sql: Cow<'static, str> = if bugs::active(bugs::NO_DEDUP) {
-        bugs::rewrite(SEND_INSERT_SQL, NO_DEDUP_EDITS).into()
-    } else {
-        SEND_INSERT_SQL.into()
-    };
+    let (mut tx, taken) = begin_taking_seq(pool, conv, observer).await?;
     let inserted = match taken {
         None => None,
         Some(taken) => {
@@ -513,7 +537,7 @@ pub async fn send(
             {
                 return r;
             }
-            let row = sqlx::query(&insert_sql)
+            let row = sqlx::query(&observer.insert_sql())
                 .bind(conv)
                 .bind(seq)
                 .bind(&who.user)
@@ -540,31 +564,11 @@ pub async fn send(
         dup: false,
         epoch: conv_epoch,
     };
-    if let Some(hook) = on_uncommitted {
-        let row = sqlx::query(&format!(
-            "SELECT {EVENT_COLUMNS},
-                    ARRAY(SELECT DISTINCT m.user_id FROM memberships m
-                          WHERE m.conv_id = e.conv_id AND m.to_seq IS NULL)
-             FROM events e WHERE e.conv_id = $1 AND e.seq = $2"
-        ))
-        .bind(conv)
-        .bind(seq)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db("send.uncommitted"))?;
-        hook(&sent, &event_from(&row), &row.get::<Vec<String>, _>(8));
+    if observer.watches_uncommitted() {
+        show_uncommitted(&mut tx, conv, &sent, observer).await?;
     }
-    if bugs::active(bugs::COMMIT_AFTER_REPLY) {
-        let (notifier, conv) = (notifier.clone(), conv.to_string());
-        tokio::spawn(async move {
-            let point = faults::gate(points::SEND_BEFORE_COMMIT, (), ()).await;
-            if point.is_continue() {
-                match tx.commit().await {
-                    Ok(()) => notifier.committed(&conv, seq),
-                    Err(e) => tracing::warn!(error = %e, "commit after the reply failed"),
-                }
-            }
-        });
+    if observer.commit_after_reply() {
+        commit_detached(tx, notifier.clone(), conv.to_string(), seq);
         return Ok(SendOutcome::Reply(sent));
     }
     if let ControlFlow::Break(r) = faults::gate(
@@ -591,6 +595,86 @@ pub async fn send(
     }
     Ok(SendOutcome::Reply(sent))
 }
+
+/// BEGIN, and the seq with the conversation's row lock taken in the transaction (P1):
+/// `None` for no such conversation. A [`SendObserver`] may have the seq taken before BEGIN
+/// instead, autocommitted on the pool, so that a rollback no longer gives it back.
+async fn begin_taking_seq(
+    pool: &PgPool,
+    conv: &str,
+    observer: &dyn SendObserver,
+) -> Result<
+    (
+        sqlx::Transaction<'static, sqlx::Postgres>,
+        Option<sqlx::postgres::PgRow>,
+    ),
+    WireError,
+> {
+    let taken_early = if observer.seq_before_begin() {
+        let taken = sqlx::query(TAKE_SEQ_SQL)
+            .bind(conv)
+            .fetch_optional(pool)
+            .await
+            .map_err(db("send.seq"))?;
+        Some(taken)
+    } else {
+        None
+    };
+    let mut tx = pool.begin().await.map_err(db("send.begin"))?;
+    let taken = match taken_early {
+        Some(taken) => taken,
+        None => sqlx::query(TAKE_SEQ_SQL)
+            .bind(conv)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db("send.seq"))?,
+    };
+    Ok((tx, taken))
+}
+
+/// Shows a [`SendObserver`] the event `sent` inserted, before COMMIT, with the users with an
+/// open membership, read in the transaction.
+async fn show_uncommitted(
+    tx: &mut sqlx::PgConnection,
+    conv: &str,
+    sent: &Sent,
+    observer: &dyn SendObserver,
+) -> Result<(), WireError> {
+    let row = sqlx::query(&format!(
+        "SELECT {EVENT_COLUMNS},
+                ARRAY(SELECT DISTINCT m.user_id FROM memberships m
+                      WHERE m.conv_id = e.conv_id AND m.to_seq IS NULL)
+         FROM events e WHERE e.conv_id = $1 AND e.seq = $2"
+    ))
+    .bind(conv)
+    .bind(sent.seq)
+    .fetch_one(tx)
+    .await
+    .map_err(db("send.uncommitted"))?;
+    observer.uncommitted(sent, &event_from(&row), &row.get::<Vec<String>, _>(8));
+    Ok(())
+}
+
+/// The `send.before_commit` point and COMMIT of `tx`, in a task of their own that nobody
+/// waits for (a [`SendObserver`] that breaks D1 asked for it); the notifier is told after
+/// COMMIT returned, as in [`send`].
+fn commit_detached(
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    notifier: Notifier,
+    conv: String,
+    seq: i64,
+) {
+    tokio::spawn(async move {
+        let point = faults::gate(points::SEND_BEFORE_COMMIT, (), ()).await;
+        if point.is_continue() {
+            match tx.commit().await {
+                Ok(()) => notifier.committed(&conv, seq),
+                Err(e) => tracing::warn!(error = %e, "commit after the reply failed"),
+            }
+        }
+    });
+}
+
 /// The ack statement (see [`ack`]).
 const ACK_SQL: &str = "WITH chk AS (
              SELECT d.install_epoch::bigint AS install_epoch,
@@ -623,7 +707,7 @@ const CURSOR_OVERWRITE_EDITS: &[(&str, &str)] = &[(
 /// D4: GREATEST never lowers it; an ack above the user's visible head is CURSOR_AHEAD and
 /// writes nothing. S1: a user without any membership period gets NOT_MEMBER.
 pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result<i64, WireError> {
-    let sql: Cow<'static, str> = if bugs::active(bugs::CURSOR_OVERWRITE) {
+    let sql: Cow<'static, str> = if bugs::active(Bug::CursorOverwrite) {
         bugs::rewrite(ACK_SQL, CURSOR_OVERWRITE_EDITS).into()
     } else {
         ACK_SQL.into()
@@ -770,7 +854,7 @@ pub async fn send_batch_commit(
         // Dropping `tx` rolls the batch back.
         ControlFlow::Break(r) => r,
     };
-    if bugs::active(bugs::BATCH_REPLY_ROLLED_BACK) {
+    if bugs::active(Bug::BatchReplyRolledBack) {
         return Ok(Some(out));
     }
     rolled_back
@@ -842,7 +926,7 @@ pub async fn ack_batch(
     pool: &PgPool,
     rows: &[AckRow<'_>],
 ) -> Result<Vec<Result<i64, WireError>>, WireError> {
-    let sql: Cow<'static, str> = if bugs::active(bugs::CURSOR_OVERWRITE) {
+    let sql: Cow<'static, str> = if bugs::active(Bug::CursorOverwrite) {
         bugs::rewrite(ACK_BATCH_SQL, CURSOR_OVERWRITE_EDITS).into()
     } else {
         ACK_BATCH_SQL.into()
@@ -1001,7 +1085,7 @@ pub async fn sync(
     }
     drop(rows);
     assert_page_order(&events, after, head);
-    if bugs::active(bugs::CURSOR_ON_SYNC) {
+    if bugs::active(Bug::CursorOnSync) {
         if let Some(last) = events.last() {
             // The server moves the cursor itself, without a device ack.
             sqlx::query(
@@ -1101,7 +1185,7 @@ pub async fn events_with_audience(
     ranges: &[Range],
 ) -> Result<Vec<(Event, Audience)>, sqlx::Error> {
     let mut sql = events_with_audience_sql();
-    if bugs::active(bugs::S1_LEAK) {
+    if bugs::active(Bug::S1Leak) {
         sql = bugs::rewrite(&sql, S1_LEAK_EDITS);
     }
     let convs: Vec<&str> = ranges.iter().map(|r| r.conv.as_str()).collect();

@@ -30,7 +30,7 @@
 //! same database, which would otherwise keep a pair hinted, or unhinted, until then. The
 //! regular sweep keeps running every interval while a full pass is under way.
 
-use crate::bugs;
+use crate::bugs::{self, Bug};
 use crate::changes::{Drained, PairKey};
 use crate::hub::ConnHandle;
 use crate::protocol::HintWhy;
@@ -118,10 +118,10 @@ pub struct Sweeper {
 /// D5: a lost push is found here within one interval; the hint makes the client sync and
 /// ack, after which the cursor equals the head and the hints stop.
 pub async fn run(state: Arc<State>) {
-    if bugs::active(bugs::NO_SWEEP) {
+    if bugs::active(Bug::NoSweep) {
         return;
     }
-    let every = if bugs::active(bugs::SLOW_SWEEP) {
+    let every = if bugs::active(Bug::SlowSweep) {
         state.cfg.sweep_interval_ms * 3
     } else {
         state.cfg.sweep_interval_ms
@@ -511,6 +511,15 @@ async fn db<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The configuration table's default of `IM_SWEEP_PAGE_INSTALLS` is [`PAGE_INSTALLS`].
+    #[test]
+    fn the_configured_page_default_is_page_installs() {
+        assert_eq!(
+            crate::config::default_of("IM_SWEEP_PAGE_INSTALLS"),
+            PAGE_INSTALLS.to_string()
+        );
+    }
 
     fn row(d: &str, conv: &str, head: i64) -> LaggingRow {
         (d.into(), 1, conv.into(), head)

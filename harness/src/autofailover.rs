@@ -37,7 +37,8 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use sqlx::{Connection, PgConnection};
 
-use crate::pg::{self, describe, log_tail};
+use crate::pg;
+use crate::process::{any_alive, describe, log_tail, set_parent_death_signal, signal, stop_tree};
 use crate::proxy::Proxy;
 
 /// How long one node may take to reach its first stable state (initdb, or the
@@ -423,7 +424,7 @@ impl Formation {
         cmd.args(args)
             .stdout(Stdio::from(out))
             .stderr(Stdio::from(err));
-        pg::set_parent_death_signal(&mut cmd, Signal::SIGQUIT);
+        set_parent_death_signal(&mut cmd, Signal::SIGQUIT);
         cmd.process_group(0);
         cmd.spawn()
             .with_context(|| format!("spawn {}", self.autoctl.display()))
@@ -988,117 +989,4 @@ fn rel_ms(t0: Instant, at: Instant) -> f64 {
         -(t0.duration_since(at).as_secs_f64() * 1000.0)
     };
     (ms * 10.0).round() / 10.0
-}
-
-/// `(pid, ppid, pgid, state)` of every process.
-pub(crate) fn processes() -> Vec<(u32, u32, u32, char)> {
-    let Ok(dir) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.filter_map(Result::ok)
-        .filter_map(|e| {
-            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let stat = fs::read_to_string(e.path().join("stat")).ok()?;
-            // "pid (comm) S ppid pgrp ...": comm may hold spaces and parentheses.
-            let rest = &stat[stat.rfind(')')? + 1..];
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            let state = f.first()?.chars().next()?;
-            Some((pid, f.get(1)?.parse().ok()?, f.get(2)?.parse().ok()?, state))
-        })
-        .collect()
-}
-
-/// SIGSTOPs `root`, its process group and every descendant (PostgreSQL backends run in
-/// sessions of their own, so a group signal misses them), rescanning until no new process
-/// appears; returns them all. Stopped, none can fork, exit or act any more.
-pub(crate) fn stop_tree(root: u32) -> BTreeSet<u32> {
-    let mut found: BTreeSet<u32> = BTreeSet::new();
-    loop {
-        let procs = processes();
-        let mut next = found.clone();
-        next.insert(root);
-        loop {
-            let before = next.len();
-            for &(pid, ppid, pgid, _) in &procs {
-                if next.contains(&ppid) || pgid == root {
-                    next.insert(pid);
-                }
-            }
-            if next.len() == before {
-                break;
-            }
-        }
-        let new: Vec<u32> = next.difference(&found).copied().collect();
-        if new.is_empty() {
-            return found;
-        }
-        for &pid in &new {
-            signal(pid, Signal::SIGSTOP);
-        }
-        found = next;
-    }
-}
-
-/// `kill(pid, sig)`, ignoring a process that is already gone.
-pub(crate) fn signal(pid: u32, sig: Signal) {
-    if let Ok(pid) = i32::try_from(pid) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
-    }
-}
-
-/// Whether any of `pids` still exists and is not a zombie (one scan of /proc).
-pub(crate) fn any_alive(pids: &BTreeSet<u32>) -> bool {
-    processes()
-        .iter()
-        .any(|&(p, _, _, state)| pids.contains(&p) && state != 'Z' && state != 'X')
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Proves a node's crash reaches every process of it: a child of its own process group
-    /// with a descendant in a session of its own (as PostgreSQL's backends are) is stopped
-    /// and killed whole.
-    #[test]
-    fn stop_tree_finds_descendants_in_other_sessions() -> anyhow::Result<()> {
-        let mut root = std::process::Command::new("sh")
-            .args(["-c", "setsid sleep 30 & sleep 30"])
-            .process_group(0)
-            .spawn()?;
-        let id = root.id();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        // Both children there, one of them already in its own session (`setsid` forks,
-        // then calls setsid(2): a moment in which it is still in the group's session).
-        let ready = || {
-            let children: Vec<_> = processes().into_iter().filter(|p| p.1 == id).collect();
-            let sessions: BTreeSet<u32> = children.iter().map(|p| p.2).collect();
-            children.len() >= 2 && sessions.len() >= 2
-        };
-        while !ready() && Instant::now() < deadline {
-            std::thread::sleep(POLL);
-        }
-        let pids = stop_tree(id);
-        let sessions: BTreeSet<u32> = processes()
-            .iter()
-            .filter(|p| pids.contains(&p.0))
-            .map(|p| p.2)
-            .collect();
-        for &pid in &pids {
-            signal(pid, Signal::SIGKILL);
-        }
-        root.wait()?;
-        assert_eq!(pids.len(), 3, "sh and both sleeps: {pids:?}");
-        assert_eq!(
-            sessions.len(),
-            2,
-            "one descendant left the group: {sessions:?}"
-        );
-        let deadline = Instant::now() + KILL_TIMEOUT;
-        while any_alive(&pids) && Instant::now() < deadline {
-            std::thread::sleep(POLL);
-        }
-        assert!(!any_alive(&pids), "still alive: {pids:?}");
-        Ok(())
-    }
 }

@@ -397,8 +397,6 @@ mod stub {
 #[cfg(test)]
 mod tests {
     use super::*;
-    #[cfg(feature = "container")]
-    use std::time::Instant;
 
     #[test]
     fn backend_parses_local_container_and_refuses_the_rest() {
@@ -438,68 +436,5 @@ mod tests {
             e.contains("make test-containers") && e.contains(DEFAULT_IMAGE),
             "{e}"
         );
-    }
-
-    /// The container backend end to end (`make test-containers` runs it with the feature;
-    /// it needs the image): the settings reach the server (fsync on), a committed row
-    /// survives `docker kill -s KILL` and the restart's crash recovery, and the cluster keeps
-    /// its one address while docker maps a new host port.
-    #[cfg(feature = "container")]
-    #[tokio::test]
-    async fn container_crash_keeps_committed_row_and_address() -> anyhow::Result<()> {
-        std::env::set_var("IMFAULT_PG", "container");
-        let t0 = Instant::now();
-        let mut cluster = crate::pg::Cluster::start().await?;
-        let started = t0.elapsed();
-        assert!(
-            cluster.backend().starts_with("container "),
-            "{}",
-            cluster.backend()
-        );
-        assert_eq!(cluster.setting("fsync").await?, "on");
-        assert_eq!(cluster.setting("synchronous_commit").await?, "on");
-        let pool = cluster.pool().await?;
-        sqlx::query("CREATE TABLE t (id int PRIMARY KEY, note text NOT NULL)")
-            .execute(&pool)
-            .await?;
-        sqlx::query("INSERT INTO t VALUES (1, 'acknowledged')")
-            .execute(&pool)
-            .await?;
-        pool.close().await;
-        let port = cluster.port();
-        let t1 = Instant::now();
-        cluster.crash().await?;
-        let crashed = t1.elapsed();
-        assert!(!cluster.is_running());
-        assert!(
-            cluster.setting("fsync").await.is_err(),
-            "killed container answered"
-        );
-        let t2 = Instant::now();
-        cluster.restart().await?;
-        let restarted = t2.elapsed();
-        eprintln!(
-            "timings: start {started:?}, crash {crashed:?}, restart (recovery) {restarted:?}"
-        );
-        assert!(cluster.is_running());
-        assert_eq!(cluster.port(), port, "the address moved");
-        let pool = cluster.pool().await?;
-        let note: String = sqlx::query_scalar("SELECT note FROM t WHERE id = 1")
-            .fetch_one(&pool)
-            .await?;
-        assert_eq!(note, "acknowledged");
-        pool.close().await;
-        let log = cluster.server_log();
-        assert!(
-            log.contains("not properly shut down") || log.contains("automatic recovery"),
-            "no crash recovery in the container's log:\n{log}"
-        );
-        let work = cluster.work_dir().to_path_buf();
-        let keep = std::env::var("IMFAULT_KEEP").is_ok_and(|v| v == "1");
-        drop(cluster);
-        if !keep {
-            assert!(!work.exists(), "work dir left behind");
-        }
-        Ok(())
     }
 }

@@ -26,7 +26,8 @@ use nix::sys::signal::Signal;
 
 use crate::util::{poll, wait_until};
 
-use crate::pg::{describe, log_tail, send_signal, set_parent_death_signal};
+use crate::pg::{Cluster, ClusterOpts};
+use crate::process::{describe, log_tail, send_signal, set_parent_death_signal};
 
 /// How long `serve` may take to print `listening on ADDR`.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -710,6 +711,24 @@ pub async fn run_serve_expect_exit(
     text.push_str(&String::from_utf8_lossy(&out.stderr));
     fs::write(&log_path, &text).with_context(|| format!("write {}", log_path.display()))?;
     Ok((out.status, text))
+}
+
+/// A cluster with the gateway's schema: `pg` knows nothing of it, so the constructors that
+/// run `im-gateway migrate` on a new cluster live here, beside [`migrate`].
+impl Cluster {
+    /// [`Cluster::start`], then `im-gateway migrate` against it.
+    pub async fn start_migrated() -> anyhow::Result<Cluster> {
+        Cluster::start_migrated_with(ClusterOpts::default()).await
+    }
+
+    /// [`Cluster::start_with`], then `im-gateway migrate` against it.
+    pub async fn start_migrated_with(opts: ClusterOpts) -> anyhow::Result<Cluster> {
+        let cluster = Cluster::start_with(opts).await?;
+        migrate(&cluster.url())
+            .await
+            .with_context(|| format!("migrate cluster on port {}", cluster.port()))?;
+        Ok(cluster)
+    }
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ pub mod history;
 pub mod lazyfs;
 pub mod nemesis;
 pub mod pg;
+pub mod process;
 pub mod proxy;
 pub mod util;
 pub mod world;

@@ -19,9 +19,8 @@
 //! worker), not from a `spawn_blocking` thread that may exit while the cluster lives.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,6 +35,9 @@ use sqlx::{Connection, PgConnection};
 
 use crate::container::{Backend, PgContainer};
 use crate::lazyfs::{self, LazyFs};
+use crate::process::{
+    any_alive, describe, log_tail, send_signal, set_parent_death_signal, signal, stop_tree,
+};
 
 /// How long a (re)started postmaster may take to accept connections, crash recovery included.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -248,20 +250,6 @@ impl Cluster {
                 }
             }
         }
-    }
-
-    /// [`Cluster::start`], then `im-gateway migrate` against it.
-    pub async fn start_migrated() -> anyhow::Result<Cluster> {
-        Cluster::start_migrated_with(ClusterOpts::default()).await
-    }
-
-    /// [`Cluster::start_with`], then `im-gateway migrate` against it.
-    pub async fn start_migrated_with(opts: ClusterOpts) -> anyhow::Result<Cluster> {
-        let cluster = Cluster::start_with(opts).await?;
-        crate::gateway::migrate(&cluster.url())
-            .await
-            .with_context(|| format!("migrate cluster on port {}", cluster.port))?;
-        Ok(cluster)
     }
 
     /// `postgres://postgres@127.0.0.1:PORT/postgres` (trust authentication).
@@ -758,9 +746,9 @@ impl Cluster {
         // them, and they linger until they notice the postmaster is gone, holding the data
         // directory (under load, longer than a power cut's unmount waits). Stop the whole
         // tree first (while the backends are still the postmaster's children), then kill it.
-        let tree = crate::autofailover::stop_tree(pgid);
+        let tree = stop_tree(pgid);
         for &pid in &tree {
-            crate::autofailover::signal(pid, Signal::SIGKILL);
+            signal(pid, Signal::SIGKILL);
         }
         kill_group(pgid, Signal::SIGKILL);
         let deadline = Instant::now() + CRASH_TIMEOUT;
@@ -772,7 +760,7 @@ impl Cluster {
             if reaped {
                 self.child = None;
             }
-            if reaped && !group_alive(pgid) && !crate::autofailover::any_alive(&tree) {
+            if reaped && !group_alive(pgid) && !any_alive(&tree) {
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -1124,44 +1112,6 @@ pub(crate) fn server_command(program: &Path, owner: Option<(u32, u32)>) -> Comma
     cmd
 }
 
-/// Has the kernel send `signal` to the child when the spawning thread dies (Linux only).
-pub(crate) fn set_parent_death_signal(cmd: &mut Command, signal: Signal) {
-    #[cfg(target_os = "linux")]
-    {
-        let parent = std::process::id();
-        // SAFETY: `pre_exec` is unsafe by contract (the closure runs between fork and
-        // exec); this one only makes async-signal-safe calls (prctl, getppid) and
-        // allocates nothing. nix has no safe wrapper for a pre-exec hook.
-        unsafe {
-            cmd.pre_exec(move || {
-                nix::sys::prctl::set_pdeathsig(signal)?;
-                // The parent may have died before prctl took effect.
-                if nix::unistd::getppid().as_raw() as u32 != parent {
-                    return Err(nix::errno::Errno::ESRCH.into());
-                }
-                Ok(())
-            });
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (cmd, signal);
-}
-
-pub(crate) fn send_signal(pid: u32, signal: Signal) -> anyhow::Result<()> {
-    let pid = i32::try_from(pid).context("pid out of range")?;
-    nix::sys::signal::kill(Pid::from_raw(pid), signal)
-        .with_context(|| format!("kill({pid}, {signal})"))
-}
-
-/// "exit status 1" or "signal 9 (SIGKILL)".
-pub(crate) fn describe(status: ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exit status {code}"),
-        (None, Some(signal)) => format!("killed by signal {signal}"),
-        (None, None) => status.to_string(),
-    }
-}
-
 /// Makes the machine's template data directory if it does not exist yet and returns it:
 /// `$TMPDIR/imfault-pg-template-<major>-<euid>`. Blocking (flock, initdb): call it
 /// under `spawn_blocking`. Concurrent test processes serialise on a lock file; the
@@ -1289,25 +1239,6 @@ pub(crate) fn free_port() -> anyhow::Result<u16> {
     let listener =
         std::net::TcpListener::bind("127.0.0.1:0").context("bind 127.0.0.1:0 to pick a port")?;
     Ok(listener.local_addr().context("local_addr")?.port())
-}
-
-/// The last `lines` lines of a log file from byte `from` on; never fails (an error
-/// reading the log is shown in its place).
-pub(crate) fn log_tail(path: &Path, from: u64, lines: usize) -> String {
-    let mut text = Vec::new();
-    let read = File::open(path).and_then(|mut file| {
-        let len = file.metadata()?.len();
-        // At most the last 64 KiB: enough for `lines` lines of a log.
-        let start = from.max(len.saturating_sub(64 * 1024));
-        file.seek(SeekFrom::Start(start))?;
-        file.read_to_end(&mut text)
-    });
-    if let Err(e) = read {
-        return format!("<could not read {}: {e}>", path.display());
-    }
-    let text = String::from_utf8_lossy(&text);
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 async fn close_quietly(conn: PgConnection) {
@@ -1501,6 +1432,69 @@ mod tests {
         cluster.crash().await?;
         let err = cluster.crash().await.expect_err("second crash");
         assert!(format!("{err:#}").contains("not running"), "{err:#}");
+        Ok(())
+    }
+
+    /// The container backend end to end (`make test-containers` runs it with the feature;
+    /// it needs the image): the settings reach the server (fsync on), a committed row
+    /// survives `docker kill -s KILL` and the restart's crash recovery, and the cluster keeps
+    /// its one address while docker maps a new host port.
+    #[cfg(feature = "container")]
+    #[tokio::test]
+    async fn container_crash_keeps_committed_row_and_address() -> anyhow::Result<()> {
+        std::env::set_var("IMFAULT_PG", "container");
+        let t0 = Instant::now();
+        let mut cluster = Cluster::start().await?;
+        let started = t0.elapsed();
+        assert!(
+            cluster.backend().starts_with("container "),
+            "{}",
+            cluster.backend()
+        );
+        assert_eq!(cluster.setting("fsync").await?, "on");
+        assert_eq!(cluster.setting("synchronous_commit").await?, "on");
+        let pool = cluster.pool().await?;
+        sqlx::query("CREATE TABLE t (id int PRIMARY KEY, note text NOT NULL)")
+            .execute(&pool)
+            .await?;
+        sqlx::query("INSERT INTO t VALUES (1, 'acknowledged')")
+            .execute(&pool)
+            .await?;
+        pool.close().await;
+        let port = cluster.port();
+        let t1 = Instant::now();
+        cluster.crash().await?;
+        let crashed = t1.elapsed();
+        assert!(!cluster.is_running());
+        assert!(
+            cluster.setting("fsync").await.is_err(),
+            "killed container answered"
+        );
+        let t2 = Instant::now();
+        cluster.restart().await?;
+        let restarted = t2.elapsed();
+        eprintln!(
+            "timings: start {started:?}, crash {crashed:?}, restart (recovery) {restarted:?}"
+        );
+        assert!(cluster.is_running());
+        assert_eq!(cluster.port(), port, "the address moved");
+        let pool = cluster.pool().await?;
+        let note: String = sqlx::query_scalar("SELECT note FROM t WHERE id = 1")
+            .fetch_one(&pool)
+            .await?;
+        assert_eq!(note, "acknowledged");
+        pool.close().await;
+        let log = cluster.server_log();
+        assert!(
+            log.contains("not properly shut down") || log.contains("automatic recovery"),
+            "no crash recovery in the container's log:\n{log}"
+        );
+        let work = cluster.work_dir().to_path_buf();
+        let keep = std::env::var("IMFAULT_KEEP").is_ok_and(|v| v == "1");
+        drop(cluster);
+        if !keep {
+            assert!(!work.exists(), "work dir left behind");
+        }
         Ok(())
     }
 }

@@ -3,16 +3,19 @@
 //! of a failing one; a timeline report per run.
 //!
 //! - [`schedule`] holds the schedule as data, generated only from the seed and the options;
-//! - [`runner`] carries out one schedule and has the checker judge it (`result.json`);
+//! - [`runner`] carries out one schedule and has the checker judge it;
+//! - [`outcome`] is what a run observed (`result.json`);
 //! - [`shrink`] reduces a failing schedule to a 1-minimal one (`minimal.json`);
 //! - [`report`] writes `report.html`.
 //!
 //! `scenarios/src/bin/nemesis.rs` (`make nemesis`) is the command line over these.
 
+pub mod outcome;
 pub mod report;
 pub mod runner;
 pub mod schedule;
 pub mod shrink;
 
-pub use runner::{run, Outcome};
+pub use outcome::Outcome;
+pub use runner::run;
 pub use schedule::{generate, Options, Schedule};

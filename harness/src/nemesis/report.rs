@@ -3,7 +3,7 @@
 //! shaded bands, send and push latency over time, and each anomaly linked to its history
 //! lines. Written from `history.jsonl` and the run's [`Outcome`]; it judges nothing.
 
-use super::runner::Outcome;
+use super::outcome::Outcome;
 use super::schedule::Schedule;
 use crate::history::{Action, Done, Entry, Invoke, Line, Nemesis, Phase, Recv, Type};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -99,7 +99,7 @@ fn bands(h: &[Entry], end: f64) -> Vec<Band> {
 
 /// Writes `dir/report.html` for the run.
 pub fn write_html(dir: &Path, schedule: &Schedule, o: &Outcome) -> anyhow::Result<()> {
-    let h = super::runner::read_history(dir);
+    let h = crate::history::read(&dir.join("history.jsonl")).unwrap_or_default();
     let html = render(&h, schedule, o);
     crate::util::write_atomic(&dir.join("report.html"), html.as_bytes())
 }
