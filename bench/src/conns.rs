@@ -20,6 +20,8 @@ use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::MaybeTlsStream;
 
+use im_protocol::wire::{Reply, Request};
+
 use crate::provision::{self, Device};
 use crate::util::{progress, r3, summarize_us, unix_us, Latency};
 use crate::wire::{self, Ws};
@@ -119,10 +121,16 @@ async fn open_from(from: Ipv4Addr, to: SocketAddr, url: &str, d: &Device) -> any
         tokio_tungstenite::client_async_with_config(url, MaybeTlsStream::Plain(tcp), Some(config))
             .await
             .context("upgrade")?;
-    let hello = serde_json::json!({"t":"hello","rid":"h","device":d.id,"token":d.token,"epoch":1});
-    let r = wire::request(&mut ws, hello.to_string(), "h", Duration::from_secs(30)).await?;
-    if r.t != "welcome" {
-        bail!("hello of {} answered {} {:?}", d.id, r.t, r.code);
+    let hello = wire::hello_frame(&d.id, &d.token);
+    let r = wire::request(&mut ws, hello, "h", Duration::from_secs(30)).await?;
+    if !matches!(
+        r,
+        wire::ServerFrame::Reply {
+            reply: Reply::Welcome { .. },
+            ..
+        }
+    ) {
+        bail!("hello of {} answered {}", d.id, wire::answered(&r));
     }
     wire::sub(&mut ws).await?;
     Ok(ws)
@@ -136,42 +144,26 @@ fn idle(mut ws: Ws, closed: Arc<Mutex<usize>>) {
     });
 }
 
-/// A frame as an active receiver reads it: the push's event with its body (the send time).
-#[derive(Deserialize)]
-struct Push {
-    t: String,
-    #[serde(default)]
-    ev: Option<PushEv>,
-}
-
-#[derive(Deserialize)]
-struct PushEv {
-    conv: String,
-    seq: i64,
-    body: String,
-}
-
 /// An active receiver: acks every push and records its latency from the send time in its
 /// body (unix µs).
 fn receive(mut ws: Ws, lat: Arc<Mutex<Vec<i64>>>, closed: Arc<Mutex<usize>>) {
     tokio::spawn(async move {
         while let Some(Ok(msg)) = ws.next().await {
             let Message::Text(t) = msg else { continue };
-            let Ok(f) = serde_json::from_str::<Push>(t.as_str()) else {
+            let Some(wire::ServerFrame::Event(ev)) = wire::parse(t.as_str()) else {
                 continue;
             };
-            if f.t != "event" {
-                continue;
-            }
-            let Some(ev) = f.ev else { continue };
             if let Ok(sent_us) = ev.body.parse::<i64>() {
                 lat.lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .push(unix_us() - sent_us);
             }
             let rid = format!("a-{}-{}", ev.conv, ev.seq);
-            let ack = serde_json::json!({"t":"ack","rid":rid,"conv":ev.conv,"seq":ev.seq});
-            if ws.send(Message::text(ack.to_string())).await.is_err() {
+            let ack = Request::Ack {
+                conv: ev.conv,
+                seq: ev.seq,
+            };
+            if ws.send(Message::text(ack.to_frame(&rid))).await.is_err() {
                 break;
             }
         }
@@ -305,8 +297,8 @@ pub async fn run(ctx: &Ctx, target: usize, send_s: f64, rate_per_s: f64) -> anyh
         let rid = format!("s{m}");
         let frame = wire::send_frame(&rid, conv, &format!("cn-{m}"), &unix_us().to_string());
         let r = wire::request(&mut ws, frame, &rid, Duration::from_secs(10)).await?;
-        if r.t != "sent" {
-            bail!("send {m} answered {} {:?}", r.t, r.code);
+        if wire::sent(&r).is_none() {
+            bail!("send {m} answered {}", wire::answered(&r));
         }
         expected += active_ok[k] as u64;
     }

@@ -31,6 +31,7 @@ use crate::result::{
 use crate::util::{now_us, progress, r3, ratio, secs, summarize_us, Rng};
 use crate::wire::{self, RecvLog};
 use crate::Ctx;
+use im_protocol::wire::{reply_frame, ConvHead, Reply, Request};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Pace {
@@ -78,15 +79,15 @@ async fn open_loop(
                 continue;
             };
             // rid = s<n>-<send time µs>-<cmid n>-<conversation index>
-            let mut parts = f.rid.as_deref().unwrap_or("").split('-');
+            let mut parts = f.rid().unwrap_or("").split('-');
             let (_, sent_at, n, ci) = (parts.next(), parts.next(), parts.next(), parts.next());
             let sent_at: i64 = sent_at.and_then(|s| s.parse().ok()).unwrap_or(now);
             let conv_idx: usize = ci.and_then(|s| s.parse().ok()).unwrap_or(usize::MAX);
             reader_me.inflight.fetch_sub(1, Ordering::Relaxed);
             let mut l = reader_me.log.lock().unwrap_or_else(|p| p.into_inner());
-            match (f.t.as_str(), f.seq) {
+            match wire::sent(&f) {
                 // A dup reply means a cmid was reused: nothing new was stored.
-                ("sent", Some(seq)) if f.dup != Some(true) => {
+                Some((seq, false)) => {
                     l.replies.push((conv_idx, seq, now, now - sent_at));
                     l.acked
                         .push((reader_user.clone(), format!("f{idx}-{}", n.unwrap_or("?"))));
@@ -834,10 +835,11 @@ async fn ws_ceiling(ctx: &Ctx, n: usize) -> anyhow::Result<WsCeiling> {
         frames_per_s: r3(frames as f64 * 1e6 / (to - from).max(1) as f64),
         receivers: n,
         duration_s: r3((to - from) as f64 / 1e6),
-        server: "imfault-bench ws-ceiling-server: answers hello and sub, then writes the gateway's \
-                 event frames (im_gateway::protocol::event_frame, same body size) one by one as fast \
+        server:
+            "imfault-bench ws-ceiling-server: answers hello and sub, then writes the gateway's \
+                 event frames (im_protocol::wire::event_frame, same body size) one by one as fast \
                  as the socket takes them; no database"
-            .into(),
+                .into(),
     })
 }
 
@@ -865,22 +867,43 @@ pub async fn ceiling_server(body_bytes: usize) -> anyhow::Result<()> {
             // hello, then sub; anything else before is ignored.
             while let Some(Ok(msg)) = stream.next().await {
                 let Message::Text(t) = msg else { continue };
-                let Some(f) = wire::parse(t.as_str()) else {
-                    continue;
-                };
+                // A request, read as the gateway reads it.
+                let f = im_protocol::wire::parse(t.as_str(), usize::MAX);
                 let rid = f.rid.unwrap_or_default();
-                if f.t == "hello" {
-                    conv = format!("ceil-{}", rid.len());
-                    let w = serde_json::json!({"t":"welcome","rid":rid,"user":"u","device":"d","epoch":1});
-                    if sink.send(Message::text(w.to_string())).await.is_err() {
-                        return;
+                match f.req {
+                    Ok(Request::Hello { .. }) => {
+                        conv = format!("ceil-{}", rid.len());
+                        let w = Reply::Welcome {
+                            user: "u".into(),
+                            device: "d".into(),
+                            epoch: 1,
+                        };
+                        if sink
+                            .send(Message::text(reply_frame(Some(&rid), &w)))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
                     }
-                } else if f.t == "sub" {
-                    let s = serde_json::json!({"t":"subbed","rid":rid,"convs":[{"conv":conv,"head":0,"delivered":0}]});
-                    if sink.send(Message::text(s.to_string())).await.is_err() {
-                        return;
+                    Ok(Request::Sub) => {
+                        let s = Reply::Subbed {
+                            convs: vec![ConvHead {
+                                conv: conv.clone(),
+                                head: 0,
+                                delivered: 0,
+                            }],
+                        };
+                        if sink
+                            .send(Message::text(reply_frame(Some(&rid), &s)))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                        break;
                     }
-                    break;
+                    _ => {}
                 }
             }
             // Discard whatever the receiver sends (acks) from here on.
@@ -888,7 +911,7 @@ pub async fn ceiling_server(body_bytes: usize) -> anyhow::Result<()> {
             let mut seq = 0i64;
             loop {
                 seq += 1;
-                let ev = im_gateway::protocol::Event {
+                let ev = im_protocol::wire::Event {
                     conv: conv.clone(),
                     seq,
                     kind: "msg".into(),
@@ -898,7 +921,7 @@ pub async fn ceiling_server(body_bytes: usize) -> anyhow::Result<()> {
                     body: body.to_string(),
                     at_ms: now_us() / 1000,
                 };
-                let frame = im_gateway::protocol::event_frame(&ev);
+                let frame = im_protocol::wire::event_frame(&ev);
                 if sink.send(Message::text(frame)).await.is_err() {
                     return;
                 }

@@ -141,9 +141,9 @@ async fn lane_trials(run: LaneRun) -> Vec<Trial> {
         let frame = wire::send_frame(&rid, &conv, &cmid, "repair");
         let reply = wire::request(&mut ws, frame, &rid, Duration::from_secs(10)).await;
         let reply_us = now_us();
-        let seq = match reply {
-            Ok(f) if f.t == "sent" => f.seq.unwrap_or(0),
-            _ => {
+        let seq = match reply.as_ref().ok().and_then(wire::sent) {
+            Some((seq, _)) => seq,
+            None => {
                 out.push(Trial {
                     repair_us: None,
                     detect_us: None,

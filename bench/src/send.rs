@@ -54,7 +54,7 @@ async fn closed_loop(
         let t0 = now_us();
         let frame = wire::send_frame(&rid, conv, &cmid, &body);
         match wire::request(&mut ws, frame, &rid, Duration::from_secs(10)).await {
-            Ok(f) if f.t == "sent" && f.dup != Some(true) => {
+            Ok(f) if wire::sent(&f).is_some_and(|(_, dup)| !dup) => {
                 let dt = now_us() - t0;
                 counter.fetch_add(1, Ordering::Relaxed);
                 out.acked.push((user.clone(), cmid));

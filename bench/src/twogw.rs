@@ -85,7 +85,7 @@ async fn one_run(
                 n += 1;
                 let frame = wire::send_frame(&rid, &convs[c], &cmid, body);
                 match wire::request(&mut ws, frame, &rid, Duration::from_secs(10)).await {
-                    Ok(f) if f.t == "sent" && f.dup != Some(true) => {
+                    Ok(f) if wire::sent(&f).is_some_and(|(_, dup)| !dup) => {
                         acked.lock().unwrap().push((senders[c].user.clone(), cmid))
                     }
                     _ => *errors.lock().unwrap() += 1,

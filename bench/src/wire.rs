@@ -11,7 +11,6 @@
 
 use anyhow::{bail, Context};
 use futures_util::{SinkExt, StreamExt};
-use serde::Deserialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,59 +22,40 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use harness::client::delivery::{Hinted, NextPage, Pushed};
 use harness::client::{is_retryable_code, Delivery, HintAck};
+use im_protocol::wire::{HintWhy, Reply, Request};
 
 use crate::util::now_us;
 
 pub type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
-/// Every field any server frame may carry that the bench reads; the rest is ignored.
-#[derive(Debug, Deserialize)]
-pub struct In {
-    pub t: String,
-    #[serde(default)]
-    pub rid: Option<String>,
-    #[serde(default)]
-    pub conv: Option<String>,
-    #[serde(default)]
-    pub seq: Option<i64>,
-    #[serde(default)]
-    pub head: Option<i64>,
-    #[serde(default)]
-    pub why: Option<String>,
-    #[serde(default)]
-    pub delivered: Option<i64>,
-    #[serde(default)]
-    pub dup: Option<bool>,
-    #[serde(default)]
-    pub code: Option<String>,
-    #[serde(default)]
-    pub ev: Option<Ev>,
-    #[serde(default)]
-    pub events: Option<Vec<Ev>>,
-    #[serde(default)]
-    pub complete: Option<bool>,
-    #[serde(default)]
-    pub convs: Option<Vec<ConvState>>,
+pub use im_protocol::wire::ConvHead as ConvState;
+pub use im_protocol::ServerFrame;
+
+/// A server frame, typed ([`ServerFrame::parse`]); `None` for one that is malformed.
+pub fn parse(text: &str) -> Option<ServerFrame> {
+    ServerFrame::parse(text).ok()
 }
 
-#[derive(Debug, Deserialize)]
-pub struct Ev {
-    pub conv: String,
-    pub seq: i64,
-    /// Commit-side clock of the event, ms since the epoch.
-    #[serde(default)]
-    pub at: i64,
+/// The `seq` and `dup` of a `sent` reply; `None` for any other frame.
+pub fn sent(f: &ServerFrame) -> Option<(i64, bool)> {
+    match f {
+        ServerFrame::Reply {
+            reply: Reply::Sent { seq, dup, .. },
+            ..
+        } => Some((*seq, *dup)),
+        _ => None,
+    }
 }
 
-#[derive(Debug, Clone, Deserialize)]
-pub struct ConvState {
-    pub conv: String,
-    pub head: i64,
-    pub delivered: i64,
-}
-
-pub fn parse(text: &str) -> Option<In> {
-    serde_json::from_str(text).ok()
+/// What a frame was, for an error message: its kind, and an error's code.
+pub fn answered(f: &ServerFrame) -> String {
+    match f {
+        ServerFrame::Reply {
+            reply: Reply::Error(e),
+            ..
+        } => format!("error {}", e.code()),
+        _ => format!("{:?}", f.kind()).to_lowercase(),
+    }
 }
 
 /// Connects with Nagle off (the gateway sets TCP_NODELAY on its side too).
@@ -95,7 +75,7 @@ pub async fn request(
     text: String,
     rid: &str,
     timeout: Duration,
-) -> anyhow::Result<In> {
+) -> anyhow::Result<ServerFrame> {
     ws.send(Message::text(text)).await.context("write frame")?;
     let deadline = Instant::now() + timeout;
     loop {
@@ -107,7 +87,7 @@ pub async fn request(
         };
         if let Message::Text(t) = msg.context("read frame")? {
             if let Some(f) = parse(t.as_str()) {
-                if f.rid.as_deref() == Some(rid) {
+                if f.rid() == Some(rid) {
                     return Ok(f);
                 }
             }
@@ -118,10 +98,21 @@ pub async fn request(
 /// Connects and says hello; fails unless the reply is `welcome`.
 pub async fn open(url: &str, device: &str, token: &str) -> anyhow::Result<Ws> {
     let mut ws = connect(url).await?;
-    let hello = serde_json::json!({"t":"hello","rid":"h","device":device,"token":token,"epoch":1});
-    let r = request(&mut ws, hello.to_string(), "h", Duration::from_secs(10)).await?;
-    if r.t != "welcome" {
-        bail!("hello of {device} answered {} {:?}", r.t, r.code);
+    let r = request(
+        &mut ws,
+        hello_frame(device, token),
+        "h",
+        Duration::from_secs(10),
+    )
+    .await?;
+    if !matches!(
+        r,
+        ServerFrame::Reply {
+            reply: Reply::Welcome { .. },
+            ..
+        }
+    ) {
+        bail!("hello of {device} answered {}", answered(&r));
     }
     Ok(ws)
 }
@@ -135,14 +126,32 @@ pub async fn sub(ws: &mut Ws) -> anyhow::Result<Vec<ConvState>> {
         Duration::from_secs(10),
     )
     .await?;
-    if r.t != "subbed" {
-        bail!("sub answered {} {:?}", r.t, r.code);
+    match r {
+        ServerFrame::Reply {
+            reply: Reply::Subbed { convs },
+            ..
+        } => Ok(convs),
+        r => bail!("sub answered {}", answered(&r)),
     }
-    Ok(r.convs.unwrap_or_default())
+}
+
+/// `hello` with rid `h` and epoch 1.
+pub fn hello_frame(device: &str, token: &str) -> String {
+    Request::Hello {
+        device: device.to_string(),
+        token: token.to_string(),
+        epoch: 1,
+    }
+    .to_frame("h")
 }
 
 pub fn send_frame(rid: &str, conv: &str, cmid: &str, body: &str) -> String {
-    serde_json::json!({"t":"send","rid":rid,"conv":conv,"cmid":cmid,"body":body}).to_string()
+    Request::Send {
+        conv: conv.to_string(),
+        cmid: cmid.to_string(),
+        body: body.to_string(),
+    }
+    .to_frame(rid)
 }
 
 /// One event a receiver got (push or sync).
@@ -337,10 +346,9 @@ pub async fn receiver(
             continue;
         };
         let mut l = log.lock().unwrap_or_else(|p| p.into_inner());
-        match f.t.as_str() {
-            "event" => {
+        match f {
+            ServerFrame::Event(ev) => {
                 l.pushes += 1;
-                let Some(ev) = f.ev else { continue };
                 let Some(&i) = index.get(&ev.conv) else {
                     continue;
                 };
@@ -348,7 +356,7 @@ pub async fn receiver(
                     conv: i as u32,
                     seq: ev.seq,
                     recv_us: now,
-                    at_ms: ev.at,
+                    at_ms: ev.at_ms,
                     pushed: true,
                 };
                 l.pushed.push(got);
@@ -370,29 +378,29 @@ pub async fn receiver(
                     }
                 }
             }
-            "synced" => {
-                let Some(conv) = f.conv.as_deref() else {
-                    continue;
-                };
+            ServerFrame::Reply {
+                rid,
+                reply:
+                    Reply::Synced {
+                        conv,
+                        events,
+                        head,
+                        complete,
+                    },
+            } => {
+                let conv = conv.as_str();
                 let Some(&i) = index.get(conv) else { continue };
-                if let Some((sent, _)) = f.rid.as_deref().and_then(sync_rid) {
+                if let Some((sent, _)) = rid.as_deref().and_then(sync_rid) {
                     l.sync_rtt_us.push(now - sent);
                 }
-                let events = f.events.unwrap_or_default();
                 let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
-                let page = core.synced(
-                    conv,
-                    &seqs,
-                    f.head.unwrap_or(0),
-                    f.complete.unwrap_or(false),
-                    |_| true,
-                );
+                let page = core.synced(conv, &seqs, head, complete, |_| true);
                 for j in page.new {
                     l.got.push(Got {
                         conv: i as u32,
                         seq: events[j].seq,
                         recv_us: now,
-                        at_ms: events[j].at,
+                        at_ms: events[j].at_ms,
                         pushed: false,
                     });
                 }
@@ -410,30 +418,29 @@ pub async fn receiver(
                     }
                 }
             }
-            "acked" => {
+            ServerFrame::Reply {
+                rid,
+                reply: Reply::Acked { delivered: d, .. },
+            } => {
                 l.acked += 1;
-                if let Some(d) = f.delivered {
-                    if let Some((i, seq)) = f.rid.as_deref().and_then(ack_rid) {
-                        core.ack_ok(&names[i], seq, d, clock);
+                if let Some((i, seq)) = rid.as_deref().and_then(ack_rid) {
+                    core.ack_ok(&names[i], seq, d, clock);
+                }
+                delivered.send_if_modified(|cur| {
+                    let up = d > *cur;
+                    if up {
+                        *cur = d;
                     }
-                    delivered.send_if_modified(|cur| {
-                        let up = d > *cur;
-                        if up {
-                            *cur = d;
-                        }
-                        up
-                    });
-                }
+                    up
+                });
             }
-            "hint" => {
-                match f.why.as_deref() {
-                    Some("sweep") => l.hints_sweep += 1,
-                    Some("overflow") => l.hints_overflow += 1,
-                    _ => l.hints_other += 1,
+            ServerFrame::Hint { conv, head, why } => {
+                match why {
+                    HintWhy::Sweep => l.hints_sweep += 1,
+                    HintWhy::Overflow => l.hints_overflow += 1,
+                    HintWhy::Resync => l.hints_other += 1,
                 }
-                let (Some(conv), Some(head)) = (f.conv.as_deref(), f.head) else {
-                    continue;
-                };
+                let conv = conv.as_str();
                 l.hint_times.push((head, now));
                 let Some(&i) = index.get(conv) else { continue };
                 match core.hint(conv, head) {
@@ -452,11 +459,14 @@ pub async fn receiver(
                     }
                 }
             }
-            "error" => {
-                let rid = f.rid.as_deref().unwrap_or("");
+            ServerFrame::Reply {
+                rid,
+                reply: Reply::Error(e),
+            } => {
+                let rid = rid.as_deref().unwrap_or("");
                 if let Some((i, _)) = ack_rid(rid) {
                     l.ack_errors += 1;
-                    let retryable = f.code.as_deref().is_some_and(is_retryable_code);
+                    let retryable = is_retryable_code(e.code());
                     core.ack_failed(&names[i], retryable, clock);
                 } else {
                     l.other_errors += 1;

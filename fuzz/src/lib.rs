@@ -1,5 +1,5 @@
 //! A seeded fuzzer on stable Rust for the gateway's frame parser
-//! (`im_gateway::protocol::parse`), and the frame generator the wire-level fuzz test
+//! (`im_protocol::wire::parse`, which the gateway re-exports as `protocol::parse`), and the frame generator the wire-level fuzz test
 //! (`scenarios/tests/fuzz_wire.rs`) sends to the real binary.
 //!
 //! Owns: a reproducible input generator (one `u64` seed gives the same inputs on every
@@ -14,8 +14,10 @@
 //! every request type, with values at and across each limit) and volume (`make fuzz` runs
 //! ten million inputs).
 
-use im_gateway::error::WireError;
-use im_gateway::protocol::{self, Request, CMID_MAX_BYTES, ID_MAX_BYTES, RID_MAX_BYTES};
+use im_protocol::wire::{
+    self as protocol, Request, CMID_MAX_BYTES, ID_MAX_BYTES, RID_MAX_BYTES, TOKEN_MAX_BYTES,
+};
+use im_protocol::WireError;
 use serde_json::{json, Map, Value};
 use std::time::{Duration, Instant};
 
@@ -288,29 +290,11 @@ fn is_id(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
-fn render(rid: &str, req: &Request) -> Value {
-    match req {
-        Request::Hello {
-            device,
-            token,
-            epoch,
-        } => json!({"t": "hello", "rid": rid, "device": device, "token": token, "epoch": epoch}),
-        Request::Send { conv, cmid, body } => {
-            json!({"t": "send", "rid": rid, "conv": conv, "cmid": cmid, "body": body})
-        }
-        Request::Ack { conv, seq } => json!({"t": "ack", "rid": rid, "conv": conv, "seq": seq}),
-        Request::Sub => json!({"t": "sub", "rid": rid}),
-        Request::Sync { conv, after, limit } => {
-            json!({"t": "sync", "rid": rid, "conv": conv, "after": after, "limit": limit})
-        }
-    }
-}
-
 /// The properties an accepted request must have (SPEC 2 and the limits of `protocol`).
 fn accepted_ok(req: &Request) -> Result<&'static str, String> {
     match req {
         Request::Hello { device, token, .. } => {
-            if !is_id(device) || token.is_empty() || token.len() > 256 {
+            if !is_id(device) || token.is_empty() || token.len() > TOKEN_MAX_BYTES {
                 return Err(format!("accepted a bad hello: {req:?}"));
             }
             Ok("hello")
@@ -368,8 +352,9 @@ pub fn check_one(input: &[u8]) -> Result<Outcome, String> {
                 return Err(format!("accepted a request without rid: {req:?}"));
             };
             let kind = accepted_ok(req)?;
-            // Round trip: what we accepted, written back, parses to the same request.
-            let back = protocol::parse(&render(rid, req).to_string(), BODY_MAX);
+            // Round trip: what we accepted, written back as a client writes it (the protocol
+            // crate's rendering), parses to the same request.
+            let back = protocol::parse(&req.to_frame(rid), BODY_MAX);
             if back.rid.as_deref() != Some(rid.as_str()) || back.req.as_ref().ok() != Some(req) {
                 return Err(format!("round trip changed {req:?} into {:?}", back.req));
             }

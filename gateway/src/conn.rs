@@ -154,7 +154,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
                 let e = if session.is_some() {
                     WireError::bad("binary frames are not accepted: send JSON text")
                 } else {
-                    WireError::Unauthenticated("say hello first")
+                    WireError::Unauthenticated("say hello first".into())
                 };
                 reply(&outbox, id, None, Err(e), None).await;
                 continue;
@@ -328,7 +328,7 @@ impl Hello<'_> {
                 epoch,
             }) => (device, token, epoch),
             _ => {
-                let e = WireError::Unauthenticated("say hello first");
+                let e = WireError::Unauthenticated("say hello first".into());
                 reply(outbox, id, rid, Err(e), None).await;
                 return Ok(None);
             }
@@ -336,7 +336,7 @@ impl Hello<'_> {
         let ip = self.peer.ip();
         if !state.hello_throttle.attempt(ip, &device) {
             tracing::info!(conn = id, peer = %self.peer, device, "failed hellos over the limit: refused");
-            let e = WireError::Throttled("too many failed hellos: retry later");
+            let e = WireError::Throttled("too many failed hellos: retry later".into());
             reply(outbox, id, rid, Err(e), None).await;
             return Err(CloseCode::Again);
         }
@@ -365,7 +365,7 @@ impl Hello<'_> {
                     .is_err()
                 {
                     tracing::info!(conn = id, device = %p.device, "IM_CONNS_PER_DEVICE_MAX reached: refused");
-                    let e = WireError::Throttled("too many connections for this device");
+                    let e = WireError::Throttled("too many connections for this device".into());
                     reply(outbox, id, rid, Err(e), None).await;
                     return Err(CloseCode::Again);
                 }

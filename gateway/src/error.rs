@@ -1,54 +1,8 @@
-//! The wire errors of SPEC 2: one enum, one exhaustive `code()`. Nothing here may carry SQL,
-//! I/O or other internal detail to a client; the `msg` strings are fixed and generic.
+//! Wire errors as the gateway raises them: the type and its codes are the protocol crate's
+//! ([`im_protocol::error`]); this module adds the one mapping that needs the database driver,
+//! [`from_db`]. Nothing here may carry SQL or I/O detail to a client.
 
-use thiserror::Error;
-
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
-pub enum WireError {
-    #[error("{0}")]
-    BadRequest(String),
-    #[error("{0}")]
-    Unauthenticated(&'static str),
-    #[error("device was reinstalled: this install is stale")]
-    StaleInstall,
-    #[error("not a member of this conversation")]
-    NotMember,
-    #[error("ack beyond the conversation head ({head})")]
-    CursorAhead { head: i64 },
-    #[error("cmid was already used for another conversation or body")]
-    CmidConflict,
-    #[error("{0}")]
-    TooLarge(String),
-    #[error("database unavailable, retry later")]
-    Unavailable,
-    /// A limit refused the request for now (failed hellos, connections per device): code
-    /// UNAVAILABLE, the client may retry later.
-    #[error("{0}")]
-    Throttled(&'static str),
-    #[error("internal error")]
-    Internal,
-}
-
-impl WireError {
-    /// The stable error code of SPEC 2.
-    pub fn code(&self) -> &'static str {
-        match self {
-            WireError::BadRequest(_) => "BAD_REQUEST",
-            WireError::Unauthenticated(_) => "UNAUTHENTICATED",
-            WireError::StaleInstall => "STALE_INSTALL",
-            WireError::NotMember => "NOT_MEMBER",
-            WireError::CursorAhead { .. } => "CURSOR_AHEAD",
-            WireError::CmidConflict => "CMID_CONFLICT",
-            WireError::TooLarge(_) => "TOO_LARGE",
-            WireError::Unavailable | WireError::Throttled(_) => "UNAVAILABLE",
-            WireError::Internal => "INTERNAL",
-        }
-    }
-
-    pub fn bad(msg: impl Into<String>) -> WireError {
-        WireError::BadRequest(msg.into())
-    }
-}
+pub use im_protocol::WireError;
 
 /// Classifies a database error: a statement the database refused for a reason of its own
 /// (constraint, syntax, type) or a row we could not decode is INTERNAL, a bug; everything

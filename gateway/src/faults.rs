@@ -1,5 +1,6 @@
-//! Named fault points and the `IM_FAULT` parser (SPEC 4). Owns the list of points, the
-//! validation of a spec, and what each action does when a point fires. It never decides
+//! Named fault points and the `IM_FAULT` parser (SPEC 4). Owns the validation of a spec and
+//! what each action does when a point fires; the list of points and actions is the protocol
+//! crate's ([`im_protocol::fault`]), so the harness arms the same names. It never decides
 //! *where* a point is: the call sites in `store`, `conn` and `server` do, by name.
 //!
 //! Points are evaluated through the `fail` crate, compiled in only with the `faults`
@@ -7,75 +8,31 @@
 //! Every action is non-blocking: `delay` is an async sleep done by the caller, `halt`
 //! is `_exit(137)`; the crate's own `sleep`/`pause`/`panic` actions are never used.
 
-use std::fmt;
 use std::ops::ControlFlow;
 
-/// Every fault point, by the name `IM_FAULT` uses. Listed once; used everywhere.
+/// Every fault point, by the name `IM_FAULT` uses. Listed once, in the protocol crate
+/// ([`FaultPoint`], whose variants say what each point stops); these names derive from it.
 pub mod points {
-    /// In the send transaction, after the seq was taken, before the INSERT (group commit:
-    /// per row, before the batch's transaction; a row it stops never reaches it).
-    pub const SEND_BEFORE_INSERT: &str = "send.before_insert";
-    /// After the INSERT, before COMMIT (group commit: per inserted row, inside the batch's
-    /// transaction; a row it stops rolls the batch back, and every other row of the batch
-    /// is sent again on its own).
-    pub const SEND_BEFORE_COMMIT: &str = "send.before_commit";
-    /// Group commit: in a batch's transaction, after its rows were inserted, before its
-    /// COMMIT. `drop` rolls the batch back and its rows get no reply at all; `error` fails
-    /// it as a database error would: every row is then sent again on its own.
-    pub const SEND_BATCH_BEFORE_COMMIT: &str = "send.batch.before_commit";
-    /// Group commit: after a batch's COMMIT returned, before any of its rows is answered or
-    /// notified: `halt` leaves committed messages with no reply and no notification (a
-    /// resend is `dup`, the commit feed repairs the push); `drop` sends no reply and
-    /// `error` answers UNAVAILABLE, the notifications still go.
-    pub const SEND_BATCH_AFTER_COMMIT: &str = "send.batch.after_commit";
-    /// After COMMIT returned, before the committed `conv:seq` is handed to the notifier:
-    /// `halt` leaves a durable message nobody is notified of (the sweep repairs it, D5);
-    /// `drop`/`error` skip that one notification and the reply still goes.
-    pub const SEND_AFTER_COMMIT_BEFORE_NOTIFY: &str = "send.after_commit_before_notify";
-    /// After COMMIT returned, before the `sent` reply is queued.
-    pub const API_AFTER_SEND_COMMIT: &str = "api.after_send_commit";
-    /// The `sent` frame, as it is about to be written to the socket.
-    pub const GW_REPLY_SEND: &str = "gw.reply.send";
-    /// The `acked` frame, as it is about to be written (the note's "lost ack" path).
-    pub const GW_REPLY_ACK: &str = "gw.reply.ack";
-    /// An `event` push, as it is about to be written (hints are not pushes).
-    pub const GW_PUSH: &str = "gw.push";
-    /// An inbound `ack`, as it is read: `drop` loses it before it reaches the database
-    /// (the note's "lost ack frame"; the sweep hints again and the device re-acks).
-    pub const GW_RECV_ACK: &str = "gw.recv.ack";
-    /// The notifier's NOTIFY statement (and the local hand-off before it), about to be
-    /// sent: `drop` sends nothing and hands nothing on (the notifications never happen),
-    /// `error` fails it as a refused statement would; either way every gateway's commit
-    /// feed repairs it (D5).
-    pub const FANOUT_NOTIFY: &str = "fanout.notify";
-    /// A fan-out read (a batch of notified events with their audiences), about to run:
-    /// `drop` and `error` fail it as a database error would (the sweep asks about those
-    /// conversations, D5).
-    pub const FANOUT_READ: &str = "fanout.read";
-    /// An attempt to regain the LISTEN connection after it was lost: `drop` and `error` fail
-    /// the attempt (the next one follows after the backoff), so notifications, install
-    /// changes included, stay lost for as long as it is armed.
-    pub const FANOUT_LISTEN: &str = "fanout.listen";
-    /// A look of the commit feed, about to run: `drop` and `error` skip it (the next look
-    /// asks from the same mark, so nothing is lost, only later).
-    pub const FANOUT_FEED: &str = "fanout.feed";
+    use im_protocol::FaultPoint;
 
-    pub const ALL: &[&str] = &[
-        SEND_BEFORE_INSERT,
-        SEND_BEFORE_COMMIT,
-        SEND_BATCH_BEFORE_COMMIT,
-        SEND_BATCH_AFTER_COMMIT,
-        SEND_AFTER_COMMIT_BEFORE_NOTIFY,
-        API_AFTER_SEND_COMMIT,
-        GW_REPLY_SEND,
-        GW_REPLY_ACK,
-        GW_PUSH,
-        GW_RECV_ACK,
-        FANOUT_NOTIFY,
-        FANOUT_READ,
-        FANOUT_LISTEN,
-        FANOUT_FEED,
-    ];
+    pub const SEND_BEFORE_INSERT: &str = FaultPoint::SendBeforeInsert.name();
+    pub const SEND_BEFORE_COMMIT: &str = FaultPoint::SendBeforeCommit.name();
+    pub const SEND_BATCH_BEFORE_COMMIT: &str = FaultPoint::SendBatchBeforeCommit.name();
+    pub const SEND_BATCH_AFTER_COMMIT: &str = FaultPoint::SendBatchAfterCommit.name();
+    pub const SEND_AFTER_COMMIT_BEFORE_NOTIFY: &str =
+        FaultPoint::SendAfterCommitBeforeNotify.name();
+    pub const API_AFTER_SEND_COMMIT: &str = FaultPoint::ApiAfterSendCommit.name();
+    pub const GW_REPLY_SEND: &str = FaultPoint::GwReplySend.name();
+    pub const GW_REPLY_ACK: &str = FaultPoint::GwReplyAck.name();
+    pub const GW_PUSH: &str = FaultPoint::GwPush.name();
+    pub const GW_RECV_ACK: &str = FaultPoint::GwRecvAck.name();
+    pub const FANOUT_NOTIFY: &str = FaultPoint::FanoutNotify.name();
+    pub const FANOUT_READ: &str = FaultPoint::FanoutRead.name();
+    pub const FANOUT_LISTEN: &str = FaultPoint::FanoutListen.name();
+    pub const FANOUT_FEED: &str = FaultPoint::FanoutFeed.name();
+
+    /// Every name, in the order of [`FaultPoint::ALL`].
+    pub const ALL: &[&str] = &FaultPoint::NAMES;
 }
 
 /// `im-gateway faults`: every point with what happens there and where it sits in the code,
@@ -176,28 +133,8 @@ pub const ACTION_DOCS: &[(&str, &str)] = &[
 /// The `IM_FAULT` syntax, as `im-gateway faults` and the parser's errors show it.
 pub const SYNTAX: &str = "point:action[:skip[:count]][,...]";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    /// End the process at once with exit status 137: no destructors, no flush, no close frame.
-    Halt,
-    /// Discard the frame (at a transaction point: roll back and send no reply at all).
-    Drop,
-    /// Sleep this many milliseconds (async), then go on.
-    Delay(u64),
-    /// Fail the operation with UNAVAILABLE.
-    Error,
-}
-
-impl fmt::Display for Action {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Action::Halt => write!(f, "halt"),
-            Action::Drop => write!(f, "drop"),
-            Action::Delay(ms) => write!(f, "delay({ms})"),
-            Action::Error => write!(f, "error"),
-        }
-    }
-}
+/// What a point does when it fires: the protocol crate's, shared with whoever arms it.
+pub use im_protocol::Action;
 
 /// One `point:action[:skip[:count]]` of `IM_FAULT`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -215,23 +152,7 @@ fn valid_points() -> String {
 }
 
 fn parse_action(s: &str) -> Result<Action, String> {
-    match s {
-        "halt" => Ok(Action::Halt),
-        "drop" => Ok(Action::Drop),
-        "error" => Ok(Action::Error),
-        _ => {
-            if let Some(ms) = s.strip_prefix("delay(").and_then(|r| r.strip_suffix(')')) {
-                let ms: u64 = ms.parse().map_err(|_| {
-                    format!("delay({ms}): MS must be a whole number of milliseconds")
-                })?;
-                if ms > 600_000 {
-                    return Err(format!("delay({ms}): at most 600000 ms"));
-                }
-                return Ok(Action::Delay(ms));
-            }
-            Err(format!("unknown action {s:?}"))
-        }
-    }
+    s.parse()
 }
 
 /// Parses and validates a whole `IM_FAULT` value. The error names the bad part and lists the
@@ -259,11 +180,10 @@ fn parse_specs(spec: &str) -> Result<Vec<FaultSpec>, String> {
                 "malformed spec {part:?}: expected point:action[:skip[:count]]"
             ));
         }
-        let point = points::ALL
-            .iter()
-            .copied()
-            .find(|p| *p == fields[0])
-            .ok_or_else(|| format!("unknown fault point {:?} in {part:?}", fields[0]))?;
+        let point = fields[0]
+            .parse::<im_protocol::FaultPoint>()
+            .map_err(|e| format!("{e} in {part:?}"))?
+            .name();
         let action = parse_action(fields[1]).map_err(|e| format!("{e} in {part:?}"))?;
         let number = |i: usize, what: &str| -> Result<Option<u64>, String> {
             fields

@@ -218,7 +218,7 @@ pub async fn authenticate(
     .await
     .map_err(db("authenticate"))?;
     let digest = token_sha256(token);
-    let refused = WireError::Unauthenticated("unknown device or wrong token");
+    let refused = WireError::Unauthenticated("unknown device or wrong token".into());
     let Some(row) = row else {
         let _ = digest_eq(&digest, NO_DIGEST);
         return Err(refused);
@@ -282,7 +282,7 @@ async fn check_install(pool: &PgPool, who: &Principal) -> Result<(), WireError> 
     match current {
         Some(e) if e == who.epoch => Ok(()),
         Some(_) => Err(WireError::StaleInstall),
-        None => Err(WireError::Unauthenticated("device no longer exists")),
+        None => Err(WireError::Unauthenticated("device no longer exists".into())),
     }
 }
 
@@ -721,7 +721,7 @@ pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result
         .await
         .map_err(db("ack"))?;
     let Some(row) = row else {
-        return Err(WireError::Unauthenticated("device no longer exists"));
+        return Err(WireError::Unauthenticated("device no longer exists".into()));
     };
     ack_answer(who, seq, row.get(0), row.get(1), row.get(2), row.get(3))
 }
@@ -957,7 +957,7 @@ pub async fn ack_batch(
         .map(|(r, f)| {
             let install_epoch: Option<i64> = f.get(1);
             match install_epoch {
-                None => Err(WireError::Unauthenticated("device no longer exists")),
+                None => Err(WireError::Unauthenticated("device no longer exists".into())),
                 Some(e) => ack_answer(r.who, r.seq, e, f.get(2), f.get(3), f.get(4)),
             }
         })

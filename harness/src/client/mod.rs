@@ -48,13 +48,14 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 
 use crate::history::{History, Life, Line};
+use im_protocol::wire::Request;
 
 pub use delivery::{AckPolicy, Delivery, HintAck};
 pub use observe::ClientStats;
@@ -523,8 +524,11 @@ impl Client {
         entry: &OutboxEntry,
         timeout: Duration,
     ) -> Result<Value, ClientError> {
-        let frame =
-            json!({"t": "send", "conv": entry.conv, "cmid": entry.cmid, "body": entry.body});
+        let frame = Request::Send {
+            conv: entry.conv.clone(),
+            cmid: entry.cmid.clone(),
+            body: entry.body.clone(),
+        };
         let r = match self.inner.request(frame, timeout).await {
             Ok(reply) if field_str(&reply, "t") != Some("sent") => Err(ClientError::Other(
                 anyhow!("unexpected reply to send: {reply}"),
@@ -574,7 +578,7 @@ impl Client {
         let opts = self.inner.opts();
         let reply = self
             .inner
-            .request(json!({"t": "sub"}), opts.request_timeout)
+            .request(Request::Sub, opts.request_timeout)
             .await?;
         let mut convs = Vec::new();
         for c in reply
@@ -639,7 +643,11 @@ impl Client {
     ) -> Result<Value, ClientError> {
         self.inner
             .request(
-                json!({"t": "sync", "conv": conv, "after": after, "limit": limit}),
+                Request::Sync {
+                    conv: conv.to_string(),
+                    after,
+                    limit: Some(limit),
+                },
                 timeout,
             )
             .await

@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::delivery::{Hinted, NextPage, Pushed};
 use super::{bugs, field_i64, field_str, ClientError, CrashAt, Inner, SYNC_PAGES_MAX};
 use crate::history::{Invoke, Via};
+use im_protocol::wire::Request;
 
 impl Inner {
     /// Sends an ack of the cursor before persisting `events` (the `ack-before-persist`
@@ -50,7 +51,11 @@ impl Inner {
         self.lock().stats.acks_sent += 1;
         let r = self
             .request_rec(
-                json!({"t": "ack", "conv": conv, "seq": seq}),
+                Request::Ack {
+                    conv: conv.to_string(),
+                    seq,
+                }
+                .into(),
                 timeout,
                 Invoke::Ack {
                     conv: conv.to_string(),
@@ -105,7 +110,11 @@ impl Inner {
         for _ in 0..SYNC_PAGES_MAX {
             let reply = match self
                 .request(
-                    json!({"t": "sync", "conv": conv, "after": after, "limit": limit}),
+                    Request::Sync {
+                        conv: conv.to_string(),
+                        after,
+                        limit: Some(limit),
+                    },
                     timeout,
                 )
                 .await

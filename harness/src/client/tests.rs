@@ -2,7 +2,9 @@
 //! gateway's part of the protocol, so they need neither PostgreSQL nor the binary.
 
 use super::*;
+use crate::history::Invoke;
 use futures_util::{SinkExt, StreamExt};
+use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -593,4 +595,57 @@ async fn raw_frames_and_create_refuses_overwrite() -> anyhow::Result<()> {
     })
     .await?;
     Ok(())
+}
+
+/// Proves that building requests as `Request`s changed nothing the gateway or the history
+/// sees: each typed request the client makes is, with its rid, the same JSON (so the same
+/// bytes) as the `json!` frame it replaced, and its history invoke is the one
+/// `Invoke::of_frame` gives for that frame.
+#[test]
+fn typed_requests_are_the_frames_and_invokes_of_before() {
+    use super::transport::Outgoing;
+    use im_protocol::wire::Request;
+    let cases = [
+        (
+            Request::Hello {
+                device: "d1".into(),
+                token: "tok\"1".into(),
+                epoch: 2,
+            },
+            json!({"t": "hello", "device": "d1", "token": "tok\"1", "epoch": 2}),
+        ),
+        (
+            Request::Send {
+                conv: "c".into(),
+                cmid: "m-1".into(),
+                body: "hé\n".into(),
+            },
+            json!({"t": "send", "conv": "c", "cmid": "m-1", "body": "hé\n"}),
+        ),
+        (
+            Request::Ack {
+                conv: "c".into(),
+                seq: 7,
+            },
+            json!({"t": "ack", "conv": "c", "seq": 7}),
+        ),
+        (Request::Sub, json!({"t": "sub"})),
+        (
+            Request::Sync {
+                conv: "c".into(),
+                after: 3,
+                limit: Some(100),
+            },
+            json!({"t": "sync", "conv": "c", "after": 3, "limit": 100}),
+        ),
+    ];
+    for (req, old) in cases {
+        let typed = Outgoing::Typed(req);
+        assert_eq!(typed.invoke(), Invoke::of_frame(&old), "{old}");
+        let mut with_rid = old.clone();
+        with_rid["rid"] = json!("c9");
+        let sent = typed.with_rid("c9").unwrap();
+        assert_eq!(sent, with_rid);
+        assert_eq!(sent.to_string(), with_rid.to_string());
+    }
 }

@@ -16,6 +16,8 @@ use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+use im_protocol::wire::Request;
+
 use super::observe::completion;
 use super::{field_str, pump, push_bounded, Client, ClientError, Inner};
 use crate::history::{Completion, Done, History, Invoke, Life, Line, OpName, Refused};
@@ -37,6 +39,70 @@ pub(super) struct ConnLink {
     pub(super) out: mpsc::Sender<Message>,
 }
 
+/// A request frame as it is handed to the connection: typed (every request the client
+/// makes itself), or raw JSON for what the types cannot express (a hostile test's frame,
+/// [`Client::request`]). Either way the connection adds the `rid`.
+pub(super) enum Outgoing {
+    Typed(Request),
+    Raw(Value),
+}
+
+impl From<Request> for Outgoing {
+    fn from(r: Request) -> Outgoing {
+        Outgoing::Typed(r)
+    }
+}
+
+impl From<Value> for Outgoing {
+    fn from(v: Value) -> Outgoing {
+        Outgoing::Raw(v)
+    }
+}
+
+impl Outgoing {
+    /// The history's invoke line: for a typed request, the one [`Invoke::of_frame`] gives
+    /// for its frame (a test pins that they agree); an `ack` is not `explicit`.
+    pub(super) fn invoke(&self) -> Invoke {
+        let req = match self {
+            Outgoing::Raw(frame) => return Invoke::of_frame(frame),
+            Outgoing::Typed(req) => req,
+        };
+        match req.clone() {
+            Request::Hello { device, epoch, .. } => Invoke::Hello { device, epoch },
+            Request::Send { conv, cmid, body } => Invoke::Send {
+                conv,
+                cmid,
+                body_len: body.len(),
+            },
+            Request::Ack { conv, seq } => Invoke::Ack {
+                conv,
+                seq,
+                explicit: false,
+            },
+            Request::Sub => Invoke::Sub {},
+            Request::Sync { conv, after, limit } => Invoke::Sync {
+                conv,
+                after: Some(after),
+                limit,
+            },
+        }
+    }
+
+    /// The frame with `rid`, as the JSON object that is sent (and kept in `frames()`).
+    pub(super) fn with_rid(self, rid: &str) -> Result<Value, ClientError> {
+        match self {
+            Outgoing::Typed(req) => Ok(req.to_json(rid)),
+            Outgoing::Raw(mut frame) => {
+                let obj = frame.as_object_mut().ok_or_else(|| {
+                    ClientError::Other(anyhow!("a request frame must be a JSON object"))
+                })?;
+                obj.insert("rid".into(), Value::String(rid.to_string()));
+                Ok(frame)
+            }
+        }
+    }
+}
+
 /// A request waiting for its reply.
 pub(super) struct Pending {
     pub(super) conn: u64,
@@ -48,17 +114,18 @@ impl Inner {
     /// the invoke and its completion in the history.
     pub(super) async fn request(
         &self,
-        frame: Value,
+        frame: impl Into<Outgoing>,
         timeout: Duration,
     ) -> Result<Value, ClientError> {
-        let invoke = Invoke::of_frame(&frame);
+        let frame = frame.into();
+        let invoke = frame.invoke();
         self.request_rec(frame, timeout, invoke).await
     }
 
     /// [`Inner::request`] with the history's invoke value given by the caller.
     pub(super) async fn request_rec(
         &self,
-        frame: Value,
+        frame: Outgoing,
         timeout: Duration,
         invoke: Invoke,
     ) -> Result<Value, ClientError> {
@@ -85,15 +152,12 @@ impl Inner {
 
     pub(super) async fn request_inner(
         &self,
-        mut frame: Value,
+        frame: Outgoing,
         timeout: Duration,
     ) -> Result<Value, ClientError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let rid = format!("c{}", self.next_rid.fetch_add(1, Ordering::Relaxed) + 1);
-        let obj = frame
-            .as_object_mut()
-            .ok_or_else(|| ClientError::Other(anyhow!("a request frame must be a JSON object")))?;
-        obj.insert("rid".into(), Value::String(rid.clone()));
+        let frame = frame.with_rid(&rid)?;
         let text = frame.to_string();
         let (tx, rx) = oneshot::channel();
         let out = {
@@ -272,10 +336,12 @@ impl Client {
         let (hello, timeout) = {
             let st = self.inner.lock();
             let f = &st.file;
-            (
-                json!({"t": "hello", "device": f.device, "token": f.token, "epoch": f.epoch}),
-                st.opts.request_timeout,
-            )
+            let hello = Request::Hello {
+                device: f.device.clone(),
+                token: f.token.clone(),
+                epoch: f.epoch,
+            };
+            (hello, st.opts.request_timeout)
         };
         self.inner.request(hello, timeout).await
     }
