@@ -19,6 +19,7 @@ use crate::gateway::{self, Gateway, GatewayOpts};
 use crate::history::{self, Action, Done, History, Join, Life, Line, Meta, Outcome};
 use crate::pg::{Cluster, ClusterOpts};
 use crate::proxy::Proxy;
+use im_protocol::FaultPoint;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
@@ -118,7 +119,7 @@ type Stores = BTreeMap<String, BTreeMap<String, BTreeMap<i64, String>>>;
 #[derive(Debug)]
 pub struct ArmedFault {
     pub gateway: usize,
-    pub point: String,
+    pub point: FaultPoint,
     /// Its history period.
     id: u64,
     /// What its start recorded (its end records the same).
@@ -356,14 +357,18 @@ impl World {
     /// `gw-fault` period that [`World::disarm_fault`] ends.
     pub async fn arm_fault(&self, i: usize, spec: &str) -> anyhow::Result<ArmedFault> {
         let mut parts = spec.split(':');
-        let point = parts.next().unwrap_or_default().to_string();
+        let point: FaultPoint = parts
+            .next()
+            .unwrap_or_default()
+            .parse()
+            .with_context(|| format!("fault spec {spec:?}"))?;
         let action = parts
             .next()
             .context("a fault spec is point:action…")?
             .to_string();
         self.gw_at(i).control(&format!("arm {spec}")).await?;
         let armed = Action::GwFault {
-            point: point.clone(),
+            point,
             action,
             spec: spec.to_string(),
             gateway: i,

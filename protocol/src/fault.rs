@@ -112,6 +112,20 @@ impl FaultPoint {
     };
 }
 
+/// Serialised as its name (`"gw.push"`), as `IM_FAULT`, schedules and histories spell it.
+impl serde::Serialize for FaultPoint {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for FaultPoint {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<FaultPoint, D::Error> {
+        let name = <std::borrow::Cow<'de, str> as serde::Deserialize>::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 impl fmt::Display for FaultPoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

@@ -30,6 +30,7 @@ use crate::history::{
 };
 use crate::nemesis::schedule::FaultKind;
 use crate::util::nearest_rank;
+use im_protocol::FaultPoint;
 
 /// Version of the `final.json` format; [`load_dir`] refuses any other.
 pub const FINAL_SCHEMA_VERSION: u32 = 1;

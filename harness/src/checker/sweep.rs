@@ -240,9 +240,9 @@ pub(super) fn fault_leaves_the_sweep_alone(action: &Action) -> bool {
             return true;
         }
     }
-    action
-        .frame_fault()
-        .is_some_and(|(point, act)| matches!(act, "drop" | "error") && point != "gw.reply.ack")
+    action.frame_fault().is_some_and(|(point, act)| {
+        matches!(act, "drop" | "error") && point != FaultPoint::GwReplyAck
+    })
 }
 
 /// Keeps the set of nemesis periods in force: a `start` line opens one (by op id), its

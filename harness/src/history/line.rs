@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::nemesis::schedule::{Fault, FaultKind};
+use im_protocol::FaultPoint;
 
 /// What a line is: the `type` tag, then the `op` and `value` of its kind.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -562,7 +563,7 @@ pub enum Action {
     /// A frame fault a scripted check armed on gateway `gateway` (`spec` in `IM_FAULT`
     /// syntax).
     GwFault {
-        point: String,
+        point: FaultPoint,
         action: String,
         spec: String,
         gateway: usize,
@@ -625,11 +626,11 @@ impl Action {
     }
 
     /// The frame fault this action arms, if it is one: (point, action).
-    pub fn frame_fault(&self) -> Option<(&str, &str)> {
+    pub fn frame_fault(&self) -> Option<(FaultPoint, &str)> {
         match self {
-            Action::GwFault { point, action, .. } => Some((point, action)),
+            Action::GwFault { point, action, .. } => Some((*point, action)),
             Action::Fault { fault, .. } => match &fault.kind {
-                FaultKind::GwFault { point, action } => Some((point, action)),
+                FaultKind::GwFault { point, action } => Some((*point, action)),
                 _ => None,
             },
             _ => None,

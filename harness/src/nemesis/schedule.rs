@@ -8,6 +8,7 @@
 //! forever, unlike a library generator whose algorithm may change between versions.
 
 use crate::proxy::Condition;
+use im_protocol::FaultPoint;
 use serde::{Deserialize, Serialize};
 
 /// Version of the schedule format; `--replay` refuses any other.
@@ -114,28 +115,28 @@ pub const KINDS: &[&str] = &[
 ];
 
 /// Fault points a crash may be armed at (`gw-crash-point`): the send path.
-pub const CRASH_POINTS: &[&str] = &[
-    "send.before_insert",
-    "send.before_commit",
-    "send.batch.before_commit",
-    "send.batch.after_commit",
-    "send.after_commit_before_notify",
-    "api.after_send_commit",
-    "gw.reply.send",
-    "gw.push",
-    "gw.recv.ack",
+pub const CRASH_POINTS: &[FaultPoint] = &[
+    FaultPoint::SendBeforeInsert,
+    FaultPoint::SendBeforeCommit,
+    FaultPoint::SendBatchBeforeCommit,
+    FaultPoint::SendBatchAfterCommit,
+    FaultPoint::SendAfterCommitBeforeNotify,
+    FaultPoint::ApiAfterSendCommit,
+    FaultPoint::GwReplySend,
+    FaultPoint::GwPush,
+    FaultPoint::GwRecvAck,
 ];
 
 /// Points a drop, delay or error may be armed at (`gw-fault`): the frames, and the
 /// notification after a commit (a drop there is a NOTIFY that never happens).
-pub const FRAME_POINTS: &[&str] = &[
-    "gw.reply.send",
-    "gw.reply.ack",
-    "gw.push",
-    "gw.recv.ack",
-    "send.after_commit_before_notify",
-    "send.batch.before_commit",
-    "send.batch.after_commit",
+pub const FRAME_POINTS: &[FaultPoint] = &[
+    FaultPoint::GwReplySend,
+    FaultPoint::GwReplyAck,
+    FaultPoint::GwPush,
+    FaultPoint::GwRecvAck,
+    FaultPoint::SendAfterCommitBeforeNotify,
+    FaultPoint::SendBatchBeforeCommit,
+    FaultPoint::SendBatchAfterCommit,
 ];
 
 /// One fault: what, on what, when, with what. `at_ms`/`end_ms` are offsets from the start
@@ -162,11 +163,11 @@ pub enum FaultKind {
     GwKill,
     /// Arm `point:halt:skip:1` at `at_ms` (control socket): the gateway exits 137 on the
     /// `skip + 1`-th hit and is restarted at once; disarmed at `end_ms` if it never fired.
-    GwCrashPoint { point: String, skip: u64 },
+    GwCrashPoint { point: FaultPoint, skip: u64 },
     /// SIGSTOP the gateway at `at_ms`, SIGCONT at `end_ms`.
     GwPause,
     /// Arm a frame fault (`drop`, `error` or `delay(MS)`) from `at_ms` to `end_ms`.
-    GwFault { point: String, action: String },
+    GwFault { point: FaultPoint, action: String },
     /// PostgreSQL immediate shutdown at `at_ms`, started again (recovery) at `end_ms`.
     PgCrash,
     /// SIGSTOP every PostgreSQL process at `at_ms`, SIGCONT at `end_ms`.
@@ -363,9 +364,8 @@ impl Schedule {
                 &f.kind
             {
                 anyhow::ensure!(
-                    CRASH_POINTS.contains(&point.as_str())
-                        || FRAME_POINTS.contains(&point.as_str()),
-                    "fault {}: unknown point {point}",
+                    CRASH_POINTS.contains(point) || FRAME_POINTS.contains(point),
+                    "fault {}: point {point} is not one the nemesis arms",
                     f.id
                 );
             }
@@ -588,7 +588,7 @@ fn draw_kind(name: &str, r: &mut Rng, devices: &[String]) -> (FaultKind, String,
         "gw-kill" => (FaultKind::GwKill, "gateway".into(), false),
         "gw-crash-point" => (
             FaultKind::GwCrashPoint {
-                point: r.pick(CRASH_POINTS).to_string(),
+                point: *r.pick(CRASH_POINTS),
                 skip: r.range(0, 20),
             },
             "gateway".into(),
@@ -603,7 +603,7 @@ fn draw_kind(name: &str, r: &mut Rng, devices: &[String]) -> (FaultKind, String,
             };
             (
                 FaultKind::GwFault {
-                    point: r.pick(FRAME_POINTS).to_string(),
+                    point: *r.pick(FRAME_POINTS),
                     action,
                 },
                 "gateway".into(),
