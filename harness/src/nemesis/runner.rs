@@ -250,6 +250,9 @@ async fn drive(
     events.sort();
     *log = vec![Value::Null; schedule.faults.len()];
     let mut active: BTreeMap<usize, u64> = BTreeMap::new(); // fault index → history op id
+                                                            // Faults the schedule names that could not be started: the run did not test what its
+                                                            // schedule says, so it is an ERROR, not a pass.
+    let mut not_started: Vec<String> = Vec::new();
     let start = Instant::now();
     let mut next = 0;
     let mut pending_membership: Vec<usize> = Vec::new();
@@ -265,6 +268,14 @@ async fn drive(
                     let id = hist.nemesis_start(fault_action(f, false));
                     let t = hist.now_ms();
                     let r = start_fault(w, &mut sup, &devices, f).await;
+                    if let Err(e) = &r {
+                        not_started.push(format!(
+                            "fault {} ({} on {}) did not start: {e:#}",
+                            f.id,
+                            f.kind.name(),
+                            f.target
+                        ));
+                    }
                     log[i] = json!({"id": f.id, "kind": f.kind.name(), "target": f.target,
                         "fault": f, "started_ms": t,
                         "start": r.as_ref().map(|v| v.clone()).unwrap_or_else(|e| json!({"error": format!("{e:#}")}))});
@@ -395,7 +406,8 @@ async fn drive(
         .map(|(k, n)| (k.as_str().to_string(), *n))
         .collect();
     // A history that could not be judged is an ERROR, never a pass.
-    let error = report.error.clone().or(heal_error);
+    let not_started = (!not_started.is_empty()).then(|| not_started.join("; "));
+    let error = report.error.clone().or(heal_error).or(not_started);
     let verdict = if !anomalies.is_empty() {
         "FAIL"
     } else if error.is_some() {
@@ -547,6 +559,47 @@ impl Supervisor {
     }
 }
 
+/// How long a gateway fault's start waits for a gateway that is being started again (after
+/// a crash point fired, or while its restart waits for the database).
+const GATEWAY_BACK_WITHIN: Duration = Duration::from_secs(3);
+
+/// Makes sure a gateway runs before a fault that acts on it starts: one that exited or is
+/// being restarted is started now (bounded by [`GATEWAY_BACK_WITHIN`]). Err when none could
+/// be: the fault cannot start, and the run is then an ERROR.
+async fn ensure_gateway(w: &mut World, sup: &mut Supervisor) -> anyhow::Result<()> {
+    let deadline = Instant::now() + GATEWAY_BACK_WITHIN;
+    loop {
+        let up = w.gw.as_mut().is_some_and(|g| g.try_exit_status().is_none());
+        if up {
+            return Ok(());
+        }
+        anyhow::ensure!(!sup.down, "no gateway running: a gw-kill holds it down");
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no gateway running: it could not be started again within {GATEWAY_BACK_WITHIN:?}"
+        );
+        sup.next_restart = None;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let _ = tokio::time::timeout(left, sup.supervise(w)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Sends `cmd` to the gateway's fault control socket once a gateway runs
+/// ([`ensure_gateway`]); a gateway that has just started may not listen on it yet, so a
+/// refused command is tried again until [`GATEWAY_BACK_WITHIN`] passed.
+async fn control(w: &mut World, sup: &mut Supervisor, cmd: &str) -> anyhow::Result<String> {
+    let deadline = Instant::now() + GATEWAY_BACK_WITHIN;
+    loop {
+        ensure_gateway(w, sup).await?;
+        match gateway::fault_control(&sup.control, cmd).await {
+            Ok(r) => return Ok(r),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
 fn gateway_signal(w: &World, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
     let gw = w.gw.as_ref().context("no gateway running")?;
     let pid = nix::unistd::Pid::from_raw(i32::try_from(gw.pid())?);
@@ -603,16 +656,16 @@ async fn start_fault(
             Ok(json!({"killed": true}))
         }
         FaultKind::GwCrashPoint { point, skip } => {
-            let r =
-                gateway::fault_control(&sup.control, &format!("arm {point}:halt:{skip}:1")).await?;
+            let r = control(w, sup, &format!("arm {point}:halt:{skip}:1")).await?;
             Ok(json!({"control": r}))
         }
         FaultKind::GwPause => {
+            ensure_gateway(w, sup).await?;
             gateway_signal(w, Signal::SIGSTOP)?;
             Ok(json!({"stopped": true}))
         }
         FaultKind::GwFault { point, action } => {
-            let r = gateway::fault_control(&sup.control, &format!("arm {point}:{action}")).await?;
+            let r = control(w, sup, &format!("arm {point}:{action}")).await?;
             Ok(json!({"control": r}))
         }
         FaultKind::PgCrash => {

@@ -149,6 +149,8 @@ struct Summary {
     command: String,
     /// The deliberate bug of this process (`IM_BUG`), if any.
     bug: Option<String>,
+    /// The schedule generator's version: which schedule each seed gave.
+    generator: u32,
     options: Options,
     runs: u64,
     pass: u64,
@@ -677,6 +679,7 @@ fn write_summary(
         bug: std::env::var("IM_BUG")
             .ok()
             .filter(|b| !b.trim().is_empty()),
+        generator: harness::nemesis::schedule::GENERATOR_VERSION,
         options: opts.clone(),
         runs: lines.len() as u64,
         pass,
