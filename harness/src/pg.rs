@@ -1277,6 +1277,43 @@ mod tests {
 
     use super::*;
 
+    /// Commits a row, crashes the cluster (it answers nothing while down), starts it again
+    /// (crash recovery) and reads the row back, at the same address. Returns how long the
+    /// crash and the restart took.
+    async fn crash_keeps_the_committed_row(
+        cluster: &mut Cluster,
+    ) -> anyhow::Result<(Duration, Duration)> {
+        let pool = cluster.pool().await?;
+        sqlx::query("CREATE TABLE t (id int PRIMARY KEY, note text NOT NULL)")
+            .execute(&pool)
+            .await?;
+        sqlx::query("INSERT INTO t VALUES (1, 'acknowledged')")
+            .execute(&pool)
+            .await?;
+        pool.close().await;
+        let port = cluster.port();
+        let t1 = Instant::now();
+        cluster.crash().await?;
+        let crashed = t1.elapsed();
+        assert!(!cluster.is_running());
+        assert!(
+            cluster.setting("fsync").await.is_err(),
+            "the crashed cluster answered"
+        );
+        let t2 = Instant::now();
+        cluster.restart().await?;
+        let restarted = t2.elapsed();
+        assert!(cluster.is_running());
+        assert_eq!(cluster.port(), port, "the address moved");
+        let pool = cluster.pool().await?;
+        let note: String = sqlx::query_scalar("SELECT note FROM t WHERE id = 1")
+            .fetch_one(&pool)
+            .await?;
+        assert_eq!(note, "acknowledged");
+        pool.close().await;
+        Ok((crashed, restarted))
+    }
+
     /// Proves the cluster is durable as configured: fsync and synchronous_commit are on,
     /// and a committed row survives an immediate shutdown (SIGQUIT) and crash recovery.
     #[tokio::test]
@@ -1292,36 +1329,7 @@ mod tests {
             cluster.install.expect("local install").major
         )));
 
-        let pool = cluster.pool().await?;
-        sqlx::query("CREATE TABLE t (id int PRIMARY KEY, note text NOT NULL)")
-            .execute(&pool)
-            .await?;
-        sqlx::query("INSERT INTO t VALUES (1, 'acknowledged')")
-            .execute(&pool)
-            .await?;
-        pool.close().await;
-
-        let port = cluster.port();
-        let t1 = Instant::now();
-        cluster.crash().await?;
-        let crashed = t1.elapsed();
-        assert!(!cluster.is_running());
-        assert!(
-            cluster.setting("fsync").await.is_err(),
-            "crashed cluster answered"
-        );
-
-        let t2 = Instant::now();
-        cluster.restart().await?;
-        let restarted = t2.elapsed();
-        assert!(cluster.is_running());
-        assert_eq!(cluster.port(), port);
-        let pool = cluster.pool().await?;
-        let note: String = sqlx::query_scalar("SELECT note FROM t WHERE id = 1")
-            .fetch_one(&pool)
-            .await?;
-        assert_eq!(note, "acknowledged");
-        pool.close().await;
+        let (crashed, restarted) = crash_keeps_the_committed_row(&mut cluster).await?;
         let log = fs::read_to_string(cluster.log_dir().join("postgres.log"))?;
         assert!(
             log.contains("not properly shut down") || log.contains("automatic recovery"),
@@ -1453,37 +1461,10 @@ mod tests {
         );
         assert_eq!(cluster.setting("fsync").await?, "on");
         assert_eq!(cluster.setting("synchronous_commit").await?, "on");
-        let pool = cluster.pool().await?;
-        sqlx::query("CREATE TABLE t (id int PRIMARY KEY, note text NOT NULL)")
-            .execute(&pool)
-            .await?;
-        sqlx::query("INSERT INTO t VALUES (1, 'acknowledged')")
-            .execute(&pool)
-            .await?;
-        pool.close().await;
-        let port = cluster.port();
-        let t1 = Instant::now();
-        cluster.crash().await?;
-        let crashed = t1.elapsed();
-        assert!(!cluster.is_running());
-        assert!(
-            cluster.setting("fsync").await.is_err(),
-            "killed container answered"
-        );
-        let t2 = Instant::now();
-        cluster.restart().await?;
-        let restarted = t2.elapsed();
+        let (crashed, restarted) = crash_keeps_the_committed_row(&mut cluster).await?;
         eprintln!(
             "timings: start {started:?}, crash {crashed:?}, restart (recovery) {restarted:?}"
         );
-        assert!(cluster.is_running());
-        assert_eq!(cluster.port(), port, "the address moved");
-        let pool = cluster.pool().await?;
-        let note: String = sqlx::query_scalar("SELECT note FROM t WHERE id = 1")
-            .fetch_one(&pool)
-            .await?;
-        assert_eq!(note, "acknowledged");
-        pool.close().await;
         let log = cluster.server_log();
         assert!(
             log.contains("not properly shut down") || log.contains("automatic recovery"),
