@@ -2,6 +2,7 @@
 //! and a throwaway cluster. `make nemesis` runs 20 full seeds; `make controls` runs each
 //! deliberate bug under it.
 
+use harness::nemesis::faults::Package as _;
 use harness::nemesis::{generate, run, Options, Schedule};
 
 /// The smoke options: a 4 s faulty phase with 4 faults.

@@ -28,9 +28,9 @@ use crate::history::{
     Action, Done, Entry, EventRef, HintWhy, Invoke, Life, Line, Nemesis, Phase, ProbeLine, Recv,
     Store, Type, Via, MALFORMED_REPLY,
 };
-use crate::nemesis::schedule::FaultKind;
+use crate::nemesis::faults::process::frame_fault_leaves_the_sweep_alone;
+use crate::nemesis::faults::Package as _;
 use crate::util::nearest_rank;
-use im_protocol::FaultPoint;
 
 /// Version of the `final.json` format; [`load_dir`] refuses any other.
 pub const FINAL_SCHEMA_VERSION: u32 = 1;

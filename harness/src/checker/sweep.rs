@@ -234,15 +234,14 @@ impl Disturbance {
 /// its hints nor move a cursor without the client hearing of it: a `client-crash`, or a
 /// `gw-fault` that drops a frame or answers it with an error at any point but
 /// `gw.reply.ack`.
+/// The nemesis's faults say so themselves (their package's `leaves_the_sweep_alone`);
+/// im-06's scripted frame faults are judged by the same rule as the nemesis's `gw-fault`.
 pub(super) fn fault_leaves_the_sweep_alone(action: &Action) -> bool {
-    if let Action::Fault { fault, .. } = action {
-        if fault.kind == FaultKind::ClientCrash {
-            return true;
-        }
+    match action {
+        Action::Fault { fault, .. } => fault.kind.leaves_the_sweep_alone(),
+        Action::GwFault { point, action, .. } => frame_fault_leaves_the_sweep_alone(*point, action),
+        _ => false,
     }
-    action.frame_fault().is_some_and(|(point, act)| {
-        matches!(act, "drop" | "error") && point != FaultPoint::GwReplyAck
-    })
 }
 
 /// Keeps the set of nemesis periods in force: a `start` line opens one (by op id), its

@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::nemesis::schedule::{Fault, FaultKind};
+use crate::nemesis::schedule::Fault;
 use im_protocol::FaultPoint;
 
 /// What a line is: the `type` tag, then the `op` and `value` of its kind.
@@ -622,18 +622,6 @@ impl Action {
             Action::Heal { .. } => "heal",
             Action::StaleFaultDisarmed { .. } => "stale-fault-disarmed",
             Action::ObserverStall { .. } => "observer-stall",
-        }
-    }
-
-    /// The frame fault this action arms, if it is one: (point, action).
-    pub fn frame_fault(&self) -> Option<(FaultPoint, &str)> {
-        match self {
-            Action::GwFault { point, action, .. } => Some((*point, action)),
-            Action::Fault { fault, .. } => match &fault.kind {
-                FaultKind::GwFault { point, action } => Some((*point, action)),
-                _ => None,
-            },
-            _ => None,
         }
     }
 }

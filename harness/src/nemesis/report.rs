@@ -3,6 +3,7 @@
 //! shaded bands, send and push latency over time, and each anomaly linked to its history
 //! lines. Written from `history.jsonl` and the run's [`Outcome`]; it judges nothing.
 
+use super::faults::Package as _;
 use super::outcome::Outcome;
 use super::schedule::Schedule;
 use crate::history::{Action, Done, Entry, Invoke, Line, Nemesis, Phase, Recv, Type};

@@ -11,13 +11,15 @@
 //! Must not: judge anything itself (the checker does), or retry a send on a client's
 //! behalf except through the client's own outbox replay.
 
+use super::faults::{FaultCtx, Package};
 use super::outcome::Outcome;
-use super::schedule::{Fault, FaultKind, Membership, Schedule};
+use super::schedule::{Fault, Membership, Schedule};
+use super::supervisor::Supervisor;
 use crate::checker::Report;
 use crate::client::{Client, ClientError, ClientOptions, HintAck};
 use crate::gateway::{self, GatewayOpts};
 use crate::history::{Action, Join};
-use crate::proxy::{Condition, Proxy};
+use crate::proxy::Proxy;
 use crate::world::{World, WorldOpts};
 use anyhow::Context;
 use serde_json::{json, Value};
@@ -51,8 +53,6 @@ struct Shared {
 /// A device task's handle.
 struct DeviceHandle {
     device: String,
-    /// true: the client is crashed (killed) until set back to false.
-    crashed: watch::Sender<bool>,
     /// Connected, subscribed, outbox empty, and not sending new messages.
     settled: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<anyhow::Result<Option<Client>>>,
@@ -200,6 +200,7 @@ async fn drive(
     }
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut devices = Vec::new();
+    let mut crash_switches = BTreeMap::new();
     for (device, seed) in &schedule.workload.device_seeds {
         let (user, token) = tokens
             .get(device)
@@ -220,34 +221,17 @@ async fn drive(
             stop: stop_rx.clone(),
             settled: settled.clone(),
         }));
+        crash_switches.insert(device.clone(), crashed);
         devices.push(DeviceHandle {
             device: device.clone(),
-            crashed,
             settled,
             task,
         });
     }
 
     // The faulty phase.
-    let mut sup = Supervisor {
-        opts: opts.clone(),
-        control: control.to_path_buf(),
-        client_proxy,
-        down: false,
-        gateway_starts: 1,
-        next_restart: None,
-    };
-    let mut events: Vec<(u64, u8, usize)> = Vec::new(); // (t, order, index); order 0 end, 1 membership, 2 start
-    for (i, f) in schedule.faults.iter().enumerate() {
-        events.push((f.at_ms, 2, i));
-        if f.end_ms > f.at_ms {
-            events.push((f.end_ms, 0, i));
-        }
-    }
-    for (i, m) in schedule.workload.membership.iter().enumerate() {
-        events.push((m.at_ms, 1, i));
-    }
-    events.sort();
+    let mut sup = Supervisor::new(opts.clone(), control.to_path_buf(), client_proxy);
+    let events = timeline(schedule);
     *log = vec![Value::Null; schedule.faults.len()];
     let mut active: BTreeMap<usize, u64> = BTreeMap::new(); // fault index → history op id
                                                             // Faults the schedule names that could not be started: the run did not test what its
@@ -260,14 +244,19 @@ async fn drive(
     loop {
         let now_ms = start.elapsed().as_millis() as u64;
         while next < events.len() && events[next].0 <= now_ms {
-            let (_, order, i) = events[next];
+            let (_, event) = events[next];
             next += 1;
-            match order {
-                2 => {
+            match event {
+                Event::Start(i) => {
                     let f = &schedule.faults[i];
                     let id = hist.nemesis_start(fault_action(f, false));
                     let t = hist.now_ms();
-                    let r = start_fault(w, &mut sup, &devices, f).await;
+                    let mut cx = FaultCtx {
+                        w,
+                        sup: &mut sup,
+                        crash_switches: &crash_switches,
+                    };
+                    let r = f.kind.start(&mut cx, &f.target).await;
                     if let Err(e) = &r {
                         not_started.push(format!(
                             "fault {} ({} on {}) did not start: {e:#}",
@@ -286,16 +275,21 @@ async fn drive(
                         log[i]["ended_ms"] = json!(hist.now_ms());
                     }
                 }
-                0 => {
+                Event::End(i) => {
                     if let Some(id) = active.remove(&i) {
                         let f = &schedule.faults[i];
-                        let r = end_fault(w, &mut sup, &devices, f).await;
+                        let mut cx = FaultCtx {
+                            w,
+                            sup: &mut sup,
+                            crash_switches: &crash_switches,
+                        };
+                        let r = f.kind.end(&mut cx, &f.target).await;
                         hist.nemesis_end(id, fault_action(f, false));
                         log[i]["ended_ms"] = json!(hist.now_ms());
                         log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
                     }
                 }
-                _ => pending_membership.push(i),
+                Event::Membership(i) => pending_membership.push(i),
             }
         }
         // Membership changes go through the admin command, which needs the database: one
@@ -329,7 +323,12 @@ async fn drive(
     shared.sending.store(false, Ordering::SeqCst);
     for (i, id) in std::mem::take(&mut active).into_iter().rev() {
         let f = &schedule.faults[i];
-        let r = end_fault(w, &mut sup, &devices, f).await;
+        let mut cx = FaultCtx {
+            w,
+            sup: &mut sup,
+            crash_switches: &crash_switches,
+        };
+        let r = f.kind.end(&mut cx, &f.target).await;
         hist.nemesis_end(id, fault_action(f, true));
         log[i]["ended_ms"] = json!(hist.now_ms());
         log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
@@ -427,7 +426,7 @@ async fn drive(
         fault_log: std::mem::take(log),
         repair_ms: report.stats.repair_ms.clone(),
         delivery_ms: report.stats.delivery_ms.clone(),
-        gateway_starts: sup.gateway_starts,
+        gateway_starts: sup.gateway_starts(),
         history_entries: report.stats.entries,
         wall_ms: t0.elapsed().as_millis() as u64,
     })
@@ -477,6 +476,34 @@ async fn apply_membership(w: &World, shared: &Shared, m: &Membership) -> bool {
 }
 
 /// The history's record of a schedule fault (its start and its end carry the same).
+/// What happens at one instant of the schedule's clock. At equal times, ends come first
+/// (a resource is free again), then membership changes, then starts (the variant order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    /// The end of the fault at this index of `schedule.faults`.
+    End(usize),
+    /// The membership change at this index of `workload.membership`.
+    Membership(usize),
+    /// The start of the fault at this index.
+    Start(usize),
+}
+
+/// The schedule's events in time order.
+fn timeline(schedule: &Schedule) -> Vec<(u64, Event)> {
+    let mut events = Vec::new();
+    for (i, f) in schedule.faults.iter().enumerate() {
+        events.push((f.at_ms, Event::Start(i)));
+        if f.end_ms > f.at_ms {
+            events.push((f.end_ms, Event::End(i)));
+        }
+    }
+    for (i, m) in schedule.workload.membership.iter().enumerate() {
+        events.push((m.at_ms, Event::Membership(i)));
+    }
+    events.sort();
+    events
+}
+
 fn fault_action(f: &Fault, healed: bool) -> Action {
     Action::Fault {
         fault: f.clone(),
@@ -484,296 +511,8 @@ fn fault_action(f: &Fault, healed: bool) -> Action {
     }
 }
 
-/// Keeps one gateway running behind the clients' proxy.
-struct Supervisor {
-    opts: GatewayOpts,
-    control: PathBuf,
-    client_proxy: Proxy,
-    /// A `gw-kill` holds the gateway down until its end.
-    down: bool,
-    gateway_starts: u64,
-    /// When a failed start may be tried again.
-    next_restart: Option<Instant>,
-}
-
 /// How often the heal makes sure no fault is left armed.
 const STALE_FAULT_SWEEP: Duration = Duration::from_secs(1);
-
-impl Supervisor {
-    /// During the heal nothing may stay armed, yet an `arm` the harness gave up on (it
-    /// timed out while the gateway was paused: seed 248 of a 1,000-seed run) can still take
-    /// effect once the gateway runs again, after that fault's end disarmed it: its command
-    /// waited in the control socket. Anything armed now is recorded and disarmed.
-    async fn disarm_stale(&self, w: &World) {
-        if w.gw.is_none() {
-            return;
-        }
-        let Ok(listed) = gateway::fault_control(&self.control, "list").await else {
-            return;
-        };
-        let armed = listed.trim_start_matches("ok").trim();
-        if armed.is_empty() {
-            return;
-        }
-        let r = gateway::fault_control(&self.control, "disarm all").await;
-        w.history().nemesis_instant(Action::StaleFaultDisarmed {
-            armed: armed.to_string(),
-            disarm: r.unwrap_or_else(|e| format!("{e:#}")),
-        });
-    }
-
-    /// Restarts the gateway if it exited (a crash point fired) or is missing, unless a
-    /// `gw-kill` holds it down. A start that fails (the database is away) is retried.
-    async fn supervise(&mut self, w: &mut World) {
-        if self.down {
-            return;
-        }
-        if let Some(gw) = w.gw.as_mut() {
-            match gw.try_exit_status() {
-                None => return,
-                Some(status) => {
-                    w.history().nemesis_instant(Action::GatewayExit {
-                        gateway: None,
-                        status: status.code(),
-                        raw: status.to_string(),
-                    });
-                    w.gw = None;
-                }
-            }
-        }
-        if self.next_restart.is_some_and(|t| Instant::now() < t) {
-            return;
-        }
-        match w.restart_gateway(self.opts.clone()).await {
-            Ok(()) => {
-                self.gateway_starts += 1;
-                self.next_restart = None;
-                self.client_proxy.switch(w.gw().addr());
-            }
-            Err(e) => {
-                tracing::info!(error = %format!("{e:#}"), "nemesis: gateway start failed; retrying");
-                w.gw = None;
-                self.next_restart = Some(Instant::now() + Duration::from_millis(200));
-            }
-        }
-    }
-}
-
-/// How long a gateway fault's start waits for a gateway that is being started again (after
-/// a crash point fired, or while its restart waits for the database).
-const GATEWAY_BACK_WITHIN: Duration = Duration::from_secs(3);
-
-/// Makes sure a gateway runs before a fault that acts on it starts: one that exited or is
-/// being restarted is started now (bounded by [`GATEWAY_BACK_WITHIN`]). Err when none could
-/// be: the fault cannot start, and the run is then an ERROR.
-async fn ensure_gateway(w: &mut World, sup: &mut Supervisor) -> anyhow::Result<()> {
-    let deadline = Instant::now() + GATEWAY_BACK_WITHIN;
-    loop {
-        let up = w.gw.as_mut().is_some_and(|g| g.try_exit_status().is_none());
-        if up {
-            return Ok(());
-        }
-        anyhow::ensure!(!sup.down, "no gateway running: a gw-kill holds it down");
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "no gateway running: it could not be started again within {GATEWAY_BACK_WITHIN:?}"
-        );
-        sup.next_restart = None;
-        let left = deadline.saturating_duration_since(Instant::now());
-        let _ = tokio::time::timeout(left, sup.supervise(w)).await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Sends `cmd` to the gateway's fault control socket once a gateway runs
-/// ([`ensure_gateway`]); a gateway that has just started may not listen on it yet, so a
-/// refused command is tried again until [`GATEWAY_BACK_WITHIN`] passed.
-async fn control(w: &mut World, sup: &mut Supervisor, cmd: &str) -> anyhow::Result<String> {
-    let deadline = Instant::now() + GATEWAY_BACK_WITHIN;
-    loop {
-        ensure_gateway(w, sup).await?;
-        match gateway::fault_control(&sup.control, cmd).await {
-            Ok(r) => return Ok(r),
-            Err(e) if Instant::now() >= deadline => return Err(e),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-}
-
-fn gateway_signal(w: &World, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
-    let gw = w.gw.as_ref().context("no gateway running")?;
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(gw.pid())?);
-    nix::sys::signal::kill(pid, sig).with_context(|| format!("kill({pid}, {sig})"))
-}
-
-/// The gateway's backends (`application_name` `im-gateway-<i>`): LISTEN or not.
-async fn gateway_backends(w: &World, listen: bool) -> anyhow::Result<Vec<i32>> {
-    let pool = tokio::time::timeout(QUERY_TIMEOUT, w.pool())
-        .await
-        .context("the check pool timed out")??;
-    let sql = if listen {
-        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
-         AND query ILIKE 'listen%' ORDER BY pid"
-    } else {
-        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
-         AND query NOT ILIKE 'listen%' ORDER BY pid"
-    };
-    tokio::time::timeout(QUERY_TIMEOUT, sqlx::query_scalar(sql).fetch_all(&pool))
-        .await
-        .context("pg_stat_activity timed out")?
-        .context("read pg_stat_activity")
-}
-
-/// `pg_terminate_backend(pid)`, bounded (a paused database answers nothing).
-async fn terminate(w: &World, pid: i32) -> bool {
-    matches!(
-        tokio::time::timeout(QUERY_TIMEOUT, w.terminate_backend(pid)).await,
-        Ok(Ok(true))
-    )
-}
-
-fn device<'a>(devices: &'a [DeviceHandle], id: &str) -> anyhow::Result<&'a DeviceHandle> {
-    devices
-        .iter()
-        .find(|d| d.device == id)
-        .with_context(|| format!("no device {id}"))
-}
-
-async fn start_fault(
-    w: &mut World,
-    sup: &mut Supervisor,
-    devices: &[DeviceHandle],
-    f: &Fault,
-) -> anyhow::Result<Value> {
-    use nix::sys::signal::Signal;
-    match &f.kind {
-        FaultKind::GwKill => {
-            sup.down = true;
-            if let Some(gw) = w.gw.as_mut() {
-                gw.kill();
-            }
-            w.gw = None;
-            Ok(json!({"killed": true}))
-        }
-        FaultKind::GwCrashPoint { point, skip } => {
-            let r = control(w, sup, &format!("arm {point}:halt:{skip}:1")).await?;
-            Ok(json!({"control": r}))
-        }
-        FaultKind::GwPause => {
-            ensure_gateway(w, sup).await?;
-            gateway_signal(w, Signal::SIGSTOP)?;
-            Ok(json!({"stopped": true}))
-        }
-        FaultKind::GwFault { point, action } => {
-            let r = control(w, sup, &format!("arm {point}:{action}")).await?;
-            Ok(json!({"control": r}))
-        }
-        FaultKind::PgCrash => {
-            w.crash_pg().await?;
-            Ok(json!({"crashed": true}))
-        }
-        FaultKind::PgPause => {
-            w.pg.pause()?;
-            Ok(json!({"stopped": true}))
-        }
-        FaultKind::PgPowerCut => {
-            let cut = w.power_cut_pg().await?;
-            Ok(json!({"pages_dropped": cut.pages_dropped, "files_dropped": cut.files_dropped}))
-        }
-        FaultKind::PgTerminateListen => {
-            let pids = gateway_backends(w, true).await?;
-            let mut done = Vec::new();
-            for pid in pids {
-                done.push((pid, terminate(w, pid).await));
-            }
-            Ok(json!({"terminated": done}))
-        }
-        FaultKind::PgTerminatePool { count } => {
-            let pids = gateway_backends(w, false).await?;
-            let mut done = Vec::new();
-            for pid in pids.into_iter().take(*count as usize) {
-                done.push((pid, terminate(w, pid).await));
-            }
-            Ok(json!({"terminated": done}))
-        }
-        FaultKind::NetDb { condition } => {
-            w.db_proxy
-                .as_ref()
-                .context("no database proxy")?
-                .set_condition(*condition);
-            Ok(json!({"condition": condition}))
-        }
-        FaultKind::NetClient { condition } => {
-            sup.client_proxy.set_condition(*condition);
-            Ok(json!({"condition": condition}))
-        }
-        FaultKind::NetDbReset => {
-            w.db_proxy.as_ref().context("no database proxy")?.cut();
-            Ok(json!({"reset": true}))
-        }
-        FaultKind::NetClientReset => {
-            sup.client_proxy.cut();
-            Ok(json!({"reset": true}))
-        }
-        FaultKind::ClientCrash => {
-            device(devices, &f.target)?.crashed.send_replace(true);
-            Ok(json!({"crashed": f.target}))
-        }
-    }
-}
-
-async fn end_fault(
-    w: &mut World,
-    sup: &mut Supervisor,
-    devices: &[DeviceHandle],
-    f: &Fault,
-) -> anyhow::Result<Value> {
-    use nix::sys::signal::Signal;
-    match &f.kind {
-        FaultKind::GwKill => {
-            sup.down = false;
-            sup.next_restart = None;
-            sup.supervise(w).await;
-            Ok(json!({"restarted": w.gw.is_some()}))
-        }
-        FaultKind::GwCrashPoint { point, .. } | FaultKind::GwFault { point, .. } => {
-            // The gateway may have exited (the halt fired) or been replaced: nothing armed.
-            let r = gateway::fault_control(&sup.control, &format!("disarm {point}")).await;
-            Ok(json!({"control": r.unwrap_or_else(|e| format!("{e:#}"))}))
-        }
-        FaultKind::GwPause => {
-            gateway_signal(w, Signal::SIGCONT)?;
-            Ok(json!({"continued": true}))
-        }
-        FaultKind::PgCrash | FaultKind::PgPowerCut => {
-            w.restart_pg().await?;
-            Ok(json!({"restarted": true}))
-        }
-        FaultKind::PgPause => {
-            w.pg.resume()?;
-            Ok(json!({"continued": true}))
-        }
-        FaultKind::NetDb { .. } => {
-            w.db_proxy
-                .as_ref()
-                .context("no database proxy")?
-                .set_condition(Condition::Pass);
-            Ok(json!({"condition": Condition::Pass}))
-        }
-        FaultKind::NetClient { .. } => {
-            sup.client_proxy.set_condition(Condition::Pass);
-            Ok(json!({"condition": Condition::Pass}))
-        }
-        FaultKind::ClientCrash => {
-            device(devices, &f.target)?.crashed.send_replace(false);
-            Ok(json!({"restarted": f.target}))
-        }
-        FaultKind::PgTerminateListen
-        | FaultKind::PgTerminatePool { .. }
-        | FaultKind::NetDbReset
-        | FaultKind::NetClientReset => Ok(Value::Null),
-    }
-}
 
 struct DeviceArgs {
     device: String,

@@ -7,6 +7,7 @@
 //! The runs are the caller's ([`shrink`] takes a closure), so the search is tested here on
 //! a model without processes.
 
+use super::faults::Package as _;
 use super::schedule::Schedule;
 use serde::Serialize;
 use serde_json::{json, Value};

@@ -1,0 +1,81 @@
+//! The client package: a device's client killed without flushing (its state file is what
+//! it last wrote) and loaded again from that file.
+//!
+//! Must not: touch the gateway, the database or the network.
+
+use super::{Drawn, FaultCtx, Package};
+use crate::nemesis::rng::Rng;
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum ClientFault {
+    /// The device's client killed without flushing at `at_ms` (its state file is what it
+    /// last wrote), loaded again from its state file at `end_ms`.
+    ClientCrash,
+}
+
+impl Package for ClientFault {
+    fn kinds() -> Vec<&'static str> {
+        vec!["client-crash"]
+    }
+
+    fn draw(name: &str, r: &mut Rng, devices: &[String]) -> Option<Drawn<Self>> {
+        (name == "client-crash").then(|| Drawn {
+            kind: ClientFault::ClientCrash,
+            target: r.pick(devices).clone(),
+            instant: false,
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        "client-crash"
+    }
+
+    fn resource(&self, target: &str) -> Option<String> {
+        Some(format!("device:{target}"))
+    }
+
+    fn requires(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn im_fault(&self) -> Option<String> {
+        None
+    }
+
+    fn needs_lazyfs(&self) -> bool {
+        false
+    }
+
+    /// A crashed client neither slows the sweep nor its other devices.
+    fn leaves_the_sweep_alone(&self) -> bool {
+        true
+    }
+}
+
+impl ClientFault {
+    pub async fn start(&self, cx: &mut FaultCtx<'_>, target: &str) -> anyhow::Result<Value> {
+        switch(cx, target, true)?;
+        Ok(json!({"crashed": target}))
+    }
+
+    pub async fn end(&self, cx: &mut FaultCtx<'_>, target: &str) -> anyhow::Result<Value> {
+        switch(cx, target, false)?;
+        Ok(json!({"restarted": target}))
+    }
+}
+
+fn switch(cx: &FaultCtx<'_>, device: &str, crashed: bool) -> anyhow::Result<()> {
+    cx.crash_switches
+        .get(device)
+        .with_context(|| format!("no device {device}"))?
+        .send_replace(crashed);
+    Ok(())
+}

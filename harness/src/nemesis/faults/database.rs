@@ -1,0 +1,195 @@
+//! The database package: faults on PostgreSQL itself (an immediate shutdown, a pause, a
+//! power cut through the LazyFS layer) and on the gateway's sessions in it
+//! (`pg_terminate_backend` on its LISTEN connection or on pool connections).
+//!
+//! Must not: touch the gateway process or the network.
+
+use super::{Drawn, FaultCtx, Package};
+use crate::nemesis::rng::Rng;
+use crate::world::World;
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// Timeout of a harness query during the faults (a paused database answers nothing).
+const QUERY_TIMEOUT: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum DatabaseFault {
+    /// PostgreSQL immediate shutdown at `at_ms`, started again (recovery) at `end_ms`.
+    PgCrash,
+    /// SIGSTOP every PostgreSQL process at `at_ms`, SIGCONT at `end_ms`.
+    PgPause,
+    /// A power cut at `at_ms` (the LazyFS layer: every PostgreSQL process killed at once,
+    /// writes not yet fsynced thrown away), started again (recovery) at `end_ms`. Needs
+    /// FUSE: a schedule with one runs its cluster on the LazyFS layer.
+    PgPowerCut,
+    /// `pg_terminate_backend` on the gateway's LISTEN connection (instant).
+    PgTerminateListen,
+    /// `pg_terminate_backend` on `count` of the gateway's other connections (instant).
+    PgTerminatePool { count: u64 },
+}
+
+const KINDS: &[&str] = &[
+    "pg-crash",
+    "pg-pause",
+    "pg-power-cut",
+    "pg-terminate-listen",
+    "pg-terminate-pool",
+];
+
+impl Package for DatabaseFault {
+    fn kinds() -> Vec<&'static str> {
+        KINDS.to_vec()
+    }
+
+    fn draw(name: &str, r: &mut Rng, _devices: &[String]) -> Option<Drawn<Self>> {
+        let (kind, instant) = match name {
+            "pg-crash" => (DatabaseFault::PgCrash, false),
+            "pg-pause" => (DatabaseFault::PgPause, false),
+            "pg-power-cut" => (DatabaseFault::PgPowerCut, false),
+            "pg-terminate-listen" => (DatabaseFault::PgTerminateListen, true),
+            "pg-terminate-pool" => (
+                DatabaseFault::PgTerminatePool {
+                    count: r.range(1, 4),
+                },
+                true,
+            ),
+            _ => return None,
+        };
+        Some(Drawn {
+            kind,
+            target: "postgres".into(),
+            instant,
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            DatabaseFault::PgCrash => "pg-crash",
+            DatabaseFault::PgPause => "pg-pause",
+            DatabaseFault::PgPowerCut => "pg-power-cut",
+            DatabaseFault::PgTerminateListen => "pg-terminate-listen",
+            DatabaseFault::PgTerminatePool { .. } => "pg-terminate-pool",
+        }
+    }
+
+    fn resource(&self, _target: &str) -> Option<String> {
+        match self {
+            DatabaseFault::PgCrash | DatabaseFault::PgPause | DatabaseFault::PgPowerCut => {
+                Some("postgres".into())
+            }
+            DatabaseFault::PgTerminateListen | DatabaseFault::PgTerminatePool { .. } => None,
+        }
+    }
+
+    /// Terminating backends needs the database up.
+    fn requires(&self) -> &'static [&'static str] {
+        match self {
+            DatabaseFault::PgTerminateListen | DatabaseFault::PgTerminatePool { .. } => {
+                &["postgres"]
+            }
+            _ => &[],
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        if let DatabaseFault::PgTerminatePool { count } = self {
+            anyhow::ensure!(
+                (1..=64).contains(count),
+                "pg-terminate-pool count {count} is not within 1..=64"
+            );
+        }
+        Ok(())
+    }
+
+    fn im_fault(&self) -> Option<String> {
+        None
+    }
+
+    fn needs_lazyfs(&self) -> bool {
+        *self == DatabaseFault::PgPowerCut
+    }
+
+    fn leaves_the_sweep_alone(&self) -> bool {
+        false
+    }
+}
+
+impl DatabaseFault {
+    pub async fn start(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
+        match self {
+            DatabaseFault::PgCrash => {
+                cx.w.crash_pg().await?;
+                Ok(json!({"crashed": true}))
+            }
+            DatabaseFault::PgPause => {
+                cx.w.pg.pause()?;
+                Ok(json!({"stopped": true}))
+            }
+            DatabaseFault::PgPowerCut => {
+                let cut = cx.w.power_cut_pg().await?;
+                Ok(json!({"pages_dropped": cut.pages_dropped, "files_dropped": cut.files_dropped}))
+            }
+            DatabaseFault::PgTerminateListen => {
+                let pids = gateway_backends(cx.w, true).await?;
+                Ok(json!({"terminated": terminate_all(cx.w, pids).await}))
+            }
+            DatabaseFault::PgTerminatePool { count } => {
+                let mut pids = gateway_backends(cx.w, false).await?;
+                pids.truncate(*count as usize);
+                Ok(json!({"terminated": terminate_all(cx.w, pids).await}))
+            }
+        }
+    }
+
+    pub async fn end(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
+        match self {
+            DatabaseFault::PgCrash | DatabaseFault::PgPowerCut => {
+                cx.w.restart_pg().await?;
+                Ok(json!({"restarted": true}))
+            }
+            DatabaseFault::PgPause => {
+                cx.w.pg.resume()?;
+                Ok(json!({"continued": true}))
+            }
+            DatabaseFault::PgTerminateListen | DatabaseFault::PgTerminatePool { .. } => {
+                Ok(Value::Null)
+            }
+        }
+    }
+}
+
+/// The gateway's backends (`application_name` `im-gateway-<i>`): LISTEN or not.
+async fn gateway_backends(w: &World, listen: bool) -> anyhow::Result<Vec<i32>> {
+    let pool = tokio::time::timeout(QUERY_TIMEOUT, w.pool())
+        .await
+        .context("the check pool timed out")??;
+    let sql = if listen {
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
+         AND query ILIKE 'listen%' ORDER BY pid"
+    } else {
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
+         AND query NOT ILIKE 'listen%' ORDER BY pid"
+    };
+    tokio::time::timeout(QUERY_TIMEOUT, sqlx::query_scalar(sql).fetch_all(&pool))
+        .await
+        .context("pg_stat_activity timed out")?
+        .context("read pg_stat_activity")
+}
+
+/// `pg_terminate_backend` on each pid, each bounded (a paused database answers nothing):
+/// (pid, whether it was terminated).
+async fn terminate_all(w: &World, pids: Vec<i32>) -> Vec<(i32, bool)> {
+    let mut done = Vec::new();
+    for pid in pids {
+        let ok = matches!(
+            tokio::time::timeout(QUERY_TIMEOUT, w.terminate_backend(pid)).await,
+            Ok(Ok(true))
+        );
+        done.push((pid, ok));
+    }
+    done
+}

@@ -1,0 +1,204 @@
+//! The nemesis's fault packages (issue 20), in the manner of Jepsen's nemesis packages:
+//! one file per family ([`process`], [`database`], [`network`], [`client`]), each declaring
+//! its kinds, how the generator draws them, what each holds and needs, how to start and end
+//! it, and what the checker must know about it (the [`Package`] trait and the `start`/`end`
+//! methods the registry calls).
+//!
+//! The registry is [`FaultKind`], made by [`registry!`] from the packages in draw order.
+//! Adding a kind touches its package alone (a variant, its draw, its arms); adding a family
+//! touches a new file and one line of the registry. Either changes what existing seeds
+//! draw, so it comes with a new `GENERATOR_VERSION` (the pinned schedule digest fails
+//! until then). The test `a_made_up_kind_is_one_package_and_one_registry_line` adds a kind
+//! that way.
+//!
+//! Must not: look at the clock, the environment or anything but the seed in `draw`; judge
+//! anything.
+
+pub mod client;
+pub mod database;
+pub mod network;
+pub mod process;
+
+use super::rng::Rng;
+use super::supervisor::Supervisor;
+use crate::world::World;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use tokio::sync::watch;
+
+/// What a package declares about each of its kinds. The registry implements it too, by
+/// asking the package a kind belongs to.
+pub trait Package:
+    Sized + Clone + std::fmt::Debug + PartialEq + Serialize + DeserializeOwned
+{
+    /// The kinds' names, as `--kinds` and `schedule.json` spell them, in draw order.
+    fn kinds() -> Vec<&'static str>;
+    /// The parameters of one fault of kind `name`, drawn from `r`; `None` (and nothing
+    /// drawn) when `name` is not one of [`Package::kinds`].
+    fn draw(name: &str, r: &mut Rng, devices: &[String]) -> Option<Drawn<Self>>;
+    /// Its name in [`Package::kinds`].
+    fn name(&self) -> &'static str;
+    /// Faults that may not overlap share a resource (the gateway process, the database
+    /// process, one proxy, one fault point, one device); an instant takes none.
+    fn resource(&self, target: &str) -> Option<String>;
+    /// Resources that must be free when it starts, though it does not hold them.
+    fn requires(&self) -> &'static [&'static str];
+    /// A schedule read from a file is refused when one of its faults is not well formed.
+    fn validate(&self) -> anyhow::Result<()>;
+    /// The equivalent `IM_FAULT` spec when it is one fault point (`make repro FAULT=…`).
+    fn im_fault(&self) -> Option<String>;
+    /// Whether its cluster must run on the LazyFS layer.
+    fn needs_lazyfs(&self) -> bool;
+    /// For the checker's `d5-sweep-late`: true when the fault cannot delay the sweep's
+    /// pass, so a late hint during it is still the sweep's fault.
+    fn leaves_the_sweep_alone(&self) -> bool;
+}
+
+/// One drawn fault: its kind, what it acts on, and whether it is an instant.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Drawn<K> {
+    pub kind: K,
+    pub target: String,
+    pub instant: bool,
+}
+
+impl<K> Drawn<K> {
+    pub fn map<L>(self, f: impl FnOnce(K) -> L) -> Drawn<L> {
+        Drawn {
+            kind: f(self.kind),
+            target: self.target,
+            instant: self.instant,
+        }
+    }
+}
+
+/// What a fault's `start` and `end` act on: the run's world (the cluster, the database
+/// proxy), the gateway's supervisor (the process, its control socket, the clients' proxy)
+/// and each device's crash switch.
+pub struct FaultCtx<'a> {
+    pub w: &'a mut World,
+    pub sup: &'a mut Supervisor,
+    /// Device id → its switch: true kills its client until set back to false.
+    pub crash_switches: &'a BTreeMap<String, watch::Sender<bool>>,
+}
+
+/// Makes a registry: an enum with one variant per package, in draw order, implementing
+/// [`Package`] (by asking the package a kind belongs to), `serde` (flat: `{"kind": "gw-kill",
+/// …}`; an unknown kind is refused by name), and `start`/`end` (each package's own).
+macro_rules! registry {
+    ($(#[$meta:meta])* $vis:vis enum $name:ident { $($(#[$vmeta:meta])* $var:ident($pkg:ty)),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        $vis enum $name {
+            $($(#[$vmeta])* $var($pkg)),+
+        }
+
+        impl $crate::nemesis::faults::Package for $name {
+            fn kinds() -> Vec<&'static str> {
+                let mut all = Vec::new();
+                $(all.extend(<$pkg as $crate::nemesis::faults::Package>::kinds());)+
+                all
+            }
+            fn draw(
+                name: &str,
+                r: &mut $crate::nemesis::rng::Rng,
+                devices: &[String],
+            ) -> Option<$crate::nemesis::faults::Drawn<Self>> {
+                $(if let Some(d) = <$pkg as $crate::nemesis::faults::Package>::draw(name, r, devices) {
+                    return Some(d.map($name::$var));
+                })+
+                None
+            }
+            fn name(&self) -> &'static str {
+                match self { $($name::$var(k) => k.name()),+ }
+            }
+            fn resource(&self, target: &str) -> Option<String> {
+                match self { $($name::$var(k) => k.resource(target)),+ }
+            }
+            fn requires(&self) -> &'static [&'static str] {
+                match self { $($name::$var(k) => k.requires()),+ }
+            }
+            fn validate(&self) -> anyhow::Result<()> {
+                match self { $($name::$var(k) => k.validate()),+ }
+            }
+            fn im_fault(&self) -> Option<String> {
+                match self { $($name::$var(k) => k.im_fault()),+ }
+            }
+            fn needs_lazyfs(&self) -> bool {
+                match self { $($name::$var(k) => k.needs_lazyfs()),+ }
+            }
+            fn leaves_the_sweep_alone(&self) -> bool {
+                match self { $($name::$var(k) => k.leaves_the_sweep_alone()),+ }
+            }
+        }
+
+        impl serde::Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                match self { $($name::$var(k) => k.serialize(s)),+ }
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                use serde::de::Error;
+                use $crate::nemesis::faults::Package;
+                let map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+                let kind = map
+                    .get("kind")
+                    .and_then(|k| k.as_str())
+                    .ok_or_else(|| D::Error::custom("a fault without a string \"kind\""))?
+                    .to_string();
+                $(if <$pkg as Package>::kinds().contains(&kind.as_str()) {
+                    return serde_json::from_value::<$pkg>(serde_json::Value::Object(map))
+                        .map($name::$var)
+                        .map_err(D::Error::custom);
+                })+
+                Err(D::Error::custom(format!(
+                    "unknown fault kind {kind:?}; kinds: {}",
+                    <Self as Package>::kinds().join(", ")
+                )))
+            }
+        }
+
+        impl $name {
+            /// Starts the fault (its package's `start`): what happened, for the fault log;
+            /// Err when it could not start (the run is then an ERROR).
+            pub async fn start(
+                &self,
+                cx: &mut $crate::nemesis::faults::FaultCtx<'_>,
+                target: &str,
+            ) -> anyhow::Result<serde_json::Value> {
+                match self { $($name::$var(k) => k.start(cx, target).await),+ }
+            }
+
+            /// Ends the fault (its package's `end`); an instant's end does nothing.
+            pub async fn end(
+                &self,
+                cx: &mut $crate::nemesis::faults::FaultCtx<'_>,
+                target: &str,
+            ) -> anyhow::Result<serde_json::Value> {
+                match self { $($name::$var(k) => k.end(cx, target).await),+ }
+            }
+        }
+    };
+}
+
+registry! {
+    /// Every fault kind the nemesis knows: the packages, in draw order (this order and each
+    /// package's order of kinds are the generator's: see `GENERATOR_VERSION`).
+    pub enum FaultKind {
+        Process(process::ProcessFault),
+        Database(database::DatabaseFault),
+        Network(network::NetworkFault),
+        Client(client::ClientFault),
+    }
+}
+
+/// Every fault kind's name, in draw order.
+pub fn kinds() -> Vec<&'static str> {
+    <FaultKind as Package>::kinds()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,202 @@
+//! The process package: faults on the gateway process (kill, crash at a fault point, pause)
+//! and on what it does at a fault point (a frame or a notification dropped, failed or
+//! delayed), through its control socket (`IM_FAULT_CONTROL`).
+//!
+//! Must not: touch the database or the network.
+
+use super::{Drawn, FaultCtx, Package};
+use crate::nemesis::rng::Rng;
+use im_protocol::FaultPoint;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// Fault points a crash may be armed at (`gw-crash-point`): the send path.
+pub const CRASH_POINTS: &[FaultPoint] = &[
+    FaultPoint::SendBeforeInsert,
+    FaultPoint::SendBeforeCommit,
+    FaultPoint::SendBatchBeforeCommit,
+    FaultPoint::SendBatchAfterCommit,
+    FaultPoint::SendAfterCommitBeforeNotify,
+    FaultPoint::ApiAfterSendCommit,
+    FaultPoint::GwReplySend,
+    FaultPoint::GwPush,
+    FaultPoint::GwRecvAck,
+];
+
+/// Points a drop, delay or error may be armed at (`gw-fault`): the frames, and the
+/// notification after a commit (a drop there is a NOTIFY that never happens).
+pub const FRAME_POINTS: &[FaultPoint] = &[
+    FaultPoint::GwReplySend,
+    FaultPoint::GwReplyAck,
+    FaultPoint::GwPush,
+    FaultPoint::GwRecvAck,
+    FaultPoint::SendAfterCommitBeforeNotify,
+    FaultPoint::SendBatchBeforeCommit,
+    FaultPoint::SendBatchAfterCommit,
+];
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum ProcessFault {
+    /// SIGKILL the gateway at `at_ms`; it stays down until `end_ms`, then starts again.
+    GwKill,
+    /// Arm `point:halt:skip:1` at `at_ms` (control socket): the gateway exits 137 on the
+    /// `skip + 1`-th hit and is restarted at once; disarmed at `end_ms` if it never fired.
+    GwCrashPoint { point: FaultPoint, skip: u64 },
+    /// SIGSTOP the gateway at `at_ms`, SIGCONT at `end_ms`.
+    GwPause,
+    /// Arm a frame fault (`drop`, `error` or `delay(MS)`) from `at_ms` to `end_ms`.
+    GwFault { point: FaultPoint, action: String },
+}
+
+const KINDS: &[&str] = &["gw-kill", "gw-crash-point", "gw-pause", "gw-fault"];
+
+/// Whether a frame fault leaves the sweep's pass alone: a drop or error of a push, a reply
+/// or a notification does not delay it; a delay does, and so does anything at
+/// `gw.reply.ack` (the acks the sweep waits for). Shared with im-06's scripted frame faults.
+pub fn frame_fault_leaves_the_sweep_alone(point: FaultPoint, action: &str) -> bool {
+    matches!(action, "drop" | "error") && point != FaultPoint::GwReplyAck
+}
+
+impl Package for ProcessFault {
+    fn kinds() -> Vec<&'static str> {
+        KINDS.to_vec()
+    }
+
+    fn draw(name: &str, r: &mut Rng, _devices: &[String]) -> Option<Drawn<Self>> {
+        let kind = match name {
+            "gw-kill" => ProcessFault::GwKill,
+            "gw-crash-point" => ProcessFault::GwCrashPoint {
+                point: *r.pick(CRASH_POINTS),
+                skip: r.range(0, 20),
+            },
+            "gw-pause" => ProcessFault::GwPause,
+            "gw-fault" => {
+                let action = match r.range(0, 2) {
+                    0 => "drop".to_string(),
+                    1 => "error".to_string(),
+                    _ => format!("delay({})", r.range(50, 1500)),
+                };
+                ProcessFault::GwFault {
+                    point: *r.pick(FRAME_POINTS),
+                    action,
+                }
+            }
+            _ => return None,
+        };
+        Some(Drawn {
+            kind,
+            target: "gateway".into(),
+            instant: false,
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            ProcessFault::GwKill => "gw-kill",
+            ProcessFault::GwCrashPoint { .. } => "gw-crash-point",
+            ProcessFault::GwPause => "gw-pause",
+            ProcessFault::GwFault { .. } => "gw-fault",
+        }
+    }
+
+    fn resource(&self, _target: &str) -> Option<String> {
+        match self {
+            ProcessFault::GwFault { point, .. } => Some(format!("point:{point}")),
+            _ => Some("gateway".into()),
+        }
+    }
+
+    /// A fault acting on the gateway needs a gateway running, and one that was killed or
+    /// crashed starts again only while the database answers (seed 62: a gw-pause while a
+    /// pg-pause held the database after a gw-kill found no gateway); arming a frame fault
+    /// also needs the gateway not held down.
+    fn requires(&self) -> &'static [&'static str] {
+        match self {
+            ProcessFault::GwKill => &[],
+            ProcessFault::GwPause | ProcessFault::GwCrashPoint { .. } => &["postgres"],
+            ProcessFault::GwFault { .. } => &["gateway", "postgres"],
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        match self {
+            ProcessFault::GwCrashPoint { point, .. } | ProcessFault::GwFault { point, .. } => {
+                anyhow::ensure!(
+                    CRASH_POINTS.contains(point) || FRAME_POINTS.contains(point),
+                    "point {point} is not one the nemesis arms"
+                );
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn im_fault(&self) -> Option<String> {
+        match self {
+            ProcessFault::GwCrashPoint { point, skip } => Some(format!("{point}:halt:{skip}:1")),
+            ProcessFault::GwFault { point, action } => Some(format!("{point}:{action}")),
+            _ => None,
+        }
+    }
+
+    fn needs_lazyfs(&self) -> bool {
+        false
+    }
+
+    fn leaves_the_sweep_alone(&self) -> bool {
+        match self {
+            ProcessFault::GwFault { point, action } => {
+                frame_fault_leaves_the_sweep_alone(*point, action)
+            }
+            _ => false,
+        }
+    }
+}
+
+impl ProcessFault {
+    pub async fn start(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
+        use nix::sys::signal::Signal;
+        match self {
+            ProcessFault::GwKill => {
+                cx.sup.hold_down(cx.w);
+                Ok(json!({"killed": true}))
+            }
+            ProcessFault::GwCrashPoint { point, skip } => {
+                let r = cx
+                    .sup
+                    .control(cx.w, &format!("arm {point}:halt:{skip}:1"))
+                    .await?;
+                Ok(json!({"control": r}))
+            }
+            ProcessFault::GwPause => {
+                cx.sup.ensure_gateway(cx.w).await?;
+                cx.sup.signal_gateway(cx.w, Signal::SIGSTOP)?;
+                Ok(json!({"stopped": true}))
+            }
+            ProcessFault::GwFault { point, action } => {
+                let r = cx
+                    .sup
+                    .control(cx.w, &format!("arm {point}:{action}"))
+                    .await?;
+                Ok(json!({"control": r}))
+            }
+        }
+    }
+
+    pub async fn end(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
+        match self {
+            ProcessFault::GwKill => Ok(json!({"restarted": cx.sup.release(cx.w).await})),
+            ProcessFault::GwCrashPoint { point, .. } | ProcessFault::GwFault { point, .. } => {
+                // The gateway may have exited (the halt fired) or been replaced: nothing armed.
+                let r = cx.sup.control_once(&format!("disarm {point}")).await;
+                Ok(json!({"control": r.unwrap_or_else(|e| format!("{e:#}"))}))
+            }
+            ProcessFault::GwPause => {
+                cx.sup
+                    .signal_gateway(cx.w, nix::sys::signal::Signal::SIGCONT)?;
+                Ok(json!({"continued": true}))
+            }
+        }
+    }
+}
