@@ -159,7 +159,6 @@ impl World {
         std::fs::create_dir_all(&clients)
             .with_context(|| format!("create {}", clients.display()))?;
         let hist = History::create(&pg.work_dir().join("history.jsonl"))?;
-        history::set_current(Some(hist.clone()));
         {
             let pool = pg.pool().await?;
             sqlx::raw_sql(CURSOR_AUDIT_SQL)
@@ -325,9 +324,27 @@ impl World {
         Ok(killed)
     }
 
+    /// A new client for `device` with its state file at [`World::state_path`]`(name)`,
+    /// recording into this world's history.
+    pub fn create_client(
+        &self,
+        name: &str,
+        device: &str,
+        token: &str,
+        epoch: i64,
+    ) -> anyhow::Result<Client> {
+        Client::create(
+            &self.state_path(name),
+            device,
+            token,
+            epoch,
+            Some(self.history().clone()),
+        )
+    }
+
     /// Loads a client from its state file (a restarted device), recorded in the history.
     pub fn load_client(&self, state: &std::path::Path) -> anyhow::Result<Client> {
-        Client::load(state)
+        Client::load(state, Some(self.history().clone()))
     }
 
     /// Kills the current gateway (if it still runs) and starts a new one with `opts` on
@@ -983,7 +1000,6 @@ impl World {
         std::fs::create_dir_all(&clients)
             .with_context(|| format!("create {}", clients.display()))?;
         let hist = History::create(&pg.work_dir().join("history.jsonl"))?;
-        history::set_current(Some(hist.clone()));
         let pool = pool_at(&db_url).await?;
         sqlx::raw_sql(CURSOR_AUDIT_SQL)
             .execute(&pool)

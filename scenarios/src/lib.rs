@@ -530,7 +530,7 @@ pub async fn connect(
     device: &str,
     token: &str,
 ) -> anyhow::Result<harness::client::Client> {
-    let mut c = harness::client::Client::create(&w.state_path(device), device, token, 1)?;
+    let mut c = w.create_client(device, device, token, 1)?;
     c.connect(&w.ws_url())
         .await
         .map_err(|e| anyhow::anyhow!("connect {device}: {e}"))?;

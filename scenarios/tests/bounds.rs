@@ -606,7 +606,7 @@ async fn sync_pages_fill_up_to_their_byte_bound() {
         })
         .await
         .unwrap();
-    let mut d = harness::client::Client::create(&w.state_path("b1-exact"), "b1", &tb, 1).unwrap();
+    let mut d = w.create_client("b1-exact", "b1", &tb, 1).unwrap();
     d.connect(&w.ws_url_at(exact)).await.unwrap();
     let p = d.sync_once("c1", 0, 100, T).await.unwrap();
     let seqs = page_seqs(&p);

@@ -483,16 +483,16 @@ async fn connections_per_device_are_capped() {
     let (w, ta, _tb) = alice_and_bob_with_three_conns_per_device().await;
     let mut open = Vec::new();
     for i in 0..3 {
-        let mut c = Client::create(&w.state_path(&format!("a1-{i}")), "a1", &ta, 1).unwrap();
+        let mut c = w.create_client(&format!("a1-{i}"), "a1", &ta, 1).unwrap();
         c.connect(&w.ws_url()).await.unwrap();
         open.push(c);
     }
-    let mut extra = Client::create(&w.state_path("a1-x"), "a1", &ta, 1).unwrap();
+    let mut extra = w.create_client("a1-x", "a1", &ta, 1).unwrap();
     let r = extra.connect(&w.ws_url()).await;
     assert_eq!(code(&r).as_deref(), Some("UNAVAILABLE"), "{r:?}");
     extra.wait_closed(T).await.unwrap();
     open.pop().unwrap().close().await;
-    let mut again = Client::create(&w.state_path("a1-y"), "a1", &ta, 1).unwrap();
+    let mut again = w.create_client("a1-y", "a1", &ta, 1).unwrap();
     let url = w.ws_url();
     let v = wait_until("a freed place to be reused", T, async || {
         again.connect(&url).await.map_err(|e| e.to_string())
@@ -530,10 +530,10 @@ async fn reinstall_closes_the_old_connection_and_it_sees_nothing_more() {
             ..Default::default()
         })
     };
-    let mut old = no_ack(Client::create(&w.state_path("b1-old"), "b1", &tb, 1).unwrap());
+    let mut old = no_ack(w.create_client("b1-old", "b1", &tb, 1).unwrap());
     old.connect(&w.ws_url()).await.unwrap();
     old.sub().await.unwrap();
-    let mut k = no_ack(Client::create(&w.state_path("k1"), "k1", &tc, 1).unwrap());
+    let mut k = no_ack(w.create_client("k1", "k1", &tc, 1).unwrap());
     k.connect(&w.ws_url()).await.unwrap();
     k.sub().await.unwrap();
     a.send("c1", "before", "for everyone", T).await.unwrap();
@@ -546,7 +546,7 @@ async fn reinstall_closes_the_old_connection_and_it_sees_nothing_more() {
     .unwrap();
 
     let tb2 = w.reinstall_device("b1").await.unwrap();
-    let mut new = Client::create(&w.state_path("b1-new"), "b1", &tb2, 2).unwrap();
+    let mut new = w.create_client("b1-new", "b1", &tb2, 2).unwrap();
     new.connect(&w.ws_url()).await.unwrap();
     new.sub().await.unwrap();
     a.send("c1", "after", "for the new install only", T)
@@ -666,12 +666,12 @@ async fn a_reinstall_closes_every_open_connection_of_the_device() {
     let (w, _ta, tb) = alice_and_bob_with_three_conns_per_device().await;
     let mut open = Vec::new();
     for name in ["b1-x", "b1-y"] {
-        let mut c = Client::create(&w.state_path(name), "b1", &tb, 1).unwrap();
+        let mut c = w.create_client(name, "b1", &tb, 1).unwrap();
         c.connect(&w.ws_url()).await.unwrap();
         c.sub().await.unwrap();
         open.push(c);
     }
-    let mut z = Client::create(&w.state_path("b1-z"), "b1", &tb, 1).unwrap();
+    let mut z = w.create_client("b1-z", "b1", &tb, 1).unwrap();
     z.connect(&w.ws_url()).await.unwrap();
     z.close().await;
     w.reinstall_device("b1").await.unwrap();
@@ -777,7 +777,7 @@ async fn slowloris_does_not_starve_real_clients_nor_delay_sigterm() {
     .await
     .unwrap();
     for i in 0..20 {
-        let mut c = Client::create(&w.state_path(&format!("real-{i}")), "a1", &ta, 1).unwrap();
+        let mut c = w.create_client(&format!("real-{i}"), "a1", &ta, 1).unwrap();
         let r = c.connect(&w.ws_url()).await;
         assert!(
             r.is_ok(),
@@ -805,7 +805,7 @@ async fn slowloris_does_not_starve_real_clients_nor_delay_sigterm() {
         held.push(s);
     }
     // Accept is in order: once a later connection is served, the five were accepted.
-    let mut c = Client::create(&w.state_path("after-held"), "a1", &ta, 1).unwrap();
+    let mut c = w.create_client("after-held", "a1", &ta, 1).unwrap();
     c.connect(&w.ws_url()).await.unwrap();
     let t0 = Instant::now();
     let status = w.gw_mut().terminate(T).await.unwrap();
@@ -846,7 +846,7 @@ async fn sigterm_under_load_delivers_every_committed_reply_and_1001() {
         w.add_conv(conv, &[&user]).await.unwrap();
         let mut clients = Vec::new();
         for (d, t) in &tokens {
-            let mut c = Client::create(&w.state_path(d), d, t, 1).unwrap();
+            let mut c = w.create_client(d, d, t, 1).unwrap();
             c.connect(&w.ws_url()).await.unwrap();
             c.sub().await.unwrap();
             clients.push(c);

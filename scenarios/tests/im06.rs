@@ -95,7 +95,7 @@ async fn crash_point(
     a.crash().await;
 
     w.restart_gateway(GatewayOpts::default()).await?;
-    let mut again = Client::load(&state)?;
+    let mut again = w.load_client(&state)?;
     again
         .connect(&w.ws_url())
         .await
@@ -115,7 +115,7 @@ async fn crash_point(
     c.expect(
         "outbox_empty",
         true,
-        again.outbox().is_empty() && Client::load(&state)?.outbox().is_empty(),
+        again.outbox().is_empty() && w.load_client(&state)?.outbox().is_empty(),
     );
     invariants(c, &w).await
 }
@@ -250,7 +250,7 @@ async fn im06_crash_send_after_commit_before_notify() {
             ..Default::default()
         })
         .await?;
-        let mut a = Client::load(&a_state)?;
+        let mut a = w.load_client(&a_state)?;
         a.connect(&w.ws_url())
             .await
             .map_err(|e| anyhow::anyhow!("reconnect a1: {e}"))?;
@@ -264,7 +264,7 @@ async fn im06_crash_send_after_commit_before_notify() {
         c.expect("resend_dup", Some(true), reply["dup"].as_bool());
         c.expect("resend_seq", Some(seq), reply["seq"].as_i64());
         c.expect("rows_after_resend", 1, w.count_events("c1").await?);
-        let mut b = Client::load(&b_state)?;
+        let mut b = w.load_client(&b_state)?;
         b.connect(&w.ws_url())
             .await
             .map_err(|e| anyhow::anyhow!("reconnect b1: {e}"))?;
@@ -715,7 +715,7 @@ async fn im06_receiver_crash_before_ack() {
             None::<i64>,
             w.cursor("b1", "c1").await?,
         );
-        let mut b2 = Client::load(&state)?;
+        let mut b2 = w.load_client(&state)?;
         c.expect(
             "stored_after_restart",
             vec![1, 2, 3, 4, 5],
@@ -2167,7 +2167,7 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
         tokens.push(w.add_device(device, user).await?);
     }
     w.add_conv("c1", &["alice", "bob", "carol", "dave"]).await?;
-    let new = |device: &str, token: &str| Client::create(&w.state_path(device), device, token, 1);
+    let new = |device: &str, token: &str| w.create_client(device, device, token, 1);
     let mut a1 = new("a1", &tokens[0])?;
     let mut b1 = new("b1", &tokens[1])?;
     let mut k1 = new("k1", &tokens[2])?;
@@ -2309,7 +2309,7 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
 
         // B's devices move to the survivor: b1 restarts from its state file and replays.
         b1.crash().await;
-        b1 = Client::load(&b1_state)?;
+        b1 = w.load_client(&b1_state)?;
         move_to(&w, A, &mut b1).await?;
         let replies = b1.replay_outbox(T).await;
         c.expect(&format!("{point}.b1_replayed"), 1, replies.len());

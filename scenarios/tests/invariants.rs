@@ -3,7 +3,7 @@
 //! task included, into one `invariant broken` line on stderr and an abort, never into an
 //! INTERNAL reply from a gateway that goes on serving. One test = one process = one cluster.
 
-use harness::client::{Client, ClientError};
+use harness::client::ClientError;
 use harness::gateway::GatewayOpts;
 use harness::world::World;
 use serde_json::{json, Value};
@@ -28,7 +28,7 @@ async fn broken_d4_ends_the_gateway_process() {
     let token = w.add_device("a1", "alice").await.unwrap();
     w.add_conv("c1", &["alice"]).await.unwrap();
 
-    let mut c = Client::create(&w.state_path("a1"), "a1", &token, 1).unwrap();
+    let mut c = w.create_client("a1", "a1", &token, 1).unwrap();
     c.connect_raw(&w.ws_url()).await.unwrap();
     let r = c
         .request(

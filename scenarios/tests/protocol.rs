@@ -53,7 +53,7 @@ async fn hello_first_and_bad_credentials_are_unauthenticated_then_closed() {
     w.add_user("alice").await.unwrap();
     let token = w.add_device("a1", "alice").await.unwrap();
 
-    let mut c = Client::create(&w.state_path("raw"), "a1", &token, 1).unwrap();
+    let mut c = w.create_client("raw", "a1", &token, 1).unwrap();
     c.connect_raw(&w.ws_url()).await.unwrap();
     for frame in [
         json!({"t":"sub"}),
@@ -99,7 +99,9 @@ async fn hello_first_and_bad_credentials_are_unauthenticated_then_closed() {
     .into_iter()
     .enumerate()
     {
-        let mut c = Client::create(&w.state_path(&format!("bad{i}")), device, tok, epoch).unwrap();
+        let mut c = w
+            .create_client(&format!("bad{i}"), device, tok, epoch)
+            .unwrap();
         let r = c.connect(&w.ws_url()).await;
         assert_eq!(
             r.as_ref().err().and_then(|e| e.code()),
@@ -123,7 +125,7 @@ async fn reinstall_makes_older_installs_stale() {
     let (_ta, tb) = scenarios::provision_alice_and_bob(&w).await.unwrap();
     let mut before = Vec::new();
     for i in 0..4 {
-        let mut c = Client::create(&w.state_path(&format!("b1-{i}")), "b1", &tb, 1).unwrap();
+        let mut c = w.create_client(&format!("b1-{i}"), "b1", &tb, 1).unwrap();
         c.connect(&w.ws_url()).await.unwrap();
         before.push(c);
     }
@@ -153,7 +155,7 @@ async fn reinstall_makes_older_installs_stale() {
         "a stale install writes nothing"
     );
 
-    let mut old = Client::create(&w.state_path("old"), "b1", &tb, 1).unwrap();
+    let mut old = w.create_client("old", "b1", &tb, 1).unwrap();
     let r = old.connect(&w.ws_url()).await;
     assert_eq!(
         r.as_ref().err().and_then(|e| e.code()),
@@ -161,7 +163,7 @@ async fn reinstall_makes_older_installs_stale() {
         "{r:?}"
     );
     old.wait_closed(T).await.unwrap();
-    let mut guess = Client::create(&w.state_path("guess"), "b1", "whatever", 1).unwrap();
+    let mut guess = w.create_client("guess", "b1", "whatever", 1).unwrap();
     let r = guess.connect(&w.ws_url()).await;
     assert_eq!(
         r.as_ref().err().and_then(|e| e.code()),
@@ -169,7 +171,7 @@ async fn reinstall_makes_older_installs_stale() {
         "{r:?}"
     );
 
-    let mut new = Client::create(&w.state_path("new"), "b1", &new_token, 2).unwrap();
+    let mut new = w.create_client("new", "b1", &new_token, 2).unwrap();
     let r = new.connect(&w.ws_url()).await.unwrap();
     assert_eq!(r["epoch"], 2);
 }
@@ -326,7 +328,7 @@ async fn out_of_order_concurrent_acks_keep_the_maximum_d4() {
     let tb = w.reinstall_device("b1").await.unwrap();
     let mut conns = Vec::new();
     for i in 0..4 {
-        let mut c = Client::create(&w.state_path(&format!("b1x{i}")), "b1", &tb, 2).unwrap();
+        let mut c = w.create_client(&format!("b1x{i}"), "b1", &tb, 2).unwrap();
         c.connect(&w.ws_url()).await.unwrap();
         conns.push(c);
     }
@@ -554,7 +556,7 @@ async fn sweep_hints_a_device_that_missed_events() {
     })
     .await
     .unwrap();
-    let mut b = Client::load(&state).unwrap();
+    let mut b = w.load_client(&state).unwrap();
     b.connect(&w.ws_url()).await.unwrap();
     b.request(json!({"t":"sub"}), T).await.unwrap(); // raw sub: the client does not sync by itself
     b.wait_server_delivered("c1", 3, T).await.unwrap();
@@ -935,7 +937,7 @@ async fn bad_input_is_bad_request_and_oversize_is_too_large() {
 async fn connection_cap_refuses_extra_connections() {
     let (w, a, _b) = third_refused_with_a_503("IM_MAX_CONNECTIONS").await;
     a.close().await;
-    let mut fourth = Client::create(&w.state_path("fourth"), "a1", "x", 1).unwrap();
+    let mut fourth = w.create_client("fourth", "a1", "x", 1).unwrap();
     let url = w.ws_url();
     wait_until("a freed slot to be reused", T, async || {
         fourth.connect_raw(&url).await.map_err(|e| format!("{e:#}"))
@@ -964,7 +966,7 @@ async fn third_refused_with_a_503(var: &str) -> (World, Client, Client) {
     .await
     .unwrap();
     let (a, b) = alice_and_bob(&w).await.unwrap();
-    let mut third = Client::create(&w.state_path("third"), "a1", "x", 1).unwrap();
+    let mut third = w.create_client("third", "a1", "x", 1).unwrap();
     let refused = third
         .connect_raw(&w.ws_url())
         .await
@@ -1237,7 +1239,7 @@ async fn connection_without_hello_is_closed_after_the_hello_timeout() {
     .await
     .unwrap();
     let (a, _b) = alice_and_bob(&w).await.unwrap();
-    let mut silent = Client::create(&w.state_path("silent"), "a1", "x", 1).unwrap();
+    let mut silent = w.create_client("silent", "a1", "x", 1).unwrap();
     silent.connect_raw(&w.ws_url()).await.unwrap();
     let t0 = Instant::now();
     silent

@@ -168,7 +168,7 @@ impl Steady {
 
 /// A client for `device` on gateway `i`, connected (and subscribed if `sub`).
 async fn join(w: &World, i: usize, device: &str, token: &str, sub: bool) -> anyhow::Result<Client> {
-    let mut c = Client::create(&w.state_path(device), device, token, 1)?;
+    let mut c = w.create_client(device, device, token, 1)?;
     c.connect(&w.ws_url_at(i))
         .await
         .map_err(|e| anyhow::anyhow!("connect {device} to gateway {i}: {e}"))?;
@@ -413,7 +413,7 @@ async fn stale_install(two: bool) -> anyhow::Result<()> {
             .iter()
             .any(|(_, f)| f["t"] == "error" && f["code"] == "STALE_INSTALL");
     anyhow::ensure!(stale, "closed with STALE_INSTALL after {closed:?}");
-    let fresh = Client::create(&s.w.state_path("b1-new"), "b1", &token, 2)?;
+    let fresh = s.w.create_client("b1-new", "b1", &token, 2)?;
     let mut fresh = fresh;
     fresh
         .connect(&s.w.ws_url_at(s.rx))

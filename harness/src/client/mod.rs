@@ -402,6 +402,7 @@ impl Client {
         device: &str,
         token: &str,
         epoch: i64,
+        hist: Option<History>,
     ) -> anyhow::Result<Client> {
         if state_path.exists() {
             bail!(
@@ -410,7 +411,7 @@ impl Client {
             );
         }
         let file = StateFile::new(device, token, epoch);
-        let client = Client::from_file(state_path, file)?;
+        let client = Client::from_file(state_path, file, hist)?;
         client.inner.rec(None, Line::Client(Life::Create {}));
         {
             let mut st = client.inner.lock();
@@ -423,9 +424,9 @@ impl Client {
     }
 
     /// Builds a client from an existing state file (a restarted device).
-    pub fn load(state_path: &Path) -> anyhow::Result<Client> {
+    pub fn load(state_path: &Path, hist: Option<History>) -> anyhow::Result<Client> {
         let file = StateFile::read(state_path)?;
-        let client = Client::from_file(state_path, file)?;
+        let client = Client::from_file(state_path, file, hist)?;
         client.inner.rec(None, Line::Client(Life::Restart {}));
         Ok(client)
     }
@@ -438,10 +439,13 @@ impl Client {
         Ok((file.device, events))
     }
 
-    /// Records into the process's current history (`crate::history::current`), if any.
-    fn from_file(state_path: &Path, file: StateFile) -> anyhow::Result<Client> {
+    /// Records into `hist`, if any (a client of no scenario records nothing).
+    fn from_file(
+        state_path: &Path,
+        file: StateFile,
+        hist: Option<History>,
+    ) -> anyhow::Result<Client> {
         let (changed, _) = watch::channel(0);
-        let hist = crate::history::current();
         let device = file.device.clone();
         let instance = hist.as_ref().map_or(0, |h| h.next_instance(&device));
         Ok(Client {

@@ -180,7 +180,7 @@ async fn outbox_persisted_before_send_and_replayed_after_load() -> anyhow::Resul
     }))
     .await?;
 
-    let mut c = Client::create(&path, "d1", "tok1", 1)?;
+    let mut c = Client::create(&path, "d1", "tok1", 1, None)?;
     let welcome = c.connect(&s1.url).await?;
     assert_eq!(field_str(&welcome, "t"), Some("welcome"));
     let (_, hello) = expect(&mut s1.got, WAIT, is("hello")).await?;
@@ -224,7 +224,7 @@ async fn outbox_persisted_before_send_and_replayed_after_load() -> anyhow::Resul
         _ => vec![],
     }))
     .await?;
-    let mut c2 = Client::load(&path)?;
+    let mut c2 = Client::load(&path, None)?;
     assert_eq!(c2.outbox(), vec![entry.clone()]);
     c2.connect(&s2.url).await?;
     let results = c2.replay_outbox(WAIT).await;
@@ -272,7 +272,7 @@ async fn send_errors_terminal_or_kept() -> anyhow::Result<()> {
         }
     }))
     .await?;
-    let mut c = Client::create(&dir.state(), "d1", "t", 1)?;
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?;
     c.connect(&s.url).await?;
     let r = c.send("a", "conflict", "x", WAIT).await;
     assert_eq!(
@@ -322,7 +322,7 @@ async fn store_survives_restart_and_sub_dedupes() -> anyhow::Result<()> {
         auto_ack: false,
         ..ClientOptions::default()
     };
-    let mut c = Client::create(&path, "d1", "t", 1)?.with_options(opts);
+    let mut c = Client::create(&path, "d1", "t", 1, None)?.with_options(opts);
     c.connect(&s1.url).await?;
     c.sub().await?;
     assert!(c.is_subscribed());
@@ -336,7 +336,7 @@ async fn store_survives_restart_and_sub_dedupes() -> anyhow::Result<()> {
         assert_ne!(field_str(&v, "t"), Some("ack"), "{v}");
     }
 
-    let c2 = Client::load(&path)?;
+    let c2 = Client::load(&path, None)?;
     assert_eq!(c2.cursor("a"), 2);
     assert_eq!(c2.stored_seqs("a"), vec![1, 2]);
     assert_eq!(c2.stored("a")[1]["body"], json!("b2"));
@@ -397,7 +397,7 @@ async fn gap_triggers_sync_from_cursor() -> anyhow::Result<()> {
         _ => vec![],
     }))
     .await?;
-    let mut c = Client::create(&dir.state(), "d1", "t", 1)?;
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?;
     c.connect(&s.url).await?;
     s.push.send(push_ev("a", 1))?;
     c.wait_cursor("a", 1, WAIT).await?;
@@ -453,7 +453,7 @@ async fn hint_triggers_paged_sync_and_ack() -> anyhow::Result<()> {
         sync_limit: 2,
         ..ClientOptions::default()
     };
-    let mut c = Client::create(&dir.state(), "d1", "t", 1)?.with_options(opts);
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?.with_options(opts);
     c.connect(&s.url).await?;
     s.push
         .send(json!({"t": "hint", "conv": "a", "head": 3, "why": "sweep"}))?;
@@ -494,7 +494,7 @@ async fn acks_coalesce_every_four() -> anyhow::Result<()> {
         ack_after: Duration::from_secs(30),
         ..ClientOptions::default()
     };
-    let mut c = Client::create(&dir.state(), "d1", "t", 1)?.with_options(opts);
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?.with_options(opts);
     c.connect(&s.url).await?;
     for seq in 1..=8 {
         s.push.send(push_ev("a", seq))?;
@@ -514,7 +514,7 @@ async fn acks_coalesce_every_four() -> anyhow::Result<()> {
 async fn single_push_acked_after_delay_and_crash_drops_pending_ack() -> anyhow::Result<()> {
     let dir = TestDir::new("ack50")?;
     let mut s = fake(responder(|_| vec![])).await?;
-    let mut c = Client::create(&dir.state(), "d1", "t", 1)?;
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?;
     c.connect(&s.url).await?;
     s.push.send(push_ev("a", 1))?;
     let (acked_at, ack) = expect(&mut s.got, WAIT, is("ack")).await?;
@@ -558,7 +558,7 @@ async fn close_flushes_pending_ack() -> anyhow::Result<()> {
         ack_after: Duration::from_secs(30),
         ..ClientOptions::default()
     };
-    let mut c = Client::create(&dir.state(), "d1", "t", 1)?.with_options(opts);
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?.with_options(opts);
     c.connect(&s.url).await?;
     s.push.send(push_ev("a", 1))?;
     c.wait_cursor("a", 1, WAIT).await?;
@@ -584,8 +584,8 @@ async fn raw_frames_and_create_refuses_overwrite() -> anyhow::Result<()> {
         }
     }))
     .await?;
-    let mut c = Client::create(&dir.state(), "d1", "t", 1)?;
-    assert!(Client::create(&dir.state(), "d1", "t", 1).is_err());
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?;
+    assert!(Client::create(&dir.state(), "d1", "t", 1, None).is_err());
     c.connect_raw(&s.url).await?;
     c.send_text("{not json").await?;
     c.wait_for("a BAD_REQUEST frame", WAIT, |c| {

@@ -113,29 +113,6 @@ struct Inner {
     probes_in_flight: AtomicU64,
 }
 
-/// The history of the scenario running in this process (one scenario = one process), set by
-/// `World::start`. Clients made without an explicit history record here.
-static CURRENT: OnceLock<Mutex<Option<History>>> = OnceLock::new();
-
-fn current_slot() -> &'static Mutex<Option<History>> {
-    CURRENT.get_or_init(|| Mutex::new(None))
-}
-
-/// The process's current history, if a world opened one.
-pub fn current() -> Option<History> {
-    current_slot()
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone()
-}
-
-/// Makes `h` the process's current history (clients made from now on record into it).
-pub fn set_current(h: Option<History>) {
-    *current_slot()
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner) = h;
-}
-
 pub fn wall_us_now() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -18,7 +18,7 @@ use super::supervisor::Supervisor;
 use crate::checker::Report;
 use crate::client::{Client, ClientError, ClientOptions, HintAck};
 use crate::gateway::{self, GatewayOpts};
-use crate::history::{Action, Join};
+use crate::history::{Action, History, Join};
 use crate::proxy::Proxy;
 use crate::world::{World, WorldOpts};
 use anyhow::Context;
@@ -220,6 +220,7 @@ async fn drive(
             crashed: crashed_rx,
             stop: stop_rx.clone(),
             settled: settled.clone(),
+            hist: w.history().clone(),
         }));
         crash_switches.insert(device.clone(), crashed);
         devices.push(DeviceHandle {
@@ -526,6 +527,8 @@ struct DeviceArgs {
     crashed: watch::Receiver<bool>,
     stop: watch::Receiver<bool>,
     settled: Arc<AtomicBool>,
+    /// The run's history, which the device's clients record into.
+    hist: History,
 }
 
 /// One device: connects (again after any loss), subscribes, replays its outbox, sends a
@@ -544,9 +547,11 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
         mut crashed,
         mut stop,
         settled,
+        hist,
     } = a;
     let mut rng = super::schedule::Rng::new(seed);
-    let mut client = Some(Client::create(&state, &device, &token, 1)?.with_options(copts));
+    let mut client =
+        Some(Client::create(&state, &device, &token, 1, Some(hist.clone()))?.with_options(copts));
     let mut n: u64 = 0;
     loop {
         if *stop.borrow() {
@@ -562,7 +567,7 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
                 _ = crashed.wait_for(|c| !*c) => {}
                 _ = stop.wait_for(|s| *s) => return Ok(None),
             }
-            client = Some(Client::load(&state)?.with_options(copts));
+            client = Some(Client::load(&state, Some(hist.clone()))?.with_options(copts));
             continue;
         }
         let c = client.as_mut().expect("a live client");
