@@ -354,7 +354,7 @@ async fn drive(
             .filter(|d| !d.settled.load(Ordering::SeqCst))
             .map(|d| d.device.clone())
             .collect();
-        let gw_up = w.gw.as_mut().is_some_and(|g| g.try_exit_status().is_none());
+        let gw_up = w.gateway_up();
         if unsettled.is_empty() && gw_up && pending_membership.is_empty() {
             break;
         }

@@ -38,7 +38,7 @@ impl Supervisor {
     /// effect once the gateway runs again, after that fault's end disarmed it: its command
     /// waited in the control socket. Anything armed now is recorded and disarmed.
     pub async fn disarm_stale(&self, w: &World) {
-        if w.gw.is_none() {
+        if !w.has_gateway() {
             return;
         }
         let Ok(listed) = gateway::fault_control(&self.control, "list").await else {
@@ -61,18 +61,15 @@ impl Supervisor {
         if self.down {
             return;
         }
-        if let Some(gw) = w.gw.as_mut() {
-            match gw.try_exit_status() {
-                None => return,
-                Some(status) => {
-                    w.history().nemesis_instant(Action::GatewayExit {
-                        gateway: None,
-                        status: status.code(),
-                        raw: status.to_string(),
-                    });
-                    w.gw = None;
-                }
-            }
+        if w.has_gateway() {
+            let Some(status) = w.take_exited_gateway() else {
+                return;
+            };
+            w.history().nemesis_instant(Action::GatewayExit {
+                gateway: None,
+                status: status.code(),
+                raw: status.to_string(),
+            });
         }
         if self.next_restart.is_some_and(|t| Instant::now() < t) {
             return;
@@ -85,7 +82,7 @@ impl Supervisor {
             }
             Err(e) => {
                 tracing::info!(error = %format!("{e:#}"), "nemesis: gateway start failed; retrying");
-                w.gw = None;
+                w.take_gateway();
                 self.next_restart = Some(Instant::now() + Duration::from_millis(200));
             }
         }
@@ -110,10 +107,9 @@ impl Supervisor {
     /// Kills the gateway (SIGKILL) and holds it down until [`Supervisor::release`].
     pub fn hold_down(&mut self, w: &mut World) {
         self.down = true;
-        if let Some(gw) = w.gw.as_mut() {
+        if let Some(mut gw) = w.take_gateway() {
             gw.kill();
         }
-        w.gw = None;
     }
 
     /// Ends a [`Supervisor::hold_down`]: the gateway is started again now. True when it runs.
@@ -121,7 +117,7 @@ impl Supervisor {
         self.down = false;
         self.next_restart = None;
         self.supervise(w).await;
-        w.gw.is_some()
+        w.has_gateway()
     }
 
     /// Sends `cmd` once to the control socket, whatever runs (a disarm after the gateway may
@@ -146,8 +142,7 @@ impl Supervisor {
     pub async fn ensure_gateway(&mut self, w: &mut World) -> anyhow::Result<()> {
         let deadline = Instant::now() + GATEWAY_BACK_WITHIN;
         loop {
-            let up = w.gw.as_mut().is_some_and(|g| g.try_exit_status().is_none());
-            if up {
+            if w.gateway_up() {
                 return Ok(());
             }
             anyhow::ensure!(!self.down, "no gateway running: a gw-kill holds it down");
@@ -178,8 +173,8 @@ impl Supervisor {
     }
 
     pub fn signal_gateway(&self, w: &World, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
-        let gw = w.gw.as_ref().context("no gateway running")?;
-        let pid = nix::unistd::Pid::from_raw(i32::try_from(gw.pid())?);
+        let pid = w.gateway_pid().context("no gateway running")?;
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
         nix::sys::signal::kill(pid, sig).with_context(|| format!("kill({pid}, {sig})"))
     }
 }

@@ -1,0 +1,327 @@
+//! One scenario's world: a migrated throwaway cluster plus a gateway on it, and the
+//! admin and database look-ups scenarios need (users, devices, conversations, event
+//! counts, cursors, heads).
+//!
+//! Owns: the pairing of one `pg::Cluster` with its gateways (the first, `gw`, and any
+//! further ones on the same database, issue 12: [`World::start_gateway`]), their drop
+//! order (gateways first), a cached check pool, the run's history (`history.jsonl` in
+//! the cluster's work dir: every nemesis action taken through the world is recorded
+//! there, and every client made through the world records into it), the cursor audit the
+//! checker reads, and the final read that the checker judges ([`World::judge`]).
+//! Must not: speak the WebSocket protocol (`crate::client`).
+//!
+//! In three parts besides the construction here: `topology.rs` (the processes: gateways,
+//! the database, failover, fault arming), `admin.rs` (admin commands, look-ups, clients)
+//! and `judge.rs` (the final read and the checker). Gateway 0 is private: a supervisor
+//! replaces it only through [`World::take_exited_gateway`], [`World::take_gateway`] and
+//! [`World::restart_gateway`].
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+
+use crate::checker::{self, Report};
+use crate::client::Client;
+use crate::gateway::{self, Gateway, GatewayOpts};
+use crate::history::{self, Action, Done, History, Join, Life, Line, Meta, Outcome};
+use crate::pg::{Cluster, ClusterOpts};
+use crate::proxy::Proxy;
+use im_protocol::FaultPoint;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+/// The gateway's default `IM_SWEEP_MS` (SPEC 2b), for the liveness bound.
+const SWEEP_MS_DEFAULT: u64 = 1000;
+
+/// Audit of every `device_cursors` write (harness-owned, not part of the gateway's schema):
+/// the checker holds each cursor increase against the acks the device really sent (D3).
+const CURSOR_AUDIT_SQL: &str = "
+CREATE TABLE imfault_cursor_audit (
+    id        bigserial PRIMARY KEY,
+    device_id text NOT NULL,
+    conv_id   text NOT NULL,
+    old_seq   bigint,
+    new_seq   bigint NOT NULL,
+    wall_us   bigint NOT NULL);
+CREATE FUNCTION imfault_audit_cursor() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO imfault_cursor_audit (device_id, conv_id, old_seq, new_seq, wall_us)
+    VALUES (NEW.device_id, NEW.conv_id,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.delivered_seq END, NEW.delivered_seq,
+            (extract(epoch FROM clock_timestamp()) * 1000000)::bigint);
+    RETURN NEW;
+END $$;
+CREATE TRIGGER imfault_cursor_audit AFTER INSERT OR UPDATE ON device_cursors
+    FOR EACH ROW EXECUTE FUNCTION imfault_audit_cursor();";
+
+/// A migrated cluster and a gateway serving it. Fields drop in declaration order: the
+/// gateway is killed before the database goes away.
+pub struct World {
+    /// The current gateway (gateway 0); `None` only once taken out
+    /// ([`World::take_gateway`], [`World::take_exited_gateway`]) and not started again.
+    gw: Option<Gateway>,
+    /// Further gateway processes on the same database (gateways 1, 2, …), each with the
+    /// options it was started with ([`World::start_gateway`]).
+    more: Vec<(Gateway, GatewayOpts)>,
+    /// The standby and the proxies of a replicated world (dropped before the primary).
+    pub failover: Option<Failover>,
+    /// The gateway's own path to the database ([`WorldOpts::db_proxy`]): a controlled
+    /// proxy whose condition the nemesis sets; the checks, admin commands and the judge go
+    /// around it.
+    pub db_proxy: Option<Proxy>,
+    /// The database address the gateway, the admin commands and the checks use: the
+    /// primary's, or the failover proxy's in a replicated world.
+    db_url: String,
+    /// Check pool, made on first use (survives a database crash: sqlx replaces
+    /// broken connections on acquire).
+    pool: tokio::sync::OnceCell<sqlx::PgPool>,
+    /// The database, dropped last.
+    pub pg: Cluster,
+    /// The options the current gateway was started with.
+    opts: GatewayOpts,
+    /// This run's history.
+    hist: History,
+}
+
+/// How the world's database is set up (beyond [`GatewayOpts`]).
+#[derive(Debug, Clone, Default)]
+pub struct WorldOpts {
+    /// The primary cluster's options (the LazyFS layer, extra settings).
+    pub cluster: ClusterOpts,
+    /// A streaming-replication standby behind a switchable proxy.
+    pub replication: Option<Replication>,
+    /// The gateway reaches the database through a controlled proxy ([`World::db_proxy`]).
+    pub db_proxy: bool,
+}
+
+/// A standby for failover (issue 11, U2).
+#[derive(Debug, Clone, Copy)]
+pub struct Replication {
+    /// `synchronous_standby_names = 'standby'` on the primary (its `synchronous_commit`
+    /// stays `on`: a commit waits for the standby's flush).
+    pub synchronous: bool,
+    /// One-way delay of the replication link (a harness proxy between the standby and the
+    /// primary): the window in which an asynchronous standby lags.
+    pub link_delay: Duration,
+}
+
+/// The standby side of a replicated world.
+pub struct Failover {
+    /// "The database address": the gateway, admin commands and checks connect here.
+    pub proxy: Proxy,
+    /// The replication link, standby -> primary.
+    pub link: Proxy,
+    /// The standby (after [`World::failover`]: the new primary).
+    pub standby: Cluster,
+    /// How it was set up.
+    pub replication: Replication,
+    /// Whether the standby was promoted.
+    pub promoted: bool,
+}
+
+/// device -> conv -> seq -> mid, as the client state files hold them.
+type Stores = BTreeMap<String, BTreeMap<String, BTreeMap<i64, String>>>;
+
+/// A fault armed on a running gateway ([`World::arm_fault`]).
+#[derive(Debug)]
+pub struct ArmedFault {
+    pub gateway: usize,
+    pub point: FaultPoint,
+    /// Its history period.
+    id: u64,
+    /// What its start recorded (its end records the same).
+    armed: Action,
+}
+
+/// What [`World::judge`] found.
+pub struct Judgement {
+    pub report: Report,
+    /// The directory holding `history.jsonl`, `final.json` and `report.json`.
+    pub dir: PathBuf,
+}
+
+impl World {
+    /// A migrated cluster and a gateway started with `opts`. A fault in `opts` needs a
+    /// binary built with the faults feature: that is checked first.
+    pub async fn start(opts: GatewayOpts) -> anyhow::Result<World> {
+        World::start_with(WorldOpts::default(), opts).await
+    }
+
+    /// [`World::start`] on a database set up as `wopts` says: a primary behind the LazyFS
+    /// layer, or a primary with a streaming standby behind a switchable proxy.
+    pub async fn start_with(wopts: WorldOpts, opts: GatewayOpts) -> anyhow::Result<World> {
+        check_gateway_binary(&opts).await?;
+        let pg = Cluster::start_migrated_with(wopts.cluster.clone()).await?;
+        let hist = open_history(&pg)?;
+        {
+            // Before the standby's base backup, which then holds it.
+            let pool = pg.pool().await?;
+            install_cursor_audit(&pool).await?;
+            pool.close().await;
+        }
+        let failover = match wopts.replication {
+            Some(r) => Some(start_standby(&pg, r).await?),
+            None => None,
+        };
+        let db_url = match &failover {
+            Some(f) => url_at(f.proxy.addr().port()),
+            None => pg.url(),
+        };
+        let pool = pool_at(&db_url).await?;
+        hist.set_probe_pool(pool_at(&db_url).await?);
+        let db_proxy = if wopts.db_proxy {
+            let to = std::net::SocketAddr::from(([127, 0, 0, 1], url_port(&db_url)?));
+            Some(Proxy::start_controlled(to)?)
+        } else {
+            None
+        };
+        let gw_db_url = gateway_db_url(&db_proxy, &db_url, 0);
+        let gw = Gateway::start(&gw_db_url, &opts, &pg.log_dir()).await?;
+        record_gateway_start(&hist, 0, &opts);
+        Ok(World {
+            gw: Some(gw),
+            more: Vec::new(),
+            failover,
+            db_proxy,
+            db_url,
+            pool: tokio::sync::OnceCell::new_with(Some(pool)),
+            pg,
+            opts,
+            hist,
+        })
+    }
+
+    /// The database address everything connects to (see [`World::start_with`]).
+    pub fn db_url(&self) -> &str {
+        &self.db_url
+    }
+
+    /// This run's history.
+    pub fn history(&self) -> &History {
+        &self.hist
+    }
+
+    /// The options the current gateway was started with.
+    pub fn opts(&self) -> &GatewayOpts {
+        &self.opts
+    }
+}
+
+/// A world on a database the harness does not run itself (issue 11, pg_auto_failover).
+impl World {
+    /// A world on `pg`, a database reached at its address ([`Cluster::at_address`]: a
+    /// pg_auto_failover formation behind the harness's proxy): migrates it, installs the
+    /// cursor audit, starts the history and a gateway with `opts` on `pg.url()`. The
+    /// world's files (history, client state, gateway logs) live in `pg`'s work directory.
+    /// Nemesis actions on the servers are the caller's (record them in [`World::history`]).
+    pub async fn start_on(pg: Cluster, opts: GatewayOpts) -> anyhow::Result<World> {
+        check_gateway_binary(&opts).await?;
+        let db_url = pg.url();
+        gateway::migrate(&db_url)
+            .await
+            .with_context(|| format!("migrate the database at {db_url}"))?;
+        let hist = open_history(&pg)?;
+        let pool = pool_at(&db_url).await?;
+        install_cursor_audit(&pool).await?;
+        hist.set_probe_pool(pool_at(&db_url).await?);
+        let gw = Gateway::start(&db_url, &opts, &pg.log_dir()).await?;
+        record_gateway_start(&hist, 0, &opts);
+        Ok(World {
+            gw: Some(gw),
+            more: Vec::new(),
+            failover: None,
+            db_proxy: None,
+            db_url,
+            pool: tokio::sync::OnceCell::new_with(Some(pool)),
+            pg,
+            opts,
+            hist,
+        })
+    }
+}
+
+/// `postgres://postgres@127.0.0.1:PORT/postgres`.
+fn url_at(port: u16) -> String {
+    format!("postgres://postgres@127.0.0.1:{port}/postgres")
+}
+
+/// Where gateway `i` connects: through the database proxy when there is one, else the
+/// world's database address; named `im-gateway-<i>` in `pg_stat_activity`, so that a check
+/// or the nemesis can terminate one gateway's backends (not the harness's, not another
+/// gateway's).
+fn gateway_db_url(proxy: &Option<Proxy>, db_url: &str, i: usize) -> String {
+    let base = match proxy {
+        Some(p) => url_at(p.addr().port()),
+        None => db_url.to_string(),
+    };
+    format!("{base}?application_name={}", gateway_app_name(i))
+}
+
+/// Gateway `i`'s `application_name` ([`gateway_db_url`]).
+pub fn gateway_app_name(i: usize) -> String {
+    format!("im-gateway-{i}")
+}
+
+/// The port of a `postgres://…@HOST:PORT/…` URL.
+fn url_port(url: &str) -> anyhow::Result<u16> {
+    url.rsplit_once(':')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("no port in {url}"))
+}
+
+/// A small check pool (as `Cluster::pool`) at `url`.
+async fn pool_at(url: &str) -> anyhow::Result<sqlx::PgPool> {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .with_context(|| format!("connect a pool to {url}"))
+}
+
+/// Fails on a missing, stale or fault-less binary before a cluster is started.
+async fn check_gateway_binary(opts: &GatewayOpts) -> anyhow::Result<()> {
+    let needs_faults = opts.fault.is_some();
+    tokio::task::spawn_blocking(move || {
+        gateway::gateway_bin()?;
+        if needs_faults {
+            gateway::require_faults()?;
+        }
+        anyhow::Ok(())
+    })
+    .await
+    .context("join the gateway binary check")?
+}
+
+/// The clients' directory and the history, in `pg`'s work directory.
+fn open_history(pg: &Cluster) -> anyhow::Result<History> {
+    let clients = pg.work_dir().join("clients");
+    std::fs::create_dir_all(&clients).with_context(|| format!("create {}", clients.display()))?;
+    History::create(&pg.work_dir().join("history.jsonl"))
+}
+
+/// The cursor audit the checker reads ([`CURSOR_AUDIT_SQL`]).
+async fn install_cursor_audit(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+    sqlx::raw_sql(CURSOR_AUDIT_SQL)
+        .execute(pool)
+        .await
+        .context("install the cursor audit")?;
+    Ok(())
+}
+
+fn record_gateway_start(hist: &History, i: usize, opts: &GatewayOpts) {
+    hist.nemesis_instant(Action::GatewayStart {
+        gateway: i,
+        fault: opts.fault.clone(),
+        sweep_ms: opts.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT),
+        bug: gateway::gateway_bug(),
+    });
+}
+
+mod admin;
+mod judge;
+mod topology;
+
+use topology::start_standby;

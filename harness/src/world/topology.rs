@@ -1,0 +1,363 @@
+//! The world's processes: its gateways (started, killed, restarted, waited for, armed
+//! with faults through their control socket) and its database (crashed, restarted, cut
+//! from power, failed over), each action recorded in the history.
+//!
+//! Must not: judge anything (`judge.rs`) or speak the admin commands (`admin.rs`).
+
+use super::*;
+
+impl World {
+    /// The power cut (LazyFS), recorded as a nemesis action: every process of the cluster
+    /// killed at once, unsynced writes thrown away, the layer remounted. Returns what the
+    /// cut dropped. [`World::restart_pg`] then recovers on what remains.
+    pub async fn power_cut_pg(&mut self) -> anyhow::Result<crate::lazyfs::Cut> {
+        let id = self
+            .hist
+            .nemesis_start(Action::PgPowerCut(Outcome::default()));
+        let r = self.pg.power_cut().await;
+        self.hist
+            .nemesis_end(id, Action::PgPowerCut(Outcome::of(&r, |cut| *cut)));
+        r
+    }
+
+    /// Failover (U2): the primary's machine dies (its replication link cut, every process
+    /// SIGKILLed at once), the
+    /// standby is promoted, and the database address (the proxy) moves to it, closing every
+    /// connection to the old one. The gateway is not restarted. Returns the timings (ms).
+    pub async fn failover(&mut self) -> anyhow::Result<Value> {
+        let t0 = std::time::Instant::now();
+        let Some(f) = self.failover.as_ref() else {
+            anyhow::bail!("failover: this world has no standby");
+        };
+        // The machine's network goes with it: replication bytes still on their way (held
+        // back by the link's delay) never reach the standby.
+        f.link.cut();
+        self.hist.nemesis_instant(Action::ReplicationLinkCut {});
+        let id = self
+            .hist
+            .nemesis_start(Action::PgPrimaryKill(Outcome::default()));
+        let r = self.pg.kill_all().await;
+        self.hist
+            .nemesis_end(id, Action::PgPrimaryKill(Outcome::done(&r)));
+        r?;
+        let killed_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        let f = self.failover.as_mut().expect("checked above");
+        let id = self
+            .hist
+            .nemesis_start(Action::PgPromote(Outcome::default()));
+        let r = f.standby.promote().await;
+        self.hist
+            .nemesis_end(id, Action::PgPromote(Outcome::done(&r)));
+        r?;
+        f.promoted = true;
+        let promoted_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        let to = std::net::SocketAddr::from(([127, 0, 0, 1], f.standby.port()));
+        f.proxy.switch(to);
+        self.hist.nemesis_instant(Action::DbAddressSwitch {
+            to: to.to_string(),
+            port: None,
+            by: None,
+        });
+        Ok(json!({
+            "primary_killed_ms": killed_ms,
+            "standby_promoted_ms": promoted_ms,
+            "address_switched_ms": t0.elapsed().as_secs_f64() * 1000.0,
+        }))
+    }
+
+    /// Waits for the current gateway to exit (a halt at a fault point) and records it.
+    pub async fn wait_gateway_exit(
+        &mut self,
+        within: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        self.wait_gateway_exit_at(0, within).await
+    }
+
+    /// Waits for gateway `i` to exit (a halt at a fault point) and records it.
+    pub async fn wait_gateway_exit_at(
+        &mut self,
+        i: usize,
+        within: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        let status = self.gw_at_mut(i).wait_exit(within).await?;
+        self.hist.nemesis_instant(Action::GatewayExit {
+            gateway: Some(i),
+            status: self.gw_at(i).exit_code(),
+            raw: status.to_string(),
+        });
+        Ok(status)
+    }
+
+    /// Crashes PostgreSQL (immediate shutdown), recorded as a nemesis action.
+    pub async fn crash_pg(&mut self) -> anyhow::Result<()> {
+        let id = self.hist.nemesis_start(Action::PgCrash(Outcome::default()));
+        let r = self.pg.crash().await;
+        self.hist
+            .nemesis_end(id, Action::PgCrash(Outcome::done(&r)));
+        r
+    }
+
+    /// Starts PostgreSQL again after a crash (recovery), recorded as a nemesis action.
+    pub async fn restart_pg(&mut self) -> anyhow::Result<()> {
+        let id = self
+            .hist
+            .nemesis_start(Action::PgRestart(Outcome::default()));
+        let r = self.pg.restart().await;
+        self.hist
+            .nemesis_end(id, Action::PgRestart(Outcome::done(&r)));
+        r
+    }
+
+    /// `pg_terminate_backend(pid)`, recorded as a nemesis action; returns its result.
+    pub async fn terminate_backend(&self, pid: i32) -> anyhow::Result<bool> {
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&self.pool().await?)
+            .await
+            .context("pg_terminate_backend")?;
+        self.hist.nemesis_instant(Action::PgTerminateBackend {
+            pid,
+            terminated: killed,
+        });
+        Ok(killed)
+    }
+
+    /// Kills the current gateway (if it still runs) and starts a new one with `opts` on
+    /// the same cluster.
+    pub async fn restart_gateway(&mut self, opts: GatewayOpts) -> anyhow::Result<()> {
+        self.restart_gateway_at(0, opts).await
+    }
+
+    /// Starts one more gateway process with `opts` on the same database (issue 12: several
+    /// gateways on one PostgreSQL); returns its index for the `*_at` methods (1, 2, …).
+    pub async fn start_gateway(&mut self, opts: GatewayOpts) -> anyhow::Result<usize> {
+        if opts.fault.is_some() {
+            tokio::task::spawn_blocking(gateway::require_faults)
+                .await
+                .context("join the faults check")??;
+        }
+        let i = self.more.len() + 1;
+        let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
+        let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
+        record_gateway_start(&self.hist, i, &opts);
+        self.more.push((gw, opts));
+        Ok(i)
+    }
+
+    /// Arms `spec` (`point:action[:skip[:count]]`, `IM_FAULT` syntax) on gateway `i` through
+    /// its fault control socket ([`GatewayOpts::control`]), recorded in the history as a
+    /// `gw-fault` period that [`World::disarm_fault`] ends.
+    pub async fn arm_fault(&self, i: usize, spec: &str) -> anyhow::Result<ArmedFault> {
+        let mut parts = spec.split(':');
+        let point: FaultPoint = parts
+            .next()
+            .unwrap_or_default()
+            .parse()
+            .with_context(|| format!("fault spec {spec:?}"))?;
+        let action = parts
+            .next()
+            .context("a fault spec is point:action…")?
+            .to_string();
+        self.gw_at(i).control(&format!("arm {spec}")).await?;
+        let armed = Action::GwFault {
+            point,
+            action,
+            spec: spec.to_string(),
+            gateway: i,
+        };
+        let id = self.hist.nemesis_start(armed.clone());
+        Ok(ArmedFault {
+            gateway: i,
+            point,
+            id,
+            armed,
+        })
+    }
+
+    /// Disarms what [`World::arm_fault`] armed and ends its history period.
+    pub async fn disarm_fault(&self, f: ArmedFault) -> anyhow::Result<()> {
+        self.gw_at(f.gateway)
+            .control(&format!("disarm {}", f.point))
+            .await?;
+        self.hist.nemesis_end(f.id, f.armed);
+        Ok(())
+    }
+
+    /// The backend of gateway `i`'s LISTEN connection, if it has one now.
+    pub async fn listen_backend(&self, i: usize) -> anyhow::Result<Option<i32>> {
+        let pool = self.pool().await?;
+        Ok(sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query ILIKE 'listen%'",
+        )
+        .bind(gateway_app_name(i))
+        .fetch_optional(&pool)
+        .await?)
+    }
+
+    /// How many gateways the world holds (the first one included).
+    pub fn gateway_count(&self) -> usize {
+        1 + self.more.len()
+    }
+
+    /// SIGKILLs gateway `i` if it still runs, recorded as a nemesis action.
+    pub fn kill_gateway_at(&mut self, i: usize) {
+        if self.gw_at_mut(i).try_exit_status().is_none() {
+            let id = self.hist.nemesis_start(Action::GatewayKill { gateway: i });
+            self.gw_at_mut(i).kill();
+            self.hist
+                .nemesis_end(id, Action::GatewayKill { gateway: i });
+        }
+    }
+
+    /// Kills gateway `i` (if it still runs) and starts a new one with `opts` in its place,
+    /// on the same database; index `i` then names the new process.
+    pub async fn restart_gateway_at(&mut self, i: usize, opts: GatewayOpts) -> anyhow::Result<()> {
+        if opts.fault.is_some() {
+            tokio::task::spawn_blocking(gateway::require_faults)
+                .await
+                .context("join the faults check")??;
+        }
+        if i == 0 && self.gw.is_none() {
+            // A test took gateway 0 out: nothing to kill.
+        } else {
+            self.kill_gateway_at(i);
+        }
+        let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
+        let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
+        record_gateway_start(&self.hist, i, &opts);
+        if i == 0 {
+            self.gw = Some(gw);
+            self.opts = opts;
+        } else {
+            // The old process was killed and reaped above; dropping it does nothing more.
+            self.more[i - 1] = (gw, opts);
+        }
+        Ok(())
+    }
+
+    /// Whether gateway 0 is there and has not exited.
+    pub fn gateway_up(&mut self) -> bool {
+        self.gw
+            .as_mut()
+            .is_some_and(|g| g.try_exit_status().is_none())
+    }
+
+    /// Whether gateway 0 is there (it may have exited since it was last looked at).
+    pub fn has_gateway(&self) -> bool {
+        self.gw.is_some()
+    }
+
+    /// Gateway 0's exit status if it exited; the exited process is then taken out (a
+    /// supervisor records the exit and starts another: [`World::restart_gateway`]).
+    pub fn take_exited_gateway(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.gw.as_mut()?.try_exit_status()?;
+        self.gw = None;
+        Some(status)
+    }
+
+    /// Takes gateway 0 out of the world (the caller kills it, or it was killed already);
+    /// [`World::restart_gateway`] starts another in its place.
+    pub fn take_gateway(&mut self) -> Option<Gateway> {
+        self.gw.take()
+    }
+
+    /// Gateway 0's process id, if it is there.
+    pub fn gateway_pid(&self) -> Option<u32> {
+        self.gw.as_ref().map(Gateway::pid)
+    }
+
+    /// The current gateway. Panics if a test took it out of `gw`.
+    pub fn gw(&self) -> &Gateway {
+        self.gw
+            .as_ref()
+            .expect("World has no gateway (taken out of World::gw)")
+    }
+
+    /// The current gateway, mutably. Panics if a test took it out of `gw`.
+    pub fn gw_mut(&mut self) -> &mut Gateway {
+        self.gw
+            .as_mut()
+            .expect("World has no gateway (taken out of World::gw)")
+    }
+
+    /// Gateway `i`: 0 is [`World::gw`], 1.. the ones [`World::start_gateway`] started.
+    /// Panics on an index the world never handed out.
+    pub fn gw_at(&self, i: usize) -> &Gateway {
+        match i {
+            0 => self.gw(),
+            _ => &self.more.get(i - 1).expect("no such gateway").0,
+        }
+    }
+
+    /// Gateway `i`, mutably (see [`World::gw_at`]).
+    pub fn gw_at_mut(&mut self, i: usize) -> &mut Gateway {
+        match i {
+            0 => self.gw_mut(),
+            _ => &mut self.more.get_mut(i - 1).expect("no such gateway").0,
+        }
+    }
+
+    /// Gateway `i`'s `ws://ADDR/ws`.
+    pub fn ws_url_at(&self, i: usize) -> String {
+        self.gw_at(i).ws_url()
+    }
+
+    /// The current gateway's `ws://ADDR/ws`.
+    pub fn ws_url(&self) -> String {
+        self.gw().ws_url()
+    }
+}
+
+/// A standby of `pg` through a replication link (a delaying proxy), streaming (and, when
+/// synchronous, named in `synchronous_standby_names` and reported `sync`), plus the
+/// database-address proxy, pointing at the primary for now.
+pub(super) async fn start_standby(pg: &Cluster, r: Replication) -> anyhow::Result<Failover> {
+    let primary = std::net::SocketAddr::from(([127, 0, 0, 1], pg.port()));
+    let link = Proxy::start(primary, r.link_delay)?;
+    let standby = Cluster::start_standby(pg, link.addr().port(), Vec::new()).await?;
+    let pool = pg.pool().await?;
+    if r.synchronous {
+        // Only now: with no standby, every commit (the migrations') would wait for one.
+        sqlx::raw_sql("ALTER SYSTEM SET synchronous_standby_names = 'standby'")
+            .execute(&pool)
+            .await
+            .context("set synchronous_standby_names")?;
+        sqlx::raw_sql("SELECT pg_reload_conf()")
+            .execute(&pool)
+            .await
+            .context("reload the configuration")?;
+    }
+    let want = if r.synchronous { "sync" } else { "async" };
+    let pool = &pool;
+    crate::util::wait_until(
+        &format!("the standby to stream ({want})"),
+        Duration::from_secs(20),
+        async || {
+            let states: Vec<(String, String)> = match sqlx::query_as(
+                "SELECT state, sync_state FROM pg_stat_replication WHERE application_name = 'standby'",
+            )
+            .fetch_all(pool)
+            .await
+            {
+                Ok(states) => states,
+                // Not a reason to wait: end the wait with the error.
+                Err(e) => return Ok(Err(e).context("read pg_stat_replication")),
+            };
+            if states.iter().any(|(s, ss)| s == "streaming" && ss == want) {
+                Ok(Ok(()))
+            } else {
+                Err(states)
+            }
+        },
+    )
+    .await??;
+    pool.close().await;
+    let proxy = Proxy::start(primary, Duration::ZERO)?;
+    Ok(Failover {
+        proxy,
+        link,
+        standby,
+        replication: r,
+        promoted: false,
+    })
+}
