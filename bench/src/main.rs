@@ -34,7 +34,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use result::{BenchResult, Params, Section};
+use result::{BenchResult, Params, Section, Verdict};
 use util::progress;
 
 /// Everything the parts share.
@@ -468,8 +468,9 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         schema_version: result::SCHEMA_VERSION,
         tool: "imfault-bench".into(),
         mode: args.mode.clone(),
-        data_integrity: String::new(),
-        targets_met: String::new(),
+        // Both decided below, once every part ran.
+        data_integrity: Verdict::NotRun,
+        targets_met: Verdict::NotRun,
         targets_missed: Vec::new(),
         failures: Vec::new(),
         metrics: Vec::new(),
@@ -528,7 +529,7 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     ];
     for (name, c) in checks {
         if let Some(c) = c {
-            if c.result != "PASS" {
+            if !c.result.is_pass() {
                 failures.push(format!(
                     "{name}: DATA LOSS: {} of {} acknowledged messages missing, seqs gapless: {}",
                     c.lost, c.acknowledged, c.seqs_gapless
@@ -537,7 +538,7 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         }
     }
     if let Some(sp) = &r.send_path.data {
-        if sp.pgbench_check.result != "PASS" {
+        if !sp.pgbench_check.result.is_pass() {
             failures.push(format!(
                 "send_path: pgbench logged {} messages but {} rows exist",
                 sp.pgbench_check.logged, sp.pgbench_check.rows
@@ -566,12 +567,7 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     ]
     .iter()
     .any(|s| s.as_str() == "error");
-    r.data_integrity = if data_lost || unverified {
-        "FAIL"
-    } else {
-        "PASS"
-    }
-    .into();
+    r.data_integrity = Verdict::of(!data_lost && !unverified);
     r.failures = failures;
     r.metrics = result::metrics(&r);
     (r.targets_met, r.targets_missed) = result::targets_met(&r.metrics);
@@ -595,7 +591,7 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     }
     // Exit status 1 when the data is in doubt or the run is incomplete; missed targets
     // never change it.
-    Ok(r.data_integrity == "PASS" && r.failures.is_empty())
+    Ok(r.data_integrity.is_pass() && r.failures.is_empty())
 }
 
 fn print_summary(r: &BenchResult, out: &std::path::Path) {
@@ -682,8 +678,8 @@ mod tests {
             schema_version: SCHEMA_VERSION,
             tool: "imfault-bench".into(),
             mode: "full".into(),
-            data_integrity: "PASS".into(),
-            targets_met: "FAIL".into(),
+            data_integrity: Verdict::Pass,
+            targets_met: Verdict::Fail,
             targets_missed: vec!["push.p99_ms_at_chapter02_load: 3697 > 100 ms".into()],
             failures: Vec::new(),
             metrics: vec![Metric::target(
@@ -826,7 +822,7 @@ mod tests {
         r.fanout.data.as_mut().expect("fanout").steps.truncate(1);
         assert!(m.iter().filter(|x| !x.is_target()).all(|x| x.met.is_none()));
         let (met, missed) = result::targets_met(&m);
-        assert_eq!(met, "FAIL");
+        assert_eq!(met, Verdict::Fail);
         assert!(missed.contains(&"push.p99_ms_at_chapter02_load: 3697.5 > 50 ms".to_string()));
         // No step at the chapter-02 load (quick mode): unmeasured, never met.
         r.fanout.data.as_mut().expect("fanout").steps[0].multiplier = 0.25;
@@ -836,7 +832,7 @@ mod tests {
             .collect();
         assert_eq!(m.len(), 6);
         assert!(m.iter().all(|x| x.met.is_none() && x.note.is_some()));
-        assert_eq!(result::targets_met(&m).0, "NOT_RUN");
+        assert_eq!(result::targets_met(&m).0, Verdict::NotRun);
         // A part that did not run lists its targets unmeasured.
         r.send_path = Section::not_run("not selected (--only)");
         let m = result::metrics(&r);

@@ -322,13 +322,7 @@ pub async fn child_main(args: ChildArgs) -> anyhow::Result<()> {
                      so the sweep is the only way the event arrives"
             .into(),
         intervals,
-        data_check: DataCheck {
-            result: if lost == 0 && gapless { "PASS" } else { "FAIL" }.into(),
-            acknowledged: acked.len() as u64,
-            found,
-            lost,
-            seqs_gapless: gapless,
-        },
+        data_check: DataCheck::new(acked.len() as u64, found, lost, gapless),
     };
     pool.close().await;
     drop(cluster);

@@ -2,6 +2,7 @@
 //! `evidence/README.md`; bump [`SCHEMA_VERSION`] on any incompatible change). Plain
 //! structs: no `flatten`, no `untagged`.
 
+pub use harness::verdict::Verdict;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -47,11 +48,11 @@ pub struct BenchResult {
     /// pgbench check passed) and every lost push of the repair part was repaired; `FAIL`
     /// otherwise, or when a part that checks data errored (nothing can be vouched for).
     #[serde(default)]
-    pub data_integrity: String,
+    pub data_integrity: Verdict,
     /// `FAIL` when a target of [`BenchResult::targets`] was missed, `PASS` when every one
     /// was judged and met, `NOT_RUN` otherwise (some could not be judged, none missed).
     #[serde(default)]
-    pub targets_met: String,
+    pub targets_met: Verdict,
     /// The missed targets, each with its figure (`name: value > limit unit`).
     #[serde(default)]
     pub targets_missed: Vec<String>,
@@ -190,7 +191,7 @@ impl Metric {
 /// `targets_met` and `targets_missed` from the metrics: `FAIL` when a target was missed,
 /// `PASS` when every target was measured and met, `NOT_RUN` otherwise (a target that
 /// could not be measured is never counted as met).
-pub fn targets_met(metrics: &[Metric]) -> (String, Vec<String>) {
+pub fn targets_met(metrics: &[Metric]) -> (Verdict, Vec<String>) {
     let targets: Vec<&Metric> = metrics.iter().filter(|m| m.is_target()).collect();
     let missed: Vec<String> = targets
         .iter()
@@ -211,13 +212,13 @@ pub fn targets_met(metrics: &[Metric]) -> (String, Vec<String>) {
         })
         .collect();
     let verdict = if !missed.is_empty() {
-        "FAIL"
+        Verdict::Fail
     } else if !targets.is_empty() && targets.iter().all(|m| m.met == Some(true)) {
-        "PASS"
+        Verdict::Pass
     } else {
-        "NOT_RUN"
+        Verdict::NotRun
     };
-    (verdict.into(), missed)
+    (verdict, missed)
 }
 
 /// One part of the bench: whether it ran, why not, and its figures.
@@ -309,7 +310,7 @@ pub struct Params {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct DataCheck {
     /// `PASS` when every acknowledged message is a row, `FAIL` otherwise.
-    pub result: String,
+    pub result: Verdict,
     pub acknowledged: u64,
     pub found: u64,
     pub lost: u64,
@@ -321,12 +322,7 @@ impl DataCheck {
     /// PASS only when nothing acknowledged is missing and the seqs are gapless.
     pub fn new(acknowledged: u64, found: u64, lost: u64, seqs_gapless: bool) -> DataCheck {
         DataCheck {
-            result: if lost == 0 && seqs_gapless {
-                "PASS"
-            } else {
-                "FAIL"
-            }
-            .into(),
+            result: Verdict::of(lost == 0 && seqs_gapless),
             acknowledged,
             found,
             lost,
@@ -357,7 +353,8 @@ pub struct SendPath {
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct PgbenchCheck {
-    pub result: String,
+    /// `PASS` when every transaction pgbench logged as done is a row.
+    pub result: Verdict,
     /// Transactions pgbench logged as done (all runs).
     pub logged: u64,
     /// Rows with a pgbench cmid in `events` afterwards.

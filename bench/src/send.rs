@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::cpu::{self, per_op};
 use crate::pgss;
 use crate::provision::{self, Device};
-use crate::result::{DataCheck, PgbenchCheck, SendLevel, SendPath, SendRatios, SendRun};
+use crate::result::{DataCheck, PgbenchCheck, SendLevel, SendPath, SendRatios, SendRun, Verdict};
 use crate::util::{now_us, progress, ratio, summarize_us, Latency, Rng};
 use crate::wire;
 use crate::Ctx;
@@ -498,12 +498,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
         levels,
         data_check: DataCheck::new(acknowledged, found, lost, gapless),
         pgbench_check: PgbenchCheck {
-            result: if rows >= pgbench_logged {
-                "PASS"
-            } else {
-                "FAIL"
-            }
-            .into(),
+            result: Verdict::of(rows >= pgbench_logged),
             logged: pgbench_logged,
             rows,
         },

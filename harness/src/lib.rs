@@ -10,4 +10,5 @@ pub mod pg;
 pub mod process;
 pub mod proxy;
 pub mod util;
+pub mod verdict;
 pub mod world;

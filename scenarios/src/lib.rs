@@ -3,6 +3,7 @@
 //! invariant checks (P1, D4, S1) run at the end of scenarios. No scenario logic lives here;
 //! the scenarios are the tests in `tests/`.
 
+pub use harness::verdict::Verdict;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -57,7 +58,7 @@ pub struct Record {
     /// normal, failure, boundary, recovery, crash
     pub kind: String,
     /// PASS, FAIL or NOT_RUN.
-    pub result: String,
+    pub result: Verdict,
     /// Why it failed or was not run; null on PASS.
     pub reason: Option<String>,
     /// The invariants this check proves (its own assertions; the history checker judges all).
@@ -164,7 +165,7 @@ impl Check {
                 fault: fault.map(str::to_string),
                 expected: Default::default(),
                 observed: Default::default(),
-                result: "FAIL".into(),
+                result: Verdict::Fail,
                 reason: None,
                 duration_ms: 0,
                 postgres: None,
@@ -293,7 +294,7 @@ impl Check {
             self.failures.push(format!("scenario error: {e:#}"));
         }
         if let (Some(why), true) = (self.not_run.take(), self.failures.is_empty()) {
-            self.rec.result = "NOT_RUN".into();
+            self.rec.result = Verdict::NotRun;
             self.rec.reason = Some(why);
             self.rec.duration_ms = self.started.elapsed().as_millis() as u64;
             harness::pg::finish_run(false);
@@ -318,13 +319,13 @@ impl Check {
         if self.failures.is_empty() {
             match self.durability_off.take() {
                 Some(why) => {
-                    self.rec.result = "NOT_RUN".into();
+                    self.rec.result = Verdict::NotRun;
                     self.rec.reason = Some(why);
                 }
-                None => self.rec.result = "PASS".into(),
+                None => self.rec.result = Verdict::Pass,
             }
         } else {
-            self.rec.result = "FAIL".into();
+            self.rec.result = Verdict::Fail;
             let mut reason = self.failures.join("; ");
             if let Some(why) = &self.durability_off {
                 reason.push_str(&format!("; note: {why}"));
@@ -773,6 +774,8 @@ pub fn im06_not_run() -> Vec<Record> {
 
 #[cfg(test)]
 mod tests {
+    use super::Verdict;
+
     /// Evidence that reads itself: every PASS and FAIL of the committed
     /// evidence/im-06/result.json follows from its own `expected` and `observed` values by
     /// [`super::Expect::holds`], and every judged PASS has the checker's PASS too.
@@ -799,8 +802,8 @@ mod tests {
                 })
                 .map(|(name, _)| name)
                 .collect();
-            match r.result.as_str() {
-                "PASS" => {
+            match r.result {
+                Verdict::Pass => {
                     assert!(
                         failed.is_empty(),
                         "{}: PASS but {failed:?} do not hold",
@@ -821,16 +824,18 @@ mod tests {
                     if let (Some(c), true) =
                         (&r.checker, r.expected.contains_key("checker_anomalies"))
                     {
-                        assert_eq!(c["verdict"], "PASS", "{}", r.id);
+                        assert_eq!(c["verdict"], Verdict::Pass, "{}", r.id);
                     }
                 }
-                "FAIL" => assert!(
+                Verdict::Fail => assert!(
                     !failed.is_empty() || r.reason.as_deref().is_some_and(|x| x.contains("error")),
                     "{}: FAIL with every expectation met and no error",
                     r.id
                 ),
-                "NOT_RUN" => assert!(r.reason.is_some(), "{}: NOT_RUN without reason", r.id),
-                other => panic!("{}: result {other}", r.id),
+                Verdict::NotRun => assert!(r.reason.is_some(), "{}: NOT_RUN without reason", r.id),
+                Verdict::Error => {
+                    panic!("{}: result ERROR (a check is PASS, FAIL or NOT_RUN)", r.id)
+                }
             }
         }
     }

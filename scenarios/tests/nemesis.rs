@@ -37,7 +37,7 @@ async fn nemesis_smoke_one_short_seed() {
     let (seed, schedule) = smoke_seed(&o);
     let dir = tempfile::tempdir().expect("tempdir");
     let out = run(&schedule, dir.path(), format!("smoke seed {seed}")).await;
-    if out.verdict != "PASS" {
+    if !out.verdict.is_pass() {
         let kept = dir.keep();
         panic!(
             "seed {seed}: {} {:?} {:?}; first anomalies: {:#?}; artefacts kept in {}",

@@ -35,17 +35,9 @@ impl Anomaly {
     }
 }
 
-/// PASS iff there is no anomaly; ERROR when the run could not be judged (its history
-/// does not parse, a line could not be written).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Verdict {
-    #[serde(rename = "PASS")]
-    Pass,
-    #[serde(rename = "FAIL")]
-    Fail,
-    #[serde(rename = "ERROR")]
-    Error,
-}
+/// The checker's verdict: PASS iff there is no anomaly; ERROR when the run could not be
+/// judged (its history does not parse, a line could not be written); never NOT_RUN.
+pub use crate::verdict::Verdict;
 
 /// The checker's judgement of one run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

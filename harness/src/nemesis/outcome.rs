@@ -5,6 +5,7 @@
 //! Must not: run or judge anything (the runner and the checker do), or read a run's files.
 
 use crate::checker::{Anomaly, OpCounts, Quantiles};
+use crate::verdict::Verdict;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -16,7 +17,7 @@ pub struct Outcome {
     pub seed: u64,
     /// `PASS` (no anomaly), `FAIL` (the checker found anomalies) or `ERROR` (the run could
     /// not be carried out or judged: `error` says why).
-    pub verdict: String,
+    pub verdict: Verdict,
     pub error: Option<String>,
     /// The repeat command (printed by every run).
     pub repeat: String,
@@ -42,7 +43,7 @@ pub struct Outcome {
 
 impl Outcome {
     pub fn failed(&self) -> bool {
-        self.verdict != "PASS"
+        !self.verdict.is_pass()
     }
 
     /// A run that could not be carried out or judged; `fault_log` holds the faults
@@ -56,7 +57,7 @@ impl Outcome {
     ) -> Outcome {
         Outcome {
             seed,
-            verdict: "ERROR".into(),
+            verdict: Verdict::Error,
             error: Some(format!("{e:#}")),
             repeat,
             anomalies: BTreeMap::new(),

@@ -138,14 +138,14 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
          .FAIL,.ERROR{{color:#b00;font-weight:bold}}.PASS{{color:#070;font-weight:bold}}\
          code{{background:#f4f4f4}}tr:target{{background:#ffd}}</style></head><body>",
         seed = o.seed,
-        v = esc(&o.verdict)
+        v = esc(o.verdict.as_str())
     );
     let _ = write!(
         s,
         "<h1>Nemesis seed {} <span class=\"{v}\">{v}</span></h1><p>Repeat: <code>{}</code></p>",
         o.seed,
         esc(&o.repeat),
-        v = esc(&o.verdict)
+        v = esc(o.verdict.as_str())
     );
     if let Some(e) = &o.error {
         let _ = write!(s, "<p class=\"ERROR\">{}</p>", esc(e));

@@ -20,6 +20,7 @@ use crate::client::{Client, ClientError, ClientOptions, HintAck};
 use crate::gateway::{self, GatewayOpts};
 use crate::history::{Action, History, Join};
 use crate::proxy::Proxy;
+use crate::verdict::Verdict;
 use crate::world::{World, WorldOpts};
 use anyhow::Context;
 use serde_json::{json, Value};
@@ -141,7 +142,7 @@ async fn run_inner(
         for e in entries.flatten() {
             let name = e.file_name();
             // The server's log too when the run did not pass: why a restart failed.
-            let failed = !result.as_ref().is_ok_and(|o| o.verdict == "PASS");
+            let failed = !result.as_ref().is_ok_and(|o| o.verdict.is_pass());
             let name_s = name.to_string_lossy();
             if name_s.starts_with("gateway-") || (failed && name_s == "postgres.log") {
                 let _ = std::fs::copy(e.path(), logs.join(&name));
@@ -409,15 +410,15 @@ async fn drive(
     let not_started = (!not_started.is_empty()).then(|| not_started.join("; "));
     let error = report.error.clone().or(heal_error).or(not_started);
     let verdict = if !anomalies.is_empty() {
-        "FAIL"
+        Verdict::Fail
     } else if error.is_some() {
-        "ERROR"
+        Verdict::Error
     } else {
-        "PASS"
+        Verdict::Pass
     };
     Ok(Outcome {
         seed: schedule.seed,
-        verdict: verdict.into(),
+        verdict,
         error,
         repeat: repeat.to_string(),
         anomalies,

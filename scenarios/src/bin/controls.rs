@@ -12,7 +12,7 @@
 //! checker's anomalies, and this runner only reads what the tests wrote.
 
 use anyhow::{bail, Context};
-use scenarios::{git, target_dir, workspace};
+use scenarios::{git, target_dir, workspace, Verdict};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -175,9 +175,12 @@ fn nemesis_control(bug: &str, env: &[(&str, String)], seeds: u64) -> anyhow::Res
     // The lowest failing seed (runs are listed in the order they finished).
     let catching = runs
         .iter()
-        .filter(|r| r["verdict"] == "FAIL")
+        .filter(|r| r["verdict"] == Verdict::Fail)
         .min_by_key(|r| r["seed"].as_u64());
-    let errors = runs.iter().filter(|r| r["verdict"] == "ERROR").count();
+    let errors = runs
+        .iter()
+        .filter(|r| r["verdict"] == Verdict::Error)
+        .count();
     Ok(json!({
         "result": if catching.is_some() { "CAUGHT" } else { "MISSED" },
         "seeds_run": runs.len(),

@@ -6,7 +6,7 @@
 
 use anyhow::{bail, Context};
 use scenarios::{git, rfc3339, target_dir, workspace};
-use scenarios::{im06_not_run, Record, IM06_CHECKS, SCHEMA_VERSION};
+use scenarios::{im06_not_run, Record, Verdict, IM06_CHECKS, SCHEMA_VERSION};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::Command;
@@ -118,7 +118,7 @@ fn main() -> anyhow::Result<()> {
                     fault: None,
                     expected: Default::default(),
                     observed: Default::default(),
-                    result: "FAIL".into(),
+                    result: Verdict::Fail,
                     reason: Some(format!("no record written: test {test} did not run or crashed before finishing (see the nextest output)")),
                     duration_ms: 0,
                     postgres: None,
@@ -144,8 +144,12 @@ fn main() -> anyhow::Result<()> {
         None => Value::Null,
     };
     checks.extend(im06_not_run());
-    let count = |s: &str| checks.iter().filter(|r| r.result == s).count();
-    let (pass, fail, not_run) = (count("PASS"), count("FAIL"), count("NOT_RUN"));
+    let count = |v: Verdict| checks.iter().filter(|r| r.result == v).count();
+    let (pass, fail, not_run) = (
+        count(Verdict::Pass),
+        count(Verdict::Fail),
+        count(Verdict::NotRun),
+    );
     let dirty =
         git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"]).map(|s| !s.is_empty());
     // Summary first: a reader (or `head`) sees the verdict before the details (a struct,

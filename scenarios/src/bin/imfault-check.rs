@@ -40,6 +40,7 @@ fn main() -> ExitCode {
     match report.verdict {
         Verdict::Pass => ExitCode::SUCCESS,
         Verdict::Fail => ExitCode::from(1),
-        Verdict::Error => ExitCode::from(2),
+        // The checker never says NOT_RUN; were it to, nothing was judged: not a pass.
+        Verdict::Error | Verdict::NotRun => ExitCode::from(2),
     }
 }

@@ -16,6 +16,7 @@
 //! and `because: REASON` (required). Lines starting with `#` are comments.
 
 use anyhow::{bail, Context};
+use harness::verdict::Verdict;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -374,7 +375,7 @@ struct Doc {
     shard: Option<String>,
     in_diff: Option<String>,
     /// PASS or FAIL, with the reasons of a FAIL.
-    verdict: &'static str,
+    verdict: Verdict,
     reasons: Vec<String>,
     kill_rate_min: f64,
     totals: Counts,
@@ -526,7 +527,7 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
         files: a.files,
         shard: a.shard,
         in_diff: a.in_diff,
-        verdict: if reasons.is_empty() { "PASS" } else { "FAIL" },
+        verdict: Verdict::of(reasons.is_empty()),
         reasons,
         kill_rate_min: KILL_RATE_MIN,
         totals: totals.clone(),
@@ -553,7 +554,7 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
     }
     harness::util::write_atomic(&a.out, json.as_bytes())?;
     print_summary(&doc, &a.out);
-    Ok(doc.verdict == "PASS")
+    Ok(doc.verdict.is_pass())
 }
 
 fn print_summary(doc: &Doc, out: &Path) {

@@ -13,6 +13,7 @@ use anyhow::Context;
 use clap::Parser;
 use harness::nemesis::shrink::{shrink, ShrinkOpts, Shrunk};
 use harness::nemesis::{generate, run, Options, Outcome, Schedule};
+use harness::verdict::Verdict;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -114,7 +115,7 @@ fn parse_shard(s: &str) -> Result<(u64, u64), String> {
 #[derive(Serialize, Clone)]
 struct RunLine {
     seed: u64,
-    verdict: String,
+    verdict: Verdict,
     error: Option<String>,
     repeat: String,
     anomalies: BTreeMap<String, u64>,
@@ -144,7 +145,7 @@ struct ShrinkLine {
 struct Summary {
     schema_version: u32,
     /// `PASS` when every run passed.
-    verdict: String,
+    verdict: Verdict,
     generated_at: String,
     command: String,
     /// The deliberate bug of this process (`IM_BUG`), if any.
@@ -342,7 +343,7 @@ impl Series {
         }
         self.lines.push(RunLine {
             seed: o.seed,
-            verdict: o.verdict.clone(),
+            verdict: o.verdict,
             error: o.error.clone(),
             repeat: o.repeat.clone(),
             anomalies: o.anomalies.clone(),
@@ -353,7 +354,7 @@ impl Series {
             wall_ms: o.wall_ms,
             dir: keep.then(|| dir.display().to_string()),
         });
-        if o.verdict == "FAIL" && args.shrink && args.replay.is_none() {
+        if o.verdict == Verdict::Fail && args.shrink && args.replay.is_none() {
             self.to_shrink.push((p.schedule.clone(), o, dir));
         }
         self.write(args, opts)
@@ -405,7 +406,7 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
                 p.schedule.seed, p.name, p.repeat
             );
             let o = run(&p.schedule, &args.out.join(&p.name), p.repeat.clone()).await;
-            let stop = o.verdict == "FAIL" && args.stop_at_first_failure;
+            let stop = o.verdict == Verdict::Fail && args.stop_at_first_failure;
             series.record(&args, &opts, &p, o)?;
             if stop {
                 break;
@@ -417,7 +418,7 @@ async fn main_async(args: Args) -> anyhow::Result<bool> {
         series.shrunk.push(s);
         series.write(&args, &opts)?;
     }
-    let fails = series.lines.iter().filter(|l| l.verdict != "PASS").count();
+    let fails = series.lines.iter().filter(|l| !l.verdict.is_pass()).count();
     let wall = series.t0.elapsed().as_secs_f64();
     println!(
         "nemesis: {} runs, {} passed, {} failed or not judged, {:.0} s ({:.0} seeds/hour at --jobs {}){}",
@@ -465,7 +466,7 @@ async fn run_parallel(
             return Ok(());
         };
         let (p, o) = joined.context("join a run")?;
-        if o.verdict == "FAIL" && args.stop_at_first_failure {
+        if o.verdict == Verdict::Fail && args.stop_at_first_failure {
             stop = true;
         }
         series.record(args, opts, &p, o)?;
@@ -663,17 +664,15 @@ fn write_summary(
         }
     }
     p50s.sort_by(f64::total_cmp);
-    let pass = lines.iter().filter(|l| l.verdict == "PASS").count() as u64;
-    let fail = lines.iter().filter(|l| l.verdict == "FAIL").count() as u64;
-    let error = lines.iter().filter(|l| l.verdict == "ERROR").count() as u64;
+    let count = |v: Verdict| lines.iter().filter(|l| l.verdict == v).count() as u64;
+    let (pass, fail, error) = (
+        count(Verdict::Pass),
+        count(Verdict::Fail),
+        count(Verdict::Error),
+    );
     let s = Summary {
         schema_version: 1,
-        verdict: if pass == lines.len() as u64 {
-            "PASS"
-        } else {
-            "FAIL"
-        }
-        .into(),
+        verdict: Verdict::of(pass == lines.len() as u64),
         generated_at: harness::util::rfc3339_now(),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         bug: std::env::var("IM_BUG")
