@@ -55,7 +55,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 
 use crate::history::{History, Life, Line};
-use im_protocol::wire::Request;
+use im_protocol::wire::{Reply, Request};
 
 pub use delivery::{AckPolicy, Delivery, HintAck};
 pub use observe::ClientStats;
@@ -324,10 +324,6 @@ fn field_str<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
     v.get(key).and_then(Value::as_str)
 }
 
-fn field_i64(v: &Value, key: &str) -> Option<i64> {
-    v.get(key).and_then(Value::as_i64)
-}
-
 /// Shared between the `Client` handle and its connection tasks.
 struct Inner {
     state_path: PathBuf,
@@ -492,7 +488,7 @@ impl Client {
     /// Sends `frame` (a JSON object) with a fresh `rid`; `Ok` is the success reply,
     /// an `error` reply is `Err(ClientError::Server{..})`.
     pub async fn request(&self, frame: Value, timeout: Duration) -> Result<Value, ClientError> {
-        self.inner.request(frame, timeout).await
+        self.inner.request(frame, timeout).await.map(|r| r.value)
     }
 
     /// Sends a message through the outbox: the entry is persisted before the first
@@ -534,10 +530,10 @@ impl Client {
             body: entry.body.clone(),
         };
         let r = match self.inner.request(frame, timeout).await {
-            Ok(reply) if field_str(&reply, "t") != Some("sent") => Err(ClientError::Other(
-                anyhow!("unexpected reply to send: {reply}"),
-            )),
-            r => r,
+            Ok(reply) if !matches!(reply.reply(), Some(Reply::Sent { .. })) => Err(
+                ClientError::Other(anyhow!("unexpected reply to send: {}", reply.value)),
+            ),
+            r => r.map(|r| r.value),
         };
         let done = match &r {
             Ok(_) => true,
@@ -584,29 +580,17 @@ impl Client {
             .inner
             .request(Request::Sub, opts.request_timeout)
             .await?;
-        let mut convs = Vec::new();
-        for c in reply
-            .get("convs")
-            .and_then(Value::as_array)
-            .map(Vec::as_slice)
-            .unwrap_or_default()
-        {
-            match (
-                field_str(c, "conv"),
-                field_i64(c, "head"),
-                field_i64(c, "delivered"),
-            ) {
-                (Some(conv), Some(head), Some(delivered)) => {
-                    convs.push((conv.to_string(), head, delivered))
-                }
-                _ => {
-                    self.inner.lock().stats.malformed_frames += 1;
-                    return Err(ClientError::Other(anyhow!(
-                        "malformed subbed reply: {reply}"
-                    )));
-                }
-            }
-        }
+        let Some(Reply::Subbed { convs }) = reply.reply() else {
+            self.inner.lock().stats.malformed_frames += 1;
+            return Err(ClientError::Other(anyhow!(
+                "malformed subbed reply: {}",
+                reply.value
+            )));
+        };
+        let convs: Vec<(String, i64, i64)> = convs
+            .iter()
+            .map(|c| (c.conv.clone(), c.head, c.delivered))
+            .collect();
         {
             let mut st = self.inner.lock();
             st.subscribed = true;
@@ -634,7 +618,7 @@ impl Client {
                 }
             }
         }
-        Ok(reply)
+        Ok(reply.value)
     }
 
     /// One raw `sync` request; stores nothing, moves nothing.
@@ -655,6 +639,7 @@ impl Client {
                 timeout,
             )
             .await
+            .map(|r| r.value)
     }
 
     /// Aborts the connection tasks and drops the socket: no close frame, no pending

@@ -8,11 +8,13 @@ use anyhow::bail;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{field_i64, field_str, Client, ClientError, Inner};
+use super::transport::Received;
+use super::{field_str, Client, ClientError, Inner};
 use crate::history::{
-    Completion, Done, EventRef, HintWhy, Line, OpName, Recv, Refused, Store, StoredRef, Unsure,
-    Via, MALFORMED_REPLY,
+    Completion, Done, EventRef, Line, OpName, Recv, Refused, Store, StoredRef, Unsure, Via,
+    MALFORMED_REPLY,
 };
+use im_protocol::{FrameError, ServerFrame};
 
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ClientStats {
@@ -63,7 +65,7 @@ const DEFINITE_ERROR_CODES: [&str; 7] = [
 /// How a request of `op` ended, as a history line. A success reply that is not the shape
 /// `op` is answered with is `info` (`malformed-reply`): the client could not learn what
 /// happened.
-pub(super) fn completion(op: OpName, r: &Result<Value, ClientError>) -> Line {
+pub(super) fn completion(op: OpName, r: &Result<Received, ClientError>) -> Line {
     let unsure = |why: &str, msg: Option<String>| {
         Line::Info(Completion {
             op,
@@ -74,7 +76,7 @@ pub(super) fn completion(op: OpName, r: &Result<Value, ClientError>) -> Line {
         })
     };
     match r {
-        Ok(reply) => match Done::of_reply(op, reply) {
+        Ok(reply) => match Done::of_frame(op, &reply.value, &reply.frame) {
             Ok(done) => Line::Ok(done),
             Err(defect) => unsure(MALFORMED_REPLY, Some(defect)),
         },
@@ -129,23 +131,15 @@ impl Inner {
 
     /// Records a received `event` (and probes it, D1) or `hint` in the history; a push
     /// the history cannot name is recorded as `malformed`.
-    pub(super) fn rec_push(&self, v: &Value) {
-        let recv = match field_str(v, "t") {
-            Some("event") => match v.get("ev").and_then(EventRef::of_event) {
-                Some(ev) => Recv::Push(ev),
-                None => Recv::Malformed { frame: v.clone() },
+    pub(super) fn rec_push(&self, v: &Value, frame: &Result<ServerFrame, FrameError>) {
+        let recv = match (field_str(v, "t"), frame) {
+            (Some("event"), Ok(ServerFrame::Event(ev))) => Recv::Push(EventRef::of(ev)),
+            (Some("hint"), Ok(ServerFrame::Hint { conv, head, why })) => Recv::Hint {
+                conv: conv.clone(),
+                head: *head,
+                why: (*why).into(),
             },
-            Some("hint") => {
-                let why = v.get("why").cloned().map(serde_json::from_value::<HintWhy>);
-                match (field_str(v, "conv"), field_i64(v, "head"), why) {
-                    (Some(conv), Some(head), Some(Ok(why))) => Recv::Hint {
-                        conv: conv.to_string(),
-                        head,
-                        why,
-                    },
-                    _ => Recv::Malformed { frame: v.clone() },
-                }
-            }
+            (Some("event" | "hint"), _) => Recv::Malformed { frame: v.clone() },
             _ => return,
         };
         let probe = match &recv {

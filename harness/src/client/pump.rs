@@ -11,9 +11,10 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::delivery::{Hinted, NextPage, Pushed};
-use super::{bugs, field_i64, field_str, ClientError, CrashAt, Inner, SYNC_PAGES_MAX};
+use super::{bugs, ClientError, CrashAt, Inner, SYNC_PAGES_MAX};
 use crate::history::{Invoke, Via};
-use im_protocol::wire::Request;
+use im_protocol::wire::{Event, HintWhy, Reply, Request};
+use im_protocol::ServerFrame;
 
 impl Inner {
     /// Sends an ack of the cursor before persisting `events` (the `ack-before-persist`
@@ -67,21 +68,21 @@ impl Inner {
         {
             let mut st = self.lock();
             match &r {
-                Ok(reply) => match field_i64(reply, "delivered") {
-                    Some(delivered) => {
+                Ok(reply) => match reply.reply() {
+                    Some(&Reply::Acked { delivered, .. }) => {
                         st.record_delivered(conv, delivered);
                         st.delivery.ack_ok(conv, seq, delivered, Instant::now());
                         // Best effort: `server_delivered` is informational, a failed
                         // write is counted and logged by `persist`.
                         let _ = self.persist(&mut st);
                     }
-                    None => st.stats.malformed_frames += 1,
+                    _ => st.stats.malformed_frames += 1,
                 },
                 Err(_) => st.stats.ack_errors += 1,
             }
         }
         self.notify();
-        r
+        r.map(|r| r.value)
     }
 
     /// Syncs `conv` from `from` (clamped to the cursor) until the server says
@@ -127,18 +128,27 @@ impl Inner {
                     return Err(e);
                 }
             };
-            let events = reply.get("events").and_then(Value::as_array);
-            let head = field_i64(&reply, "head");
-            let complete = reply.get("complete").and_then(Value::as_bool);
-            let (Some(events), Some(head), Some(complete)) = (events, head, complete) else {
+            let Some(Reply::Synced {
+                events,
+                head,
+                complete,
+                ..
+            }) = reply.reply()
+            else {
                 let mut st = self.lock();
                 st.stats.syncs_run += 1;
                 st.stats.sync_errors += 1;
                 st.stats.malformed_frames += 1;
+                let why = match &reply.frame {
+                    Err(e) => e.to_string(),
+                    Ok(_) => "not a `synced` frame".into(),
+                };
                 return Err(ClientError::Other(anyhow!(
-                    "malformed synced reply: {reply}"
+                    "malformed synced reply ({why}): {}",
+                    reply.value
                 )));
             };
+            let (head, complete) = (*head, *complete);
             let mut stored: Vec<(i64, Value)> = Vec::new();
             let mut defer_persist = false;
             let next;
@@ -147,17 +157,13 @@ impl Inner {
                 let st = &mut *st;
                 st.stats.syncs_run += 1;
                 st.note_head(conv, head);
-                let mut page: Vec<(i64, &Value)> = Vec::with_capacity(events.len());
+                let mut page: Vec<(i64, &Event)> = Vec::with_capacity(events.len());
                 for ev in events {
-                    let Some(seq) = field_i64(ev, "seq") else {
-                        st.stats.malformed_frames += 1;
-                        continue;
-                    };
-                    if field_str(ev, "conv").is_some_and(|c| c != conv) {
+                    if ev.conv != conv {
                         st.stats.malformed_frames += 1;
                         continue;
                     }
-                    page.push((seq, ev));
+                    page.push((ev.seq, ev));
                 }
                 let seqs: Vec<i64> = page.iter().map(|(s, _)| *s).collect();
                 let c = st.file.convs.entry(conv.to_string()).or_default();
@@ -167,9 +173,9 @@ impl Inner {
                 st.stats.duplicates_ignored += outcome.duplicates as u64;
                 for i in outcome.new {
                     let (seq, ev) = page[i];
-                    c.events.insert(seq, ev.clone());
+                    c.events.insert(seq, ev.to_json());
                     st.stats.events_synced += 1;
-                    stored.push((seq, ev.get("mid").cloned().unwrap_or(Value::Null)));
+                    stored.push((seq, Value::String(ev.mid.clone())));
                 }
                 next = outcome.next;
                 let cursor = st.cursor(conv);
@@ -289,16 +295,8 @@ impl Inner {
 
     /// Applies one `event` push (SPEC section 5: contiguous cursor, duplicates, gaps);
     /// returns its conversation if it is to be acked now.
-    async fn on_event_push(&self, frame: &Value) -> Option<String> {
-        let ev = frame.get("ev");
-        let parsed =
-            ev.and_then(|ev| Some((field_str(ev, "conv")?.to_string(), field_i64(ev, "seq")?)));
-        let (Some(ev), Some((conv, seq))) = (ev, parsed) else {
-            let mut st = self.lock();
-            st.stats.pushes_received += 1;
-            st.stats.malformed_frames += 1;
-            return None;
-        };
+    async fn on_event_push(&self, ev: &Event) -> Option<String> {
+        let (conv, seq) = (ev.conv.clone(), ev.seq);
         let mut deferred = None;
         let sync_after = {
             let mut st = self.lock();
@@ -311,13 +309,13 @@ impl Inner {
                 }
                 Pushed::New { gap, sync_after } => {
                     let c = st.file.convs.entry(conv.clone()).or_default();
-                    c.events.insert(seq, ev.clone());
+                    c.events.insert(seq, ev.to_json());
                     st.stats.pushes_applied += 1;
                     if gap {
                         st.stats.gaps_detected += 1;
                     }
                     let cursor = st.cursor(&conv);
-                    let stored = vec![(seq, ev.get("mid").cloned().unwrap_or(Value::Null))];
+                    let stored = vec![(seq, Value::String(ev.mid.clone()))];
                     if st.bug(bugs::ACK_BEFORE_PERSIST) {
                         deferred = Some(stored);
                     } else if self.persist(st).is_ok() {
@@ -343,15 +341,13 @@ impl Inner {
     /// (the sweep hints only devices whose delivered cursor is below head). This is
     /// the client's half of D5: a lost push or a lost ack is repaired by the next hint.
     /// Returns the conversation if it is to be acked now.
-    async fn on_hint(&self, frame: &Value) -> Option<String> {
-        let (Some(conv), Some(head)) = (field_str(frame, "conv"), field_i64(frame, "head")) else {
-            self.lock().stats.malformed_frames += 1;
-            return None;
-        };
-        let why = field_str(frame, "why").unwrap_or("").to_string();
+    async fn on_hint(&self, conv: &str, head: i64, why: HintWhy) -> Option<String> {
         let hinted = {
             let mut st = self.lock();
-            *st.stats.hints_received.entry(why).or_insert(0) += 1;
+            *st.stats
+                .hints_received
+                .entry(why.as_str().to_string())
+                .or_insert(0) += 1;
             st.note_head(conv, head);
             st.delivery.hint(conv, head)
         };
@@ -374,17 +370,17 @@ impl Inner {
 /// bounds a repair by the sweep interval and one sync round trip, not by a timeout of
 /// the client's. When the connection's pushes end, the acks still on their way finish on
 /// their own (they fail as the connection is gone); aborting the pump aborts them too.
-pub(super) async fn pump(inner: Arc<Inner>, mut pushes: mpsc::Receiver<Value>) {
+pub(super) async fn pump(inner: Arc<Inner>, mut pushes: mpsc::Receiver<ServerFrame>) {
     let mut acks: JoinSet<()> = JoinSet::new();
     loop {
         let deadline = inner.next_ack_deadline();
         let to_ack: Vec<String> = tokio::select! {
             p = pushes.recv() => {
                 let Some(frame) = p else { break };
-                let conv = match field_str(&frame, "t") {
-                    Some("event") => inner.on_event_push(&frame).await,
-                    Some("hint") => inner.on_hint(&frame).await,
-                    _ => None,
+                let conv = match &frame {
+                    ServerFrame::Event(ev) => inner.on_event_push(ev).await,
+                    ServerFrame::Hint { conv, head, why } => inner.on_hint(conv, *head, *why).await,
+                    ServerFrame::Reply { .. } => None,
                 };
                 conv.into_iter().collect()
             }

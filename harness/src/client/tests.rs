@@ -4,7 +4,7 @@
 use super::*;
 use crate::history::Invoke;
 use futures_util::{SinkExt, StreamExt};
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -102,7 +102,7 @@ fn responder(other: impl Fn(&Value) -> Vec<Value> + Send + Sync + 'static) -> Re
 
 fn ev(conv: &str, seq: i64) -> Value {
     json!({"conv": conv, "seq": seq, "kind": "msg", "mid": format!("m{seq}"), "sender": "u2",
-           "cmid": format!("x{seq}"), "body": format!("b{seq}"), "at": "2025-01-01T00:00:00Z"})
+           "cmid": format!("x{seq}"), "body": format!("b{seq}"), "at": 1_735_689_600_000_i64})
 }
 
 fn push_ev(conv: &str, seq: i64) -> Value {
@@ -350,7 +350,7 @@ async fn store_survives_restart_and_sub_dedupes() -> anyhow::Result<()> {
             json!({"convs": [{"conv": "a", "head": 5, "delivered": 0}]}),
         )],
         Some("sync") => {
-            let after = field_i64(req, "after").unwrap_or(0);
+            let after = req.get("after").and_then(Value::as_i64).unwrap_or(0);
             let events: Vec<Value> = [1, 2, 4]
                 .iter()
                 .filter(|s| **s > after)
@@ -435,7 +435,7 @@ async fn hint_triggers_paged_sync_and_ack() -> anyhow::Result<()> {
     let dir = TestDir::new("hint")?;
     let mut s = fake(responder(|req| match field_str(req, "t") {
         Some("sync") => {
-            let after = field_i64(req, "after").unwrap_or(0);
+            let after = req.get("after").and_then(Value::as_i64).unwrap_or(0);
             let page: Vec<Value> = (after + 1..=(after + 2).min(3))
                 .map(|s| ev("a", s))
                 .collect();

@@ -16,7 +16,8 @@ use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use im_protocol::wire::Request;
+use im_protocol::wire::{Reply, Request};
+use im_protocol::{FrameError, ServerFrame};
 
 use super::observe::completion;
 use super::{field_str, pump, push_bounded, Client, ClientError, Inner};
@@ -106,7 +107,26 @@ impl Outgoing {
 /// A request waiting for its reply.
 pub(super) struct Pending {
     pub(super) conn: u64,
-    pub(super) tx: oneshot::Sender<Result<Value, ClientError>>,
+    pub(super) tx: oneshot::Sender<Result<Received, ClientError>>,
+}
+
+/// A server frame as received: its JSON as it came (what [`Client`]'s methods return, and
+/// what a hostile test inspects) and its typed reading ([`ServerFrame::parse`]), from which
+/// the client acts and the history records.
+#[derive(Debug)]
+pub(super) struct Received {
+    pub(super) value: Value,
+    pub(super) frame: Result<ServerFrame, FrameError>,
+}
+
+impl Received {
+    /// The typed reply, when the frame is one that parsed.
+    pub(super) fn reply(&self) -> Option<&Reply> {
+        match &self.frame {
+            Ok(ServerFrame::Reply { reply, .. }) => Some(reply),
+            _ => None,
+        }
+    }
 }
 
 impl Inner {
@@ -116,7 +136,7 @@ impl Inner {
         &self,
         frame: impl Into<Outgoing>,
         timeout: Duration,
-    ) -> Result<Value, ClientError> {
+    ) -> Result<Received, ClientError> {
         let frame = frame.into();
         let invoke = frame.invoke();
         self.request_rec(frame, timeout, invoke).await
@@ -128,7 +148,7 @@ impl Inner {
         frame: Outgoing,
         timeout: Duration,
         invoke: Invoke,
-    ) -> Result<Value, ClientError> {
+    ) -> Result<Received, ClientError> {
         if self.lock().dead {
             return Err(ClientError::Disconnected);
         }
@@ -154,7 +174,7 @@ impl Inner {
         &self,
         frame: Outgoing,
         timeout: Duration,
-    ) -> Result<Value, ClientError> {
+    ) -> Result<Received, ClientError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let rid = format!("c{}", self.next_rid.fetch_add(1, Ordering::Relaxed) + 1);
         let frame = frame.with_rid(&rid)?;
@@ -188,11 +208,12 @@ impl Inner {
             Ok(r) => r?,
             Err(_) => return Err(ClientError::Timeout),
         };
-        if field_str(&reply, "t") == Some("error") {
+        // An error frame is an error even when its code is one the types do not know.
+        if field_str(&reply.value, "t") == Some("error") {
             return Err(ClientError::Server {
-                code: field_str(&reply, "code").unwrap_or("").to_string(),
-                msg: field_str(&reply, "msg").unwrap_or("").to_string(),
-                frame: reply,
+                code: field_str(&reply.value, "code").unwrap_or("").to_string(),
+                msg: field_str(&reply.value, "msg").unwrap_or("").to_string(),
+                frame: reply.value,
             });
         }
         Ok(reply)
@@ -200,11 +221,12 @@ impl Inner {
 
     /// Called by the reader for every text frame: record it, route replies to their
     /// request, queue pushes for the pump.
-    pub(super) fn on_text(&self, text: &str, pushes: &mpsc::Sender<Value>) {
+    pub(super) fn on_text(&self, text: &str, pushes: &mpsc::Sender<ServerFrame>) {
         let (v, parsed) = match serde_json::from_str::<Value>(text) {
             Ok(v) => (v, true),
             Err(_) => (json!({"t": "_nonjson", "raw": text}), false),
         };
+        let frame = ServerFrame::parse(text);
         let route = {
             let mut st = self.lock();
             if st.dead {
@@ -218,17 +240,31 @@ impl Inner {
             push_bounded(&mut st.frames, max, v.clone());
             let waiting = field_str(&v, "rid").and_then(|rid| st.pending.remove(rid));
             if waiting.is_none() {
-                self.rec_push(&v);
-            }
-            if waiting.is_none() && matches!(field_str(&v, "t"), Some("event" | "hint")) {
-                if let Err(mpsc::error::TrySendError::Full(_)) = pushes.try_send(v.clone()) {
-                    st.stats.pushes_overflowed += 1;
+                self.rec_push(&v, &frame);
+                match &frame {
+                    Ok(push @ (ServerFrame::Event(_) | ServerFrame::Hint { .. })) => {
+                        if let Err(mpsc::error::TrySendError::Full(_)) =
+                            pushes.try_send(push.clone())
+                        {
+                            st.stats.pushes_overflowed += 1;
+                        }
+                    }
+                    // A push the client cannot read is counted, never applied.
+                    Err(_) if parsed => match field_str(&v, "t") {
+                        Some("event") => {
+                            st.stats.pushes_received += 1;
+                            st.stats.malformed_frames += 1;
+                        }
+                        Some("hint") => st.stats.malformed_frames += 1,
+                        _ => {}
+                    },
+                    _ => {}
                 }
             }
             waiting
         };
         if let Some(p) = route {
-            let _ = p.tx.send(Ok(v));
+            let _ = p.tx.send(Ok(Received { value: v, frame }));
         }
         self.notify();
     }
@@ -283,7 +319,7 @@ async fn read_loop(
     inner: Arc<Inner>,
     conn_id: u64,
     mut stream: SplitStream<Ws>,
-    pushes: mpsc::Sender<Value>,
+    pushes: mpsc::Sender<ServerFrame>,
 ) {
     while let Some(msg) = stream.next().await {
         match msg {
@@ -343,7 +379,7 @@ impl Client {
             };
             (hello, st.opts.request_timeout)
         };
-        self.inner.request(hello, timeout).await
+        self.inner.request(hello, timeout).await.map(|r| r.value)
     }
 
     /// Opens the WebSocket only (no hello) and starts the reader, writer and pump.

@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::nemesis::schedule::Fault;
-use im_protocol::FaultPoint;
+use im_protocol::wire::{Event, Reply};
+use im_protocol::{FaultPoint, FrameError, ServerFrame};
 
 /// What a line is: the `type` tag, then the `op` and `value` of its kind.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -240,28 +241,98 @@ impl Done {
         }
     }
 
-    /// The `ok` line of `op` for a success reply; Err (the reply's defect) when the reply
-    /// is not the shape `op` is answered with.
-    pub fn of_reply(op: OpName, reply: &Value) -> Result<Done, String> {
-        let mut v = reply.clone();
-        if let Some(o) = v.as_object_mut() {
-            o.remove("rid");
-            if op != OpName::Raw {
-                o.remove("t");
-            }
-            if let Some(Value::Array(evs)) = o.get_mut("events") {
-                for ev in evs.iter_mut() {
-                    if let Some(e) = ev.as_object_mut() {
-                        e.retain(|k, _| EventRef::FIELDS.contains(&k.as_str()));
-                    }
-                }
-            }
-        }
+    /// The `ok` line of `op` for a success reply, from its typed reading (`frame`; a
+    /// [`OpName::Raw`] request records the reply as received, `value`, without `rid`). Err
+    /// (the reply's defect) when the frame does not parse or is not the reply `op` is
+    /// answered with.
+    pub fn of_frame(
+        op: OpName,
+        value: &Value,
+        frame: &Result<ServerFrame, FrameError>,
+    ) -> Result<Done, String> {
         if op == OpName::Raw {
-            return Ok(Done::Raw { reply: v });
+            let mut reply = value.clone();
+            if let Some(o) = reply.as_object_mut() {
+                o.remove("rid");
+            }
+            return Ok(Done::Raw { reply });
         }
-        let tagged = serde_json::json!({"op": op, "value": v});
-        serde_json::from_value(tagged).map_err(|e| format!("unexpected {} reply: {e}", op.as_str()))
+        let unexpected = |why: String| format!("unexpected {} reply: {why}", op.as_str());
+        let reply = match frame {
+            Ok(ServerFrame::Reply { reply, .. }) => reply,
+            Ok(ServerFrame::Event(_)) => return Err(unexpected("an event push".into())),
+            Ok(ServerFrame::Hint { .. }) => return Err(unexpected("a hint push".into())),
+            Err(e) => return Err(unexpected(e.to_string())),
+        };
+        Ok(match (op, reply) {
+            (
+                OpName::Hello,
+                Reply::Welcome {
+                    user,
+                    device,
+                    epoch,
+                },
+            ) => Done::Hello {
+                user: user.clone(),
+                device: device.clone(),
+                epoch: *epoch,
+            },
+            (
+                OpName::Send,
+                Reply::Sent {
+                    conv,
+                    seq,
+                    mid,
+                    dup,
+                    epoch,
+                },
+            ) => Done::Send {
+                conv: conv.clone(),
+                seq: *seq,
+                mid: mid.clone(),
+                dup: *dup,
+                epoch: *epoch,
+            },
+            (OpName::Ack, Reply::Acked { conv, delivered }) => Done::Ack {
+                conv: conv.clone(),
+                delivered: *delivered,
+            },
+            (OpName::Sub, Reply::Subbed { convs }) => Done::Sub {
+                convs: convs
+                    .iter()
+                    .map(|c| SubConv {
+                        conv: c.conv.clone(),
+                        head: c.head,
+                        delivered: c.delivered,
+                    })
+                    .collect(),
+            },
+            (
+                OpName::Sync,
+                Reply::Synced {
+                    conv,
+                    events,
+                    head,
+                    complete,
+                },
+            ) => Done::Sync {
+                conv: conv.clone(),
+                events: events.iter().map(EventRef::of).collect(),
+                head: *head,
+                complete: *complete,
+            },
+            (_, other) => {
+                let name = match other {
+                    Reply::Welcome { .. } => "welcome",
+                    Reply::Sent { .. } => "sent",
+                    Reply::Acked { .. } => "acked",
+                    Reply::Subbed { .. } => "subbed",
+                    Reply::Synced { .. } => "synced",
+                    Reply::Error(_) => "error",
+                };
+                return Err(unexpected(format!("a `{name}` frame")));
+            }
+        })
     }
 }
 
@@ -286,13 +357,15 @@ pub struct EventRef {
 }
 
 impl EventRef {
-    const FIELDS: [&'static str; 5] = ["conv", "seq", "mid", "sender", "cmid"];
-
-    /// The history's name of an `ev` object; None when it lacks a field.
-    pub fn of_event(ev: &Value) -> Option<EventRef> {
-        let mut o = ev.as_object()?.clone();
-        o.retain(|k, _| Self::FIELDS.contains(&k.as_str()));
-        serde_json::from_value(Value::Object(o)).ok()
+    /// The history's name of an event.
+    pub fn of(ev: &Event) -> EventRef {
+        EventRef {
+            conv: ev.conv.clone(),
+            seq: ev.seq,
+            mid: ev.mid.clone(),
+            sender: ev.sender.clone(),
+            cmid: ev.cmid.clone(),
+        }
     }
 }
 
@@ -331,6 +404,18 @@ pub struct Unsure {
 pub enum HintWhy {
     Sweep,
     Overflow,
+    /// SPEC 2 names it; this gateway does not send it.
+    Resync,
+}
+
+impl From<im_protocol::wire::HintWhy> for HintWhy {
+    fn from(w: im_protocol::wire::HintWhy) -> HintWhy {
+        match w {
+            im_protocol::wire::HintWhy::Sweep => HintWhy::Sweep,
+            im_protocol::wire::HintWhy::Overflow => HintWhy::Overflow,
+            im_protocol::wire::HintWhy::Resync => HintWhy::Resync,
+        }
+    }
 }
 
 /// A frame a client received unasked.

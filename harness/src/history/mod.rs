@@ -513,14 +513,19 @@ mod tests {
         let synced = json!({"t": "synced", "conv": "c1", "head": 1, "complete": true,
             "events": [{"conv": "c1", "seq": 1, "mid": "m", "sender": "alice", "cmid": "k1",
                         "kind": "msg", "body": "hé", "at": 5}]});
+        let of = |op: OpName, v: &serde_json::Value| {
+            Done::of_frame(op, v, &im_protocol::ServerFrame::parse(&v.to_string()))
+        };
         for (op, reply) in [(OpName::Send, &sent), (OpName::Sync, &synced)] {
-            let done = Done::of_reply(op, reply).unwrap();
+            let done = of(op, reply).unwrap();
             h.record("a1", 1, Some(9), Line::Ok(done));
         }
-        let e = Done::of_reply(OpName::Send, &json!({"t": "sent", "conv": "c1"})).unwrap_err();
-        assert!(e.contains("missing field `seq`"), "{e}");
+        let e = of(OpName::Send, &json!({"t": "sent", "conv": "c1"})).unwrap_err();
+        assert!(e.contains("without field `seq`"), "{e}");
+        let e = of(OpName::Send, &synced).unwrap_err();
+        assert!(e.contains("unexpected send reply: a `synced` frame"), "{e}");
         assert_eq!(
-            Done::of_reply(OpName::Raw, &json!({"t": "error", "rid": "x"})).unwrap(),
+            of(OpName::Raw, &json!({"t": "error", "rid": "x"})).unwrap(),
             Done::Raw {
                 reply: json!({"t": "error"})
             }
