@@ -11,7 +11,7 @@
 //! Must not: judge anything itself (the checker does), or retry a send on a client's
 //! behalf except through the client's own outbox replay.
 
-use super::faults::{FaultCtx, Package};
+use super::faults::{CrashSwitches, FaultCtx, Package};
 use super::outcome::Outcome;
 use super::schedule::{Fault, Membership, Schedule};
 use super::supervisor::Supervisor;
@@ -177,8 +177,57 @@ async fn drive(
         membership: Mutex::new(BTreeMap::new()),
         sending: AtomicBool::new(true),
     });
+    let tokens = provision(w, schedule, &shared).await?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (devices, crash_switches) = spawn_devices(w, schedule, &shared, tokens, &stop_rx)?;
+    *log = vec![Value::Null; schedule.faults.len()];
+    let mut run = Run {
+        w,
+        schedule,
+        hist,
+        sup: Supervisor::new(opts.clone(), control.to_path_buf(), client_proxy),
+        crash_switches,
+        log,
+        active: BTreeMap::new(),
+        not_started: Vec::new(),
+        pending_membership: Vec::new(),
+        shared,
+    };
+    run.faulty_phase().await;
+    let heal_error = run.heal(&devices).await;
+    // Stop the device tasks; their clients stay connected for the judge (D5).
+    let _ = stop_tx.send(true);
+    let mut clients = Vec::new();
+    for d in devices {
+        match d.task.await {
+            Ok(Ok(Some(c))) => clients.push(c),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => anyhow::bail!("device {}: {e:#}", d.device),
+            Err(e) => anyhow::bail!("device {} task: {e}", d.device),
+        }
+    }
+    let judged = run.w.judge().await?;
+    for c in clients {
+        c.close().await;
+    }
+    // Faults the schedule names that could not be started: the run did not test what its
+    // schedule says, so it is an ERROR, not a pass.
+    let not_started = (!run.not_started.is_empty()).then(|| run.not_started.join("; "));
+    let mut outcome = outcome_of(schedule, &judged.report, heal_error.or(not_started));
+    outcome.repeat = repeat.to_string();
+    outcome.fault_log = std::mem::take(run.log);
+    outcome.gateway_starts = run.sup.gateway_starts();
+    outcome.wall_ms = t0.elapsed().as_millis() as u64;
+    Ok(outcome)
+}
 
-    // Provisioning (before the clock starts).
+/// Users, devices (their tokens: device → (user, token)) and conversations, before the
+/// clock starts; with a power cut in the schedule, settled on disk.
+async fn provision(
+    w: &mut World,
+    schedule: &Schedule,
+    shared: &Shared,
+) -> anyhow::Result<BTreeMap<String, (String, String)>> {
     let mut tokens = BTreeMap::new();
     for u in &schedule.workload.users {
         w.add_user(&u.name).await?;
@@ -199,7 +248,17 @@ async fn drive(
         // server that has run for a while: a power cut judges what the run writes.
         w.pg.settle().await?;
     }
-    let (stop_tx, stop_rx) = watch::channel(false);
+    Ok(tokens)
+}
+
+/// One task per device ([`device_loop`]), and each device's crash switch.
+fn spawn_devices(
+    w: &World,
+    schedule: &Schedule,
+    shared: &Arc<Shared>,
+    tokens: BTreeMap<String, (String, String)>,
+    stop_rx: &watch::Receiver<bool>,
+) -> anyhow::Result<(Vec<DeviceHandle>, CrashSwitches)> {
     let mut devices = Vec::new();
     let mut crash_switches = BTreeMap::new();
     for (device, seed) in &schedule.workload.device_seeds {
@@ -230,172 +289,175 @@ async fn drive(
             task,
         });
     }
+    Ok((devices, crash_switches))
+}
 
-    // The faulty phase.
-    let mut sup = Supervisor::new(opts.clone(), control.to_path_buf(), client_proxy);
-    let events = timeline(schedule);
-    *log = vec![Value::Null; schedule.faults.len()];
-    let mut active: BTreeMap<usize, u64> = BTreeMap::new(); // fault index → history op id
-                                                            // Faults the schedule names that could not be started: the run did not test what its
-                                                            // schedule says, so it is an ERROR, not a pass.
-    let mut not_started: Vec<String> = Vec::new();
-    let start = Instant::now();
-    let mut next = 0;
-    let mut pending_membership: Vec<usize> = Vec::new();
-    let mut next_membership_try: Option<Instant> = None;
-    loop {
-        let now_ms = start.elapsed().as_millis() as u64;
-        while next < events.len() && events[next].0 <= now_ms {
-            let (_, event) = events[next];
-            next += 1;
-            match event {
-                Event::Start(i) => {
-                    let f = &schedule.faults[i];
-                    let id = hist.nemesis_start(fault_action(f, false));
-                    let t = hist.now_ms();
-                    let mut cx = FaultCtx {
-                        w,
-                        sup: &mut sup,
-                        crash_switches: &crash_switches,
-                    };
-                    let r = f.kind.start(&mut cx, &f.target).await;
-                    if let Err(e) = &r {
-                        not_started.push(format!(
-                            "fault {} ({} on {}) did not start: {e:#}",
-                            f.id,
-                            f.kind.name(),
-                            f.target
-                        ));
-                    }
-                    log[i] = json!({"id": f.id, "kind": f.kind.name(), "target": f.target,
-                        "fault": f, "started_ms": t,
-                        "start": r.as_ref().map(|v| v.clone()).unwrap_or_else(|e| json!({"error": format!("{e:#}")}))});
-                    if f.end_ms > f.at_ms {
-                        active.insert(i, id);
-                    } else {
-                        hist.nemesis_end(id, fault_action(f, false));
-                        log[i]["ended_ms"] = json!(hist.now_ms());
-                    }
+/// The run's state from the clock's start to the heal's end.
+struct Run<'a> {
+    w: &'a mut World,
+    schedule: &'a Schedule,
+    hist: History,
+    sup: Supervisor,
+    crash_switches: CrashSwitches,
+    /// Each fault as carried out (`fault_log`), by its index in the schedule.
+    log: &'a mut Vec<Value>,
+    /// Faults started and not ended: index → history op id.
+    active: BTreeMap<usize, u64>,
+    /// Faults that could not be started, and why.
+    not_started: Vec<String>,
+    /// Membership changes due and not applied yet (the database was away).
+    pending_membership: Vec<usize>,
+    shared: Arc<Shared>,
+}
+
+impl Run<'_> {
+    /// The schedule's events at their offsets, membership changes retried while the
+    /// database is away, the gateway supervised, until the workload's end.
+    async fn faulty_phase(&mut self) {
+        let events = timeline(self.schedule);
+        let start = Instant::now();
+        let mut next = 0;
+        let mut next_membership_try: Option<Instant> = None;
+        loop {
+            let now_ms = start.elapsed().as_millis() as u64;
+            while next < events.len() && events[next].0 <= now_ms {
+                match events[next].1 {
+                    Event::Start(i) => self.start_fault(i).await,
+                    Event::End(i) => self.end_fault(i, false).await,
+                    Event::Membership(i) => self.pending_membership.push(i),
                 }
-                Event::End(i) => {
-                    if let Some(id) = active.remove(&i) {
-                        let f = &schedule.faults[i];
-                        let mut cx = FaultCtx {
-                            w,
-                            sup: &mut sup,
-                            crash_switches: &crash_switches,
-                        };
-                        let r = f.kind.end(&mut cx, &f.target).await;
-                        hist.nemesis_end(id, fault_action(f, false));
-                        log[i]["ended_ms"] = json!(hist.now_ms());
-                        log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
-                    }
-                }
-                Event::Membership(i) => pending_membership.push(i),
+                next += 1;
             }
-        }
-        // Membership changes go through the admin command, which needs the database: one
-        // that fails (the database is down) is tried again, at most one attempt per
-        // MEMBERSHIP_RETRY, each bounded: the schedule's clock must not wait on a database
-        // that a fault took away.
-        let due = next_membership_try.is_none_or(|t| Instant::now() >= t);
-        let mut still = Vec::new();
-        for i in pending_membership.drain(..) {
-            if !due {
-                still.push(i);
-                continue;
+            // Membership changes go through the admin command, which needs the database:
+            // one that fails (the database is down) is tried again, at most one attempt per
+            // MEMBERSHIP_RETRY, each bounded: the schedule's clock must not wait on a
+            // database that a fault took away.
+            if next_membership_try.is_none_or(|t| Instant::now() >= t)
+                && !self.apply_pending_membership().await
+            {
+                next_membership_try = Some(Instant::now() + MEMBERSHIP_RETRY);
             }
-            if !apply_membership(w, &shared, &schedule.workload.membership[i]).await {
-                still.push(i);
+            self.sup.supervise(self.w).await;
+            if next >= events.len() && now_ms >= self.schedule.options.duration_ms {
+                break;
             }
+            tokio::time::sleep(TICK).await;
         }
-        if due && !still.is_empty() {
-            next_membership_try = Some(Instant::now() + MEMBERSHIP_RETRY);
-        }
-        pending_membership = still;
-        sup.supervise(w).await;
-        if next >= events.len() && now_ms >= schedule.options.duration_ms {
-            break;
-        }
-        tokio::time::sleep(TICK).await;
     }
 
-    // The heal: every fault still in force ends, no new messages, the gateway is up, the
-    // clients reconnect and replay their outboxes.
-    shared.sending.store(false, Ordering::SeqCst);
-    for (i, id) in std::mem::take(&mut active).into_iter().rev() {
-        let f = &schedule.faults[i];
+    /// Applies every pending membership change once; true when none is left.
+    async fn apply_pending_membership(&mut self) -> bool {
+        for i in std::mem::take(&mut self.pending_membership) {
+            let m = &self.schedule.workload.membership[i];
+            if !apply_membership(self.w, &self.shared, m).await {
+                self.pending_membership.push(i);
+            }
+        }
+        self.pending_membership.is_empty()
+    }
+
+    /// Starts fault `i` (its package's `start`), recorded as a nemesis period (an instant
+    /// ends at once); one that could not start is noted (the run is then an ERROR).
+    async fn start_fault(&mut self, i: usize) {
+        let f = &self.schedule.faults[i];
+        let id = self.hist.nemesis_start(fault_action(f, false));
+        let t = self.hist.now_ms();
         let mut cx = FaultCtx {
-            w,
-            sup: &mut sup,
-            crash_switches: &crash_switches,
+            w: self.w,
+            sup: &mut self.sup,
+            crash_switches: &self.crash_switches,
+        };
+        let r = f.kind.start(&mut cx, &f.target).await;
+        if let Err(e) = &r {
+            self.not_started.push(format!(
+                "fault {} ({} on {}) did not start: {e:#}",
+                f.id,
+                f.kind.name(),
+                f.target
+            ));
+        }
+        self.log[i] = json!({"id": f.id, "kind": f.kind.name(), "target": f.target,
+            "fault": f, "started_ms": t,
+            "start": r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}))});
+        if f.end_ms > f.at_ms {
+            self.active.insert(i, id);
+        } else {
+            self.hist.nemesis_end(id, fault_action(f, false));
+            self.log[i]["ended_ms"] = json!(self.hist.now_ms());
+        }
+    }
+
+    /// Ends fault `i` if it is in force (its package's `end`); `healed`: by the heal.
+    async fn end_fault(&mut self, i: usize, healed: bool) {
+        let Some(id) = self.active.remove(&i) else {
+            return;
+        };
+        let f = &self.schedule.faults[i];
+        let mut cx = FaultCtx {
+            w: self.w,
+            sup: &mut self.sup,
+            crash_switches: &self.crash_switches,
         };
         let r = f.kind.end(&mut cx, &f.target).await;
-        hist.nemesis_end(id, fault_action(f, true));
-        log[i]["ended_ms"] = json!(hist.now_ms());
-        log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        self.hist.nemesis_end(id, fault_action(f, healed));
+        self.log[i]["ended_ms"] = json!(self.hist.now_ms());
+        self.log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
     }
-    let heal_id = hist.nemesis_start(Action::Heal { unsettled: vec![] });
-    let heal_deadline = Instant::now() + Duration::from_millis(schedule.options.heal_ms);
-    let mut unsettled: Vec<String>;
-    let mut next_sweep = Instant::now();
-    loop {
-        sup.supervise(w).await;
-        if Instant::now() >= next_sweep {
-            next_sweep = Instant::now() + STALE_FAULT_SWEEP;
-            sup.disarm_stale(w).await;
+
+    /// The heal: every fault still in force ends (latest first), no new messages, the
+    /// gateway is up, the clients reconnect and replay their outboxes, within `heal_ms`.
+    /// Returns why it did not finish, if it did not.
+    async fn heal(&mut self, devices: &[DeviceHandle]) -> Option<String> {
+        self.shared.sending.store(false, Ordering::SeqCst);
+        let active: Vec<usize> = self.active.keys().rev().copied().collect();
+        for i in active {
+            self.end_fault(i, true).await;
         }
-        for i in std::mem::take(&mut pending_membership) {
-            if !apply_membership(w, &shared, &schedule.workload.membership[i]).await {
-                pending_membership.push(i);
+        let heal_id = self.hist.nemesis_start(Action::Heal { unsettled: vec![] });
+        let heal_deadline = Instant::now() + Duration::from_millis(self.schedule.options.heal_ms);
+        let mut unsettled: Vec<String>;
+        let mut next_sweep = Instant::now();
+        loop {
+            self.sup.supervise(self.w).await;
+            if Instant::now() >= next_sweep {
+                next_sweep = Instant::now() + STALE_FAULT_SWEEP;
+                self.sup.disarm_stale(self.w).await;
             }
+            let memberships_done = self.apply_pending_membership().await;
+            unsettled = devices
+                .iter()
+                .filter(|d| !d.settled.load(Ordering::SeqCst))
+                .map(|d| d.device.clone())
+                .collect();
+            if unsettled.is_empty() && self.w.gateway_up() && memberships_done {
+                break;
+            }
+            if Instant::now() >= heal_deadline {
+                break;
+            }
+            tokio::time::sleep(TICK).await;
         }
-        unsettled = devices
-            .iter()
-            .filter(|d| !d.settled.load(Ordering::SeqCst))
-            .map(|d| d.device.clone())
-            .collect();
-        let gw_up = w.gateway_up();
-        if unsettled.is_empty() && gw_up && pending_membership.is_empty() {
-            break;
-        }
-        if Instant::now() >= heal_deadline {
-            break;
-        }
-        tokio::time::sleep(TICK).await;
+        self.hist.nemesis_end(
+            heal_id,
+            Action::Heal {
+                unsettled: unsettled.clone(),
+            },
+        );
+        (!unsettled.is_empty()).then(|| {
+            format!(
+                "the heal did not finish within {} ms: devices not back (connected, \
+                 subscribed, outbox replayed): {}",
+                self.schedule.options.heal_ms,
+                unsettled.join(", ")
+            )
+        })
     }
-    hist.nemesis_end(
-        heal_id,
-        Action::Heal {
-            unsettled: unsettled.clone(),
-        },
-    );
-    let heal_error = if unsettled.is_empty() {
-        None
-    } else {
-        Some(format!(
-            "the heal did not finish within {} ms: devices not back (connected, subscribed, \
-             outbox replayed): {}",
-            schedule.options.heal_ms,
-            unsettled.join(", ")
-        ))
-    };
-    // Stop the device tasks; their clients stay connected for the judge (D5).
-    let _ = stop_tx.send(true);
-    let mut clients = Vec::new();
-    for d in devices {
-        match d.task.await {
-            Ok(Ok(Some(c))) => clients.push(c),
-            Ok(Ok(None)) => {}
-            Ok(Err(e)) => anyhow::bail!("device {}: {e:#}", d.device),
-            Err(e) => anyhow::bail!("device {} task: {e}", d.device),
-        }
-    }
-    let judged = w.judge().await?;
-    for c in clients {
-        c.close().await;
-    }
-    let report: &Report = &judged.report;
+}
+
+/// The outcome the checker's `report` gives `schedule` (`error`: why the run itself did
+/// not do what it should); the caller fills in what only the run knows (the repeat
+/// command, the fault log, gateway starts, wall time).
+fn outcome_of(schedule: &Schedule, report: &Report, error: Option<String>) -> Outcome {
     let mut faults = BTreeMap::new();
     for f in &schedule.faults {
         *faults.entry(f.kind.name().to_string()).or_insert(0u64) += 1;
@@ -407,8 +469,7 @@ async fn drive(
         .map(|(k, n)| (k.as_str().to_string(), *n))
         .collect();
     // A history that could not be judged is an ERROR, never a pass.
-    let not_started = (!not_started.is_empty()).then(|| not_started.join("; "));
-    let error = report.error.clone().or(heal_error).or(not_started);
+    let error = report.error.clone().or(error);
     let verdict = if !anomalies.is_empty() {
         Verdict::Fail
     } else if error.is_some() {
@@ -416,22 +477,22 @@ async fn drive(
     } else {
         Verdict::Pass
     };
-    Ok(Outcome {
+    Outcome {
         seed: schedule.seed,
         verdict,
         error,
-        repeat: repeat.to_string(),
+        repeat: String::new(),
         anomalies,
         first_anomalies: report.anomalies.iter().take(20).cloned().collect(),
         ops: report.stats.ops.clone(),
         faults,
-        fault_log: std::mem::take(log),
+        fault_log: Vec::new(),
         repair_ms: report.stats.repair_ms.clone(),
         delivery_ms: report.stats.delivery_ms.clone(),
-        gateway_starts: sup.gateway_starts(),
+        gateway_starts: 0,
         history_entries: report.stats.entries,
-        wall_ms: t0.elapsed().as_millis() as u64,
-    })
+        wall_ms: 0,
+    }
 }
 
 /// One membership change through the admin command (bounded: the database may be away),

@@ -79,9 +79,11 @@ impl<K> Drawn<K> {
 pub struct FaultCtx<'a> {
     pub w: &'a mut World,
     pub sup: &'a mut Supervisor,
-    /// Device id → its switch: true kills its client until set back to false.
-    pub crash_switches: &'a BTreeMap<String, watch::Sender<bool>>,
+    pub crash_switches: &'a CrashSwitches,
 }
+
+/// Device id → its crash switch: true kills its client until set back to false.
+pub type CrashSwitches = BTreeMap<String, watch::Sender<bool>>;
 
 /// Makes a registry: an enum with one variant per package, in draw order, implementing
 /// [`Package`] (by asking the package a kind belongs to), `serde` (flat: `{"kind": "gw-kill",
