@@ -42,18 +42,6 @@ impl Package for ClientFault {
         &[]
     }
 
-    fn validate(&self) -> anyhow::Result<()> {
-        Ok(())
-    }
-
-    fn im_fault(&self) -> Option<String> {
-        None
-    }
-
-    fn needs_lazyfs(&self) -> bool {
-        false
-    }
-
     /// A crashed client neither slows the sweep nor its other devices.
     fn leaves_the_sweep_alone(&self) -> bool {
         true

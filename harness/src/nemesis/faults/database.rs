@@ -105,10 +105,6 @@ impl Package for DatabaseFault {
         Ok(())
     }
 
-    fn im_fault(&self) -> Option<String> {
-        None
-    }
-
     fn needs_lazyfs(&self) -> bool {
         *self == DatabaseFault::PgPowerCut
     }

@@ -44,12 +44,20 @@ pub trait Package:
     fn resource(&self, target: &str) -> Option<String>;
     /// Resources that must be free when it starts, though it does not hold them.
     fn requires(&self) -> &'static [&'static str];
-    /// A schedule read from a file is refused when one of its faults is not well formed.
-    fn validate(&self) -> anyhow::Result<()>;
-    /// The equivalent `IM_FAULT` spec when it is one fault point (`make repro FAULT=…`).
-    fn im_fault(&self) -> Option<String>;
-    /// Whether its cluster must run on the LazyFS layer.
-    fn needs_lazyfs(&self) -> bool;
+    /// A schedule read from a file is refused when one of its faults is not well formed
+    /// (by default every drawn value is).
+    fn validate(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+    /// The equivalent `IM_FAULT` spec when it is one fault point (`make repro FAULT=…`);
+    /// none by default.
+    fn im_fault(&self) -> Option<String> {
+        None
+    }
+    /// Whether its cluster must run on the LazyFS layer (not by default).
+    fn needs_lazyfs(&self) -> bool {
+        false
+    }
     /// For the checker's `d5-sweep-late`: true when the fault cannot delay the sweep's
     /// pass, so a late hint during it is still the sweep's fault.
     fn leaves_the_sweep_alone(&self) -> bool;

@@ -95,18 +95,6 @@ impl Package for NetworkFault {
         &[]
     }
 
-    fn validate(&self) -> anyhow::Result<()> {
-        Ok(())
-    }
-
-    fn im_fault(&self) -> Option<String> {
-        None
-    }
-
-    fn needs_lazyfs(&self) -> bool {
-        false
-    }
-
     fn leaves_the_sweep_alone(&self) -> bool {
         false
     }

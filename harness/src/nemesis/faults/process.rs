@@ -140,10 +140,6 @@ impl Package for ProcessFault {
         }
     }
 
-    fn needs_lazyfs(&self) -> bool {
-        false
-    }
-
     fn leaves_the_sweep_alone(&self) -> bool {
         match self {
             ProcessFault::GwFault { point, action } => {
