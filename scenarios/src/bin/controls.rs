@@ -374,53 +374,13 @@ fn main() -> anyhow::Result<()> {
             bugs_bin.display()
         );
     }
-    let mut bugs: Vec<(String, &str)> = gateway_bugs(&bugs_bin)?
-        .into_iter()
-        .map(|b| (b, "gateway"))
-        .collect();
-    for b in harness::client::bugs::ALL {
-        let side = if *b == harness::client::bugs::FSYNC_OFF {
-            "harness"
-        } else {
-            "client"
-        };
-        bugs.push((b.to_string(), side));
-    }
-    if let Some(only) = &o.only {
-        for name in only {
-            if !bugs.iter().any(|(b, _)| b == name) {
-                bail!(
-                    "unknown bug {name:?}; known: {}",
-                    bugs.iter()
-                        .map(|(b, _)| b.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-            }
-        }
-        bugs.retain(|(b, _)| only.contains(b));
-    }
-
+    let bugs = selected_bugs(&o, &bugs_bin)?;
     if o.nemesis_only {
         return nemesis_only(&o, &out, &bugs, &bugs_bin, started);
     }
     eprintln!("controls: the clean gateway, whole suite");
     let clean = run_suite(SUITE, &[], "clean")?;
-    let clean_anomalies: u64 = clean
-        .records
-        .values()
-        .chain(clean.protocol.values())
-        // 06-failover-u2-async's anomalies are its measurement (the U2 risk), not a verdict.
-        .filter(|v| v.pointer("/observed/checker_anomalies_measured").is_none())
-        .filter_map(|v| {
-            v.pointer("/checker/anomalies_total")
-                .or(v.pointer("/anomalies"))
-                .map(|a| {
-                    a.as_u64()
-                        .unwrap_or_else(|| a.as_array().map_or(0, |x| x.len() as u64))
-                })
-        })
-        .sum();
+    let clean_anomalies = anomalies_of(&clean);
     eprintln!(
         "  clean: {} passed, {} failed, {} anomalies ({} s)",
         clean.passed.len(),
@@ -428,139 +388,16 @@ fn main() -> anyhow::Result<()> {
         clean_anomalies,
         clean.wall_ms / 1000
     );
-
     let mut controls = Vec::new();
     for (bug, side) in &bugs {
-        let mut env = vec![("IM_BUG", bug.clone())];
-        if *side == "gateway" {
-            env.push(("IM_GATEWAY_BIN", bugs_bin.display().to_string()));
-        }
-        eprintln!("controls: {bug} ({side}), run 1 of {}: whole suite", o.runs);
-        let first = run_suite(SUITE, &env, &format!("{bug}-1"))?;
-        let caught_by: Vec<Value> = first.failed.iter().map(|t| how_caught(&first, t)).collect();
-        let mut caught_runs = u32::from(!first.failed.is_empty());
-        let mut run_walls = vec![first.wall_ms];
-        let mut rerun_tests: Vec<(String, u64)> = caught_by
-            .iter()
-            .map(|c| {
-                (
-                    c["test"].as_str().unwrap_or("").to_string(),
-                    c["duration_ms"].as_u64().unwrap_or(u64::MAX),
-                )
-            })
-            .collect();
-        // Designed catchers first, then the quickest.
-        let designed = designed_catcher(bug);
-        rerun_tests.sort_by_key(|(t, d)| (!designed.contains(&t.as_str()), *d));
-        rerun_tests.truncate(RERUN_TESTS_MAX);
-        let mut per_run_failed = vec![first.failed.clone()];
-        if !rerun_tests.is_empty() {
-            let filter = rerun_tests
-                .iter()
-                .map(|(t, _)| format!("test(={t})"))
-                .collect::<Vec<_>>()
-                .join(" | ");
-            for run in 2..=o.runs {
-                let r = run_suite(&filter, &env, &format!("{bug}-{run}"))?;
-                if !r.failed.is_empty() {
-                    caught_runs += 1;
-                }
-                run_walls.push(r.wall_ms);
-                per_run_failed.push(r.failed);
-            }
-        }
-        let runs = if rerun_tests.is_empty() { 1 } else { o.runs };
-        // How often each re-run test caught it (a racy catcher shows as k/N).
-        let per_test: BTreeMap<&str, u32> = rerun_tests
-            .iter()
-            .map(|(t, _)| {
-                let k = per_run_failed
-                    .iter()
-                    .filter(|f| f.iter().any(|x| x == t))
-                    .count() as u32;
-                (t.as_str(), k)
-            })
-            .collect();
-        let caught = caught_runs == runs && caught_runs > 0;
-        let first_detection_ms = caught_by
-            .iter()
-            .filter_map(|c| c["duration_ms"].as_u64())
-            .min();
-        eprintln!(
-            "  {bug}: caught in {caught_runs}/{runs} runs by {} test(s)",
-            first.failed.len()
-        );
-        let nemesis = if o.nemesis_seeds > 0 {
-            eprintln!(
-                "controls: {bug} under the nemesis, up to {} seeds",
-                o.nemesis_seeds
-            );
-            let n = nemesis_control(bug, &env, o.nemesis_seeds)?;
-            eprintln!(
-                "  {bug}: nemesis {} after {} seed(s)",
-                n["result"], n["seeds_run"]
-            );
-            n
-        } else {
-            Value::Null
-        };
-        let mut kinds: Vec<String> = caught_by
-            .iter()
-            .flat_map(|c| c["anomaly_kinds"].as_array().cloned().unwrap_or_default())
-            .filter_map(|k| k.as_str().map(str::to_string))
-            .collect();
-        kinds.sort();
-        kinds.dedup();
-        controls.push(json!({
-            "bug": bug,
-            "git_commit": git(&["rev-parse", "HEAD"]),
-            "side": side,
-            "result": if caught { "CAUGHT" } else if caught_runs > 0 { "FLAKY" } else { "MISSED" },
-            "runs": runs,
-            "caught_runs": caught_runs,
-            "caught_rate": f64::from(caught_runs) / f64::from(runs),
-            "anomaly_kinds": kinds,
-            "caught_by": caught_by,
-            "rerun_tests": rerun_tests.iter().map(|(t, _)| t).collect::<Vec<_>>(),
-            "designed_catchers": designed,
-            "caught_runs_per_test": per_test,
-            "failed_per_run": per_run_failed,
-            "first_detection_ms": first_detection_ms,
-            "run_wall_ms": run_walls,
-            "known_limit": known_limit(bug),
-            "nemesis": nemesis,
-        }));
+        controls.push(control(&o, bug, side, &bugs_bin)?);
     }
-
     // --merge: keep the other bugs' entries of the existing file, as they were measured.
-    let mut partial = Vec::new();
-    if o.merge {
-        let old: Value = serde_json::from_slice(
-            &std::fs::read(&out).with_context(|| format!("read {} to merge", out.display()))?,
-        )
-        .context("parse the existing result to merge")?;
-        let fresh: Vec<Value> = std::mem::take(&mut controls);
-        for c in old["controls"].as_array().into_iter().flatten() {
-            match fresh.iter().find(|f| f["bug"] == c["bug"]) {
-                Some(f) => controls.push(f.clone()),
-                None => controls.push(c.clone()),
-            }
-        }
-        for f in &fresh {
-            if !controls.iter().any(|c| c["bug"] == f["bug"]) {
-                controls.push(f.clone());
-            }
-        }
-        partial = old["environment"]["partial_runs"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
-        partial.push(json!({
-            "bugs": o.only,
-            "git_commit": git(&["rev-parse", "HEAD"]),
-            "generated_at": scenarios::rfc3339_now(),
-        }));
-    }
+    let partial = if o.merge {
+        merge_into(&out, &mut controls, &o)?
+    } else {
+        Vec::new()
+    };
     let count = |r: &str| controls.iter().filter(|c| c["result"] == r).count();
     let nemesis_summary = nemesis_summary(&controls);
     let doc = json!({
@@ -612,6 +449,193 @@ fn main() -> anyhow::Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// Every deliberate bug (the gateway's, as its binary lists them, then the client's and
+/// the harness's) with its side, or those `--only` names (an unknown name is refused).
+fn selected_bugs(o: &Opts, bugs_bin: &Path) -> anyhow::Result<Vec<(String, &'static str)>> {
+    let mut bugs: Vec<(String, &str)> = gateway_bugs(bugs_bin)?
+        .into_iter()
+        .map(|b| (b, "gateway"))
+        .collect();
+    for b in harness::client::bugs::ALL {
+        let side = if *b == harness::client::bugs::FSYNC_OFF {
+            "harness"
+        } else {
+            "client"
+        };
+        bugs.push((b.to_string(), side));
+    }
+    if let Some(only) = &o.only {
+        for name in only {
+            if !bugs.iter().any(|(b, _)| b == name) {
+                bail!(
+                    "unknown bug {name:?}; known: {}",
+                    bugs.iter()
+                        .map(|(b, _)| b.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+        }
+        bugs.retain(|(b, _)| only.contains(b));
+    }
+    Ok(bugs)
+}
+
+/// The anomalies the checker found in a run of the suite.
+fn anomalies_of(run: &RunResult) -> u64 {
+    run.records
+        .values()
+        .chain(run.protocol.values())
+        // 06-failover-u2-async's anomalies are its measurement (the U2 risk), not a verdict.
+        .filter(|v| v.pointer("/observed/checker_anomalies_measured").is_none())
+        .filter_map(|v| {
+            v.pointer("/checker/anomalies_total")
+                .or(v.pointer("/anomalies"))
+                .map(|a| {
+                    a.as_u64()
+                        .unwrap_or_else(|| a.as_array().map_or(0, |x| x.len() as u64))
+                })
+        })
+        .sum()
+}
+
+/// One deliberate bug: the whole suite once, the tests that caught it (designed catchers
+/// first, then the quickest) `runs - 1` times more, then the nemesis; its entry of
+/// `controls[]`.
+fn control(o: &Opts, bug: &str, side: &str, bugs_bin: &Path) -> anyhow::Result<Value> {
+    let mut env = vec![("IM_BUG", bug.to_string())];
+    if side == "gateway" {
+        env.push(("IM_GATEWAY_BIN", bugs_bin.display().to_string()));
+    }
+    eprintln!("controls: {bug} ({side}), run 1 of {}: whole suite", o.runs);
+    let first = run_suite(SUITE, &env, &format!("{bug}-1"))?;
+    let caught_by: Vec<Value> = first.failed.iter().map(|t| how_caught(&first, t)).collect();
+    let mut caught_runs = u32::from(!first.failed.is_empty());
+    let mut run_walls = vec![first.wall_ms];
+    let mut rerun_tests: Vec<(String, u64)> = caught_by
+        .iter()
+        .map(|c| {
+            (
+                c["test"].as_str().unwrap_or("").to_string(),
+                c["duration_ms"].as_u64().unwrap_or(u64::MAX),
+            )
+        })
+        .collect();
+    // Designed catchers first, then the quickest.
+    let designed = designed_catcher(bug);
+    rerun_tests.sort_by_key(|(t, d)| (!designed.contains(&t.as_str()), *d));
+    rerun_tests.truncate(RERUN_TESTS_MAX);
+    let mut per_run_failed = vec![first.failed.clone()];
+    if !rerun_tests.is_empty() {
+        let filter = rerun_tests
+            .iter()
+            .map(|(t, _)| format!("test(={t})"))
+            .collect::<Vec<_>>()
+            .join(" | ");
+        for run in 2..=o.runs {
+            let r = run_suite(&filter, &env, &format!("{bug}-{run}"))?;
+            if !r.failed.is_empty() {
+                caught_runs += 1;
+            }
+            run_walls.push(r.wall_ms);
+            per_run_failed.push(r.failed);
+        }
+    }
+    let runs = if rerun_tests.is_empty() { 1 } else { o.runs };
+    // How often each re-run test caught it (a racy catcher shows as k/N).
+    let per_test: BTreeMap<&str, u32> = rerun_tests
+        .iter()
+        .map(|(t, _)| {
+            let k = per_run_failed
+                .iter()
+                .filter(|f| f.iter().any(|x| x == t))
+                .count() as u32;
+            (t.as_str(), k)
+        })
+        .collect();
+    let caught = caught_runs == runs && caught_runs > 0;
+    let first_detection_ms = caught_by
+        .iter()
+        .filter_map(|c| c["duration_ms"].as_u64())
+        .min();
+    eprintln!(
+        "  {bug}: caught in {caught_runs}/{runs} runs by {} test(s)",
+        first.failed.len()
+    );
+    let nemesis = if o.nemesis_seeds > 0 {
+        eprintln!(
+            "controls: {bug} under the nemesis, up to {} seeds",
+            o.nemesis_seeds
+        );
+        let n = nemesis_control(bug, &env, o.nemesis_seeds)?;
+        eprintln!(
+            "  {bug}: nemesis {} after {} seed(s)",
+            n["result"], n["seeds_run"]
+        );
+        n
+    } else {
+        Value::Null
+    };
+    let mut kinds: Vec<String> = caught_by
+        .iter()
+        .flat_map(|c| c["anomaly_kinds"].as_array().cloned().unwrap_or_default())
+        .filter_map(|k| k.as_str().map(str::to_string))
+        .collect();
+    kinds.sort();
+    kinds.dedup();
+    Ok(json!({
+        "bug": bug,
+        "git_commit": git(&["rev-parse", "HEAD"]),
+        "side": side,
+        "result": if caught { "CAUGHT" } else if caught_runs > 0 { "FLAKY" } else { "MISSED" },
+        "runs": runs,
+        "caught_runs": caught_runs,
+        "caught_rate": f64::from(caught_runs) / f64::from(runs),
+        "anomaly_kinds": kinds,
+        "caught_by": caught_by,
+        "rerun_tests": rerun_tests.iter().map(|(t, _)| t).collect::<Vec<_>>(),
+        "designed_catchers": designed,
+        "caught_runs_per_test": per_test,
+        "failed_per_run": per_run_failed,
+        "first_detection_ms": first_detection_ms,
+        "run_wall_ms": run_walls,
+        "known_limit": known_limit(bug),
+        "nemesis": nemesis,
+    }))
+}
+
+/// `--merge`: the existing file's entries with this run's in place of those it measured
+/// (`controls` holds this run's and becomes the merged list); returns the partial runs so
+/// far, this one appended.
+fn merge_into(out: &Path, controls: &mut Vec<Value>, o: &Opts) -> anyhow::Result<Vec<Value>> {
+    let old: Value = serde_json::from_slice(
+        &std::fs::read(out).with_context(|| format!("read {} to merge", out.display()))?,
+    )
+    .context("parse the existing result to merge")?;
+    let fresh: Vec<Value> = std::mem::take(controls);
+    for c in old["controls"].as_array().into_iter().flatten() {
+        match fresh.iter().find(|f| f["bug"] == c["bug"]) {
+            Some(f) => controls.push(f.clone()),
+            None => controls.push(c.clone()),
+        }
+    }
+    for f in &fresh {
+        if !controls.iter().any(|c| c["bug"] == f["bug"]) {
+            controls.push(f.clone());
+        }
+    }
+    let mut partial = old["environment"]["partial_runs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    partial.push(json!({
+        "bugs": o.only,
+        "git_commit": git(&["rev-parse", "HEAD"]),
+        "generated_at": scenarios::rfc3339_now(),
+    }));
+    Ok(partial)
 }
 
 /// Which bugs the scripted suite and the nemesis each caught, side by side.
