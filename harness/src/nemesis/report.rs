@@ -108,72 +108,131 @@ pub fn write_html(dir: &Path, schedule: &Schedule, o: &Outcome) -> anyhow::Resul
 /// The page, from the history, the schedule and the outcome.
 pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
     let end = h.last().map_or(1.0, |e| e.t_ms.max(1.0));
-    let x = |t: f64| LEFT + (t / end) * (WIDTH - LEFT - 10.0);
-    let devices: Vec<String> = {
-        let mut d: BTreeSet<String> = BTreeSet::new();
-        for e in h {
-            if matches!(
-                e.kind(),
-                Type::Invoke | Type::Ok | Type::Info | Type::Fail | Type::Recv | Type::Client
-            ) {
-                d.insert(e.process.clone());
-            }
-        }
-        d.into_iter().collect()
-    };
-    let lane: HashMap<&str, usize> = devices
-        .iter()
-        .enumerate()
-        .map(|(i, d)| (d.as_str(), i + 1))
-        .collect();
-    let lanes = devices.len() + 1;
-    let height = 30.0 + lanes as f64 * LANE + 20.0;
+    let scale = Scale { end };
     let bands = bands(h, end);
+    let mut s = head(schedule, o);
+    s.push_str(&timeline(h, &bands, scale));
+    s.push_str(&legend(&bands));
+    s.push_str(&latency(h, &bands, scale));
+    s.push_str(&faults_table(schedule, o));
+    let (anomalies, mut shown) = anomalies(o);
+    s.push_str(&anomalies);
+    // The history lines the anomalies name (with context), and every fault line.
+    for e in h.iter().filter(|e| e.kind() == Type::Nemesis) {
+        shown.insert(e.i);
+    }
+    s.push_str(&history_lines(h, &shown));
+    s.push_str(
+        "<p>The whole history is <code>history.jsonl</code> beside this page.</p></body></html>\n",
+    );
+    s
+}
+
+/// Time on the horizontal axis: the run's milliseconds onto the drawing's width.
+#[derive(Clone, Copy)]
+struct Scale {
+    end: f64,
+}
+
+impl Scale {
+    fn x(self, t: f64) -> f64 {
+        LEFT + (t / self.end) * (WIDTH - LEFT - 10.0)
+    }
+
+    /// Tick labels every tenth of the run, at the bottom `y`.
+    fn ticks(self, y: f64) -> String {
+        let mut s = String::new();
+        for t in 0..=10 {
+            let tt = self.end * t as f64 / 10.0;
+            let _ = write!(
+                s,
+                "<text x=\"{:.1}\" y=\"{y:.1}\" font-size=\"10\">{:.1}s</text>",
+                self.x(tt) - 8.0,
+                tt / 1000.0
+            );
+        }
+        s
+    }
+
+    /// The fault bands over a drawing `height` high from `top`.
+    fn bands(self, bands: &[Band], top: f64, height: f64, opacity: f64) -> String {
+        let mut s = String::new();
+        for b in bands {
+            let _ = write!(
+                s,
+                "<rect x=\"{:.1}\" y=\"{top}\" width=\"{:.1}\" height=\"{height:.1}\" fill=\"{}\" fill-opacity=\"{opacity}\"><title>{} ({:.0}–{:.0} ms)</title></rect>",
+                self.x(b.from),
+                (self.x(b.to) - self.x(b.from)).max(1.5),
+                colour(&b.kind),
+                esc(&b.label),
+                b.from,
+                b.to
+            );
+        }
+        s
+    }
+}
+
+/// The document's head, the verdict, the repeat command and the run's figures.
+fn head(schedule: &Schedule, o: &Outcome) -> String {
     let mut s = String::new();
+    let v = esc(o.verdict.as_str());
     let _ = write!(
         s,
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>nemesis seed {seed}: {v}</title>\
          <style>body{{font:13px sans-serif;margin:16px}}table{{border-collapse:collapse}}\
          td,th{{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}}\
          .FAIL,.ERROR{{color:#b00;font-weight:bold}}.PASS{{color:#070;font-weight:bold}}\
-         code{{background:#f4f4f4}}tr:target{{background:#ffd}}</style></head><body>",
+         .err{{color:#b00}}code{{background:#f4f4f4}}tr:target{{background:#ffd}}\
+         .sw{{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px;vertical-align:middle}}\
+         </style></head><body>",
         seed = o.seed,
-        v = esc(o.verdict.as_str())
     );
     let _ = write!(
         s,
         "<h1>Nemesis seed {} <span class=\"{v}\">{v}</span></h1><p>Repeat: <code>{}</code></p>",
         o.seed,
         esc(&o.repeat),
-        v = esc(o.verdict.as_str())
     );
     if let Some(e) = &o.error {
         let _ = write!(s, "<p class=\"ERROR\">{}</p>", esc(e));
     }
     let _ = write!(
         s,
-        "<p>{} history lines, {} faults, {} gateway starts, wall {} ms. Options: <code>{}</code></p>",
+        "<p>{} history lines, {} faults, {} gateway starts, wall {} ms. Options: {}</p>",
         o.history_entries,
         schedule.faults.len(),
         o.gateway_starts,
         o.wall_ms,
-        esc(&serde_json::to_string(&schedule.options).unwrap_or_default())
+        esc(&kv(
+            &serde_json::to_value(&schedule.options).unwrap_or_default()
+        ))
     );
-    // Timeline.
+    s
+}
+
+/// One lane per client (and the harness's), a dot per event, the fault periods as bands.
+fn timeline(h: &[Entry], bands: &[Band], scale: Scale) -> String {
+    let devices: BTreeSet<&str> = h
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.kind(),
+                Type::Invoke | Type::Ok | Type::Info | Type::Fail | Type::Recv | Type::Client
+            )
+        })
+        .map(|e| e.process.as_str())
+        .collect();
+    let lane: HashMap<&str, usize> = devices
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (*d, i + 1))
+        .collect();
+    let lanes = devices.len() + 1;
+    let height = 30.0 + lanes as f64 * LANE + 20.0;
+    let mut s = String::new();
     let _ = write!(s, "<h2>Timeline</h2><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{height}\">");
-    for b in &bands {
-        let _ = write!(
-            s,
-            "<rect x=\"{:.1}\" y=\"20\" width=\"{:.1}\" height=\"{:.1}\" fill=\"{}\" fill-opacity=\"0.35\"><title>{} ({:.0}–{:.0} ms)</title></rect>",
-            x(b.from),
-            (x(b.to) - x(b.from)).max(1.5),
-            lanes as f64 * LANE,
-            colour(&b.kind),
-            esc(&b.label),
-            b.from,
-            b.to
-        );
-    }
+    s.push_str(&scale.bands(bands, 20.0, lanes as f64 * LANE, 0.35));
     let _ = write!(
         s,
         "<text x=\"4\" y=\"{:.1}\">harness</text>",
@@ -187,49 +246,135 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
             esc(d)
         );
     }
-    for t in 0..=10 {
-        let tt = end * t as f64 / 10.0;
-        let _ = write!(
-            s,
-            "<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"10\">{:.1}s</text>",
-            x(tt) - 8.0,
-            height - 4.0,
-            tt / 1000.0
-        );
-    }
+    s.push_str(&scale.ticks(height - 4.0));
     for e in h {
-        let (row, colour, r, what) = match (e.kind(), e.op()) {
-            (Type::Ok, "send") => (lane.get(e.process.as_str()), "#2a2", 2.0, "sent"),
-            (Type::Info, "send") => (lane.get(e.process.as_str()), "#e80", 3.0, "send info"),
-            (Type::Fail, "send") => (lane.get(e.process.as_str()), "#888", 2.0, "send fail"),
-            (Type::Recv, "push") => (lane.get(e.process.as_str()), "#36c", 1.5, "push"),
-            (Type::Recv, "hint") => (lane.get(e.process.as_str()), "#a3c", 2.0, "hint"),
-            (Type::Client, "crash") => (lane.get(e.process.as_str()), "#d00", 4.0, "client crash"),
-            (Type::Client, "restart") => {
-                (lane.get(e.process.as_str()), "#000", 4.0, "client restart")
-            }
-            (Type::Client, "disconnect") => {
-                (lane.get(e.process.as_str()), "#c66", 2.5, "disconnect")
-            }
-            (Type::Nemesis, "gateway-start") => (Some(&0), "#000", 4.0, "gateway start"),
-            (Type::Nemesis, "gateway-exit") => (Some(&0), "#d00", 4.0, "gateway exit"),
-            _ => (None, "", 0.0, ""),
+        let Some((colour, r, what)) = dot(e) else {
+            continue;
+        };
+        let row = if e.kind() == Type::Nemesis {
+            Some(&0)
+        } else {
+            lane.get(e.process.as_str())
         };
         let Some(row) = row else { continue };
         let _ = write!(
             s,
             "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"{r}\" fill=\"{colour}\"><title>line {}: {what} {}</title></circle>",
-            x(e.t_ms),
+            scale.x(e.t_ms),
             20.0 + LANE * (*row as f64 + 0.5),
             e.i,
             esc(&e.value_text().chars().take(200).collect::<String>())
         );
     }
-    s.push_str("</svg><p>Bands: fault periods (hover for kind and target). Dots: green sent, orange send without answer, grey send refused, blue push, purple hint, red crash/exit, black (re)start.</p>");
+    s.push_str("</svg>");
+    s
+}
 
-    // Latency.
-    let mut send_lat: Vec<(f64, f64)> = Vec::new();
-    let mut push_lat: Vec<(f64, f64)> = Vec::new();
+/// What the timeline draws for a line: (colour, radius, name), or nothing.
+fn dot(e: &Entry) -> Option<(&'static str, f64, &'static str)> {
+    DOTS.iter()
+        .find(|(t, op, ..)| *t == e.kind() && *op == e.op())
+        .map(|(_, _, colour, r, what)| (*colour, *r, *what))
+}
+
+/// The timeline's dots: (line type, op, colour, radius, name), also its legend.
+const DOTS: &[(Type, &str, &str, f64, &str)] = &[
+    (Type::Ok, "send", "#2a2", 2.0, "sent"),
+    (Type::Info, "send", "#e80", 3.0, "send without answer"),
+    (Type::Fail, "send", "#888", 2.0, "send refused"),
+    (Type::Recv, "push", "#36c", 1.5, "push"),
+    (Type::Recv, "hint", "#a3c", 2.0, "hint"),
+    (Type::Client, "crash", "#d00", 4.0, "client crash"),
+    (Type::Client, "restart", "#000", 4.0, "client restart"),
+    (Type::Client, "disconnect", "#c66", 2.5, "disconnect"),
+    (Type::Nemesis, "gateway-start", "#000", 4.0, "gateway start"),
+    (Type::Nemesis, "gateway-exit", "#d00", 4.0, "gateway exit"),
+];
+
+/// The colours of the fault kinds that occur, and of the dots.
+fn legend(bands: &[Band]) -> String {
+    let kinds: BTreeSet<&str> = bands.iter().map(|b| b.kind.as_str()).collect();
+    let mut s = String::from("<p>Bands (fault periods):");
+    for k in &kinds {
+        let _ = write!(
+            s,
+            "<span class=\"sw\" style=\"background:{}\"></span>{}",
+            colour(k),
+            esc(k)
+        );
+    }
+    if kinds.is_empty() {
+        s.push_str(" none");
+    }
+    s.push_str(".<br>Dots:");
+    for (_, _, colour, _, what) in DOTS {
+        let _ = write!(
+            s,
+            "<span class=\"sw\" style=\"background:{colour};border-radius:6px\"></span>{what}"
+        );
+    }
+    s.push_str(".</p>");
+    s
+}
+
+/// Send latency (send frame to `sent`) and push latency (the sender's `sent` to the push at
+/// another device) over time, on a log scale so that the body of the distribution shows
+/// beside the outliers a fault makes.
+fn latency(h: &[Entry], bands: &[Band], scale: Scale) -> String {
+    let (send_lat, push_lat) = latencies(h);
+    let lat_h = 220.0;
+    let top = 10.0;
+    let ymax = send_lat
+        .iter()
+        .chain(push_lat.iter())
+        .map(|p| p.1)
+        .fold(10.0f64, f64::max)
+        .min(60_000.0);
+    let decades = ymax.log10().ceil().max(1.0);
+    // 1 ms at the bottom (anything faster drawn there), 10^decades at the top.
+    let y = |v: f64| top + lat_h - (v.max(1.0).log10() / decades) * lat_h;
+    let mut s = String::new();
+    let _ = write!(s, "<h2>Latency over time</h2><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{}\">", lat_h + 40.0);
+    s.push_str(&scale.bands(bands, top, lat_h, 0.25));
+    for d in 0..=decades as u32 {
+        let v = 10f64.powi(d as i32);
+        let _ = write!(
+            s,
+            "<line x1=\"{LEFT}\" x2=\"{:.1}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#ddd\"/><text x=\"4\" y=\"{:.1}\">{v} ms</text>",
+            WIDTH - 10.0,
+            y(v) + 4.0,
+            yy = y(v),
+        );
+    }
+    for (points, colour, r) in [(&send_lat, "#2a2", 1.8), (&push_lat, "#36c", 1.4)] {
+        for (t, v) in points {
+            let _ = write!(
+                s,
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"{r}\" fill=\"{colour}\"/>",
+                scale.x(*t),
+                y(*v)
+            );
+        }
+    }
+    s.push_str(&scale.ticks(lat_h + 36.0));
+    let _ = write!(
+        s,
+        "</svg><p>Log scale. <span class=\"sw\" style=\"background:#2a2\"></span>send latency (send frame to <code>sent</code>), {} sends; p50 {}, p99 {}. <span class=\"sw\" style=\"background:#36c\"></span>push latency (the sender's <code>sent</code> to the push at another device), {} pushes; p50 {}, p99 {}.</p>",
+        send_lat.len(),
+        quantile_ms(&send_lat, 0.5),
+        quantile_ms(&send_lat, 0.99),
+        push_lat.len(),
+        quantile_ms(&push_lat, 0.5),
+        quantile_ms(&push_lat, 0.99),
+    );
+    s
+}
+
+/// (time, latency) of every answered send and of every push whose `sent` the history holds.
+#[allow(clippy::type_complexity)]
+fn latencies(h: &[Entry]) -> (Vec<(f64, f64)>, Vec<(f64, f64)>) {
+    let mut send_lat = Vec::new();
+    let mut push_lat = Vec::new();
     let mut invoked: HashMap<(String, u64), f64> = HashMap::new();
     let mut sent_at: HashMap<(String, i64), f64> = HashMap::new();
     for e in h {
@@ -253,77 +398,98 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
             _ => {}
         }
     }
-    let lat_h = 220.0;
-    let ymax = send_lat
-        .iter()
-        .chain(push_lat.iter())
-        .map(|p| p.1)
-        .fold(10.0f64, f64::max)
-        .min(10_000.0);
-    let y = |v: f64| 10.0 + lat_h - (v.min(ymax) / ymax) * lat_h;
-    let _ = write!(s, "<h2>Latency over time</h2><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{}\">", lat_h + 40.0);
-    for b in &bands {
-        let _ = write!(
-            s,
-            "<rect x=\"{:.1}\" y=\"10\" width=\"{:.1}\" height=\"{lat_h}\" fill=\"{}\" fill-opacity=\"0.25\"><title>{}</title></rect>",
-            x(b.from),
-            (x(b.to) - x(b.from)).max(1.5),
-            colour(&b.kind),
-            esc(&b.label)
-        );
-    }
-    let _ = write!(
-        s,
-        "<text x=\"4\" y=\"16\">{ymax:.0} ms</text><text x=\"4\" y=\"{:.1}\">0</text>",
-        lat_h + 10.0
-    );
-    for (t, v) in &send_lat {
-        let _ = write!(
-            s,
-            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"1.8\" fill=\"#2a2\"/>",
-            x(*t),
-            y(*v)
-        );
-    }
-    for (t, v) in &push_lat {
-        let _ = write!(
-            s,
-            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"1.4\" fill=\"#36c\"/>",
-            x(*t),
-            y(*v)
-        );
-    }
-    let _ = write!(
-        s,
-        "</svg><p>Green: send latency (send frame to <code>sent</code>), {} sends. Blue: push latency (the sender's <code>sent</code> to the push at another device), {} pushes. Values above {ymax:.0} ms are drawn at the top.</p>",
-        send_lat.len(),
-        push_lat.len()
-    );
+    (send_lat, push_lat)
+}
 
-    // Faults as carried out.
-    s.push_str("<h2>Faults</h2><table><tr><th>id</th><th>kind</th><th>target</th><th>planned</th><th>carried out</th><th>result</th></tr>");
-    for (f, l) in schedule.faults.iter().zip(
-        o.fault_log
-            .iter()
-            .chain(std::iter::repeat(&serde_json::Value::Null)),
-    ) {
+/// The `q`-quantile of the latencies, as text (`-` when there are none).
+fn quantile_ms(points: &[(f64, f64)], q: f64) -> String {
+    let mut v: Vec<f64> = points.iter().map(|p| p.1).collect();
+    v.sort_by(f64::total_cmp);
+    crate::util::nearest_rank(&v, q).map_or("-".into(), |x| format!("{x:.0} ms"))
+}
+
+/// Each fault as planned and as carried out: kind, target, times, its parameters and what
+/// its start and end did, as `name=value` text.
+fn faults_table(schedule: &Schedule, o: &Outcome) -> String {
+    let mut s = String::from("<h2>Faults</h2><table><tr><th>id</th><th>kind</th><th>target</th><th>parameters</th><th>planned (ms from the clock's start)</th><th>carried out (history ms)</th><th>start</th><th>end</th></tr>");
+    let none = serde_json::Value::Null;
+    for (f, l) in schedule
+        .faults
+        .iter()
+        .zip(o.fault_log.iter().chain(std::iter::repeat(&none)))
+    {
+        let mut params = serde_json::to_value(&f.kind).unwrap_or_default();
+        if let Some(m) = params.as_object_mut() {
+            m.remove("kind");
+        }
+        let ms = |k: &str| {
+            l.get(k)
+                .and_then(|v| v.as_f64())
+                .map_or("-".into(), |v| format!("{v:.0}"))
+        };
+        let outcome = |k: &str| {
+            let v = l.get(k).unwrap_or(&none);
+            let class = if v.get("error").is_some() {
+                " class=\"err\""
+            } else {
+                ""
+            };
+            format!("<td{class}>{}</td>", esc(&kv(v)))
+        };
         let _ = write!(
             s,
-            "<tr><td>{}</td><td style=\"background:{}\">{}</td><td>{}</td><td>{}–{} ms</td><td>{}–{} ms</td><td><code>{}</code></td></tr>",
+            "<tr><td>{}</td><td><span class=\"sw\" style=\"background:{}\"></span>{}</td><td>{}</td><td>{}</td><td>{}–{} ms</td><td>{}–{} ms</td>{}{}</tr>",
             f.id,
             colour(f.kind.name()),
             esc(f.kind.name()),
             esc(&f.target),
+            esc(&kv(&params)),
             f.at_ms,
             f.end_ms,
-            l.get("started_ms").and_then(|v| v.as_f64()).map_or("-".into(), |v| format!("{v:.0}")),
-            l.get("ended_ms").and_then(|v| v.as_f64()).map_or("-".into(), |v| format!("{v:.0}")),
-            esc(&serde_json::to_string(&serde_json::json!({"fault": f.kind, "start": l.get("start"), "end": l.get("end")})).unwrap_or_default())
+            ms("started_ms"),
+            ms("ended_ms"),
+            outcome("start"),
+            outcome("end"),
         );
     }
     s.push_str("</table>");
+    s
+}
 
-    // Anomalies, linked to the history lines.
+/// A JSON value as `name=value` text: objects flattened (`condition.mode=latency`), strings
+/// unquoted, arrays in brackets, nothing as `-`.
+fn kv(v: &serde_json::Value) -> String {
+    fn walk(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, x) in m {
+                    let name = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(&name, x, out);
+                }
+            }
+            serde_json::Value::String(x) if prefix.is_empty() => out.push(x.clone()),
+            serde_json::Value::String(x) => out.push(format!("{prefix}={x}")),
+            x if prefix.is_empty() => out.push(x.to_string()),
+            x => out.push(format!("{prefix}={x}")),
+        }
+    }
+    let mut out = Vec::new();
+    walk("", v, &mut out);
+    if out.is_empty() || v.is_null() {
+        "-".into()
+    } else {
+        out.join(", ")
+    }
+}
+
+/// The first anomalies, each with where it is (from its witness), its sentence, its
+/// witness's data and links to its history lines; and the lines to show around them.
+fn anomalies(o: &Outcome) -> (String, BTreeSet<u64>) {
+    let mut s = String::new();
     let _ = write!(
         s,
         "<h2>Anomalies ({})</h2>",
@@ -332,42 +498,45 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
     let mut shown: BTreeSet<u64> = BTreeSet::new();
     if o.first_anomalies.is_empty() {
         s.push_str("<p>None.</p>");
-    } else {
-        s.push_str("<ol>");
-        for a in &o.first_anomalies {
-            let links: Vec<String> = a
-                .entries
-                .iter()
-                .map(|i| format!("<a href=\"#h{i}\">{i}</a>"))
-                .collect();
-            // Where, read from the witness (the data), then the sentence made from it.
-            let at = [a.witness.device(), a.witness.conv()]
-                .into_iter()
-                .flatten()
-                .collect::<Vec<_>>()
-                .join(" in ");
-            let _ = write!(
-                s,
-                "<li><b>{}</b> ({}) <i>{}</i>: {} — lines {}</li>",
-                esc(a.kind.as_str()),
-                esc(&a.invariant),
-                esc(&at),
-                esc(&a.msg),
-                links.join(", ")
-            );
-            for i in &a.entries {
-                for j in i.saturating_sub(CONTEXT_LINES)..=i + CONTEXT_LINES {
-                    shown.insert(j);
-                }
+        return (s, shown);
+    }
+    s.push_str("<ol>");
+    for a in &o.first_anomalies {
+        let links: Vec<String> = a
+            .entries
+            .iter()
+            .map(|i| format!("<a href=\"#h{i}\">{i}</a>"))
+            .collect();
+        // Where, read from the witness (the data), then the sentence made from it.
+        let at = [a.witness.device(), a.witness.conv()]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join(" in ");
+        let _ = write!(
+            s,
+            "<li><b>{}</b> ({}) <i>{}</i>: {} — lines {}<br><small>witness: {}</small></li>",
+            esc(a.kind.as_str()),
+            esc(&a.invariant),
+            esc(&at),
+            esc(&a.msg),
+            links.join(", "),
+            esc(&kv(&serde_json::to_value(&a.witness).unwrap_or_default()))
+        );
+        for i in &a.entries {
+            for j in i.saturating_sub(CONTEXT_LINES)..=i + CONTEXT_LINES {
+                shown.insert(j);
             }
         }
-        s.push_str("</ol>");
     }
-    // The history lines the anomalies name (with context), and every fault line.
-    for e in h.iter().filter(|e| e.kind() == Type::Nemesis) {
-        shown.insert(e.i);
-    }
+    s.push_str("</ol>");
+    (s, shown)
+}
+
+/// The history lines in `shown` (at most [`HISTORY_ROWS_MAX`]), each an anchor.
+fn history_lines(h: &[Entry], shown: &BTreeSet<u64>) -> String {
     let by_i: BTreeMap<u64, &Entry> = h.iter().map(|e| (e.i, e)).collect();
+    let mut s = String::new();
     let _ = write!(s, "<h2>History lines (the anomalies' lines with {CONTEXT_LINES} around them, and every nemesis line)</h2><table><tr><th>line</th><th>t ms</th><th>process</th><th>type</th><th>op</th><th>value</th></tr>");
     for i in shown.iter().take(HISTORY_ROWS_MAX) {
         let Some(e) = by_i.get(i) else { continue };
@@ -384,6 +553,81 @@ pub fn render(h: &[Entry], schedule: &Schedule, o: &Outcome) -> String {
             esc(&e.value_text())
         );
     }
-    s.push_str("</table><p>The whole history is <code>history.jsonl</code> beside this page.</p></body></html>\n");
+    s.push_str("</table>");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::History;
+    use crate::nemesis::schedule::{generate, Options};
+    use crate::verdict::Verdict;
+
+    /// Issue 22 (the nemesis page made readable): a legend names each fault kind that
+    /// occurs; faults are a table whose parameters and results are `name=value` text, not
+    /// JSON; latency is drawn on a log scale with its quantiles.
+    #[test]
+    fn the_page_has_a_legend_a_fault_table_and_a_log_latency_scale() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("history.jsonl");
+        let schedule = generate(3, &Options::default()).unwrap();
+        let f = schedule
+            .faults
+            .iter()
+            .find(|f| f.kind.name() == "net-db" || f.kind.name() == "gw-fault")
+            .or(schedule.faults.first())
+            .unwrap()
+            .clone();
+        {
+            let h = History::create(&path).unwrap();
+            let id = h.nemesis_start(Action::Fault {
+                fault: f.clone(),
+                healed: false,
+            });
+            h.nemesis_end(
+                id,
+                Action::Fault {
+                    fault: f.clone(),
+                    healed: false,
+                },
+            );
+        }
+        let h = crate::history::read(&path).unwrap();
+        let mut o = Outcome::error(
+            schedule.seed,
+            "nemesis --seed 3".into(),
+            &anyhow::anyhow!("x"),
+            std::time::Duration::from_millis(5),
+            vec![serde_json::json!({"started_ms": 10.0, "ended_ms": 20.0,
+                "start": {"control": "ok"}, "end": {"error": "gone"}})],
+        );
+        o.verdict = Verdict::Pass;
+        o.error = None;
+        let page = render(&h, &schedule, &o);
+        let legend = page.split("Bands (fault periods):").nth(1).unwrap();
+        assert!(
+            legend.split("</p>").next().unwrap().contains(f.kind.name()),
+            "{legend}"
+        );
+        let table = page.split("<h2>Faults</h2>").nth(1).unwrap();
+        let table = table.split("</table>").next().unwrap();
+        assert!(!table.contains('{'), "JSON in the fault table: {table}");
+        assert!(table.contains("control=ok"), "{table}");
+        assert!(table.contains("class=\"err\">error=gone"), "{table}");
+        assert!(page.contains("Log scale."), "no log scale");
+        assert!(page.contains(">1 ms</text>") && page.contains(">10 ms</text>"));
+    }
+
+    #[test]
+    fn kv_flattens_objects() {
+        let v = serde_json::json!({"condition": {"mode": "latency", "ms": 20}, "skip": 3,
+                                   "pids": [1, 2], "none": null});
+        assert_eq!(
+            kv(&v),
+            "condition.mode=latency, condition.ms=20, none=null, pids=[1,2], skip=3"
+        );
+        assert_eq!(kv(&serde_json::Value::Null), "-");
+        assert_eq!(kv(&serde_json::json!("x")), "x");
+    }
 }
