@@ -1265,7 +1265,8 @@ fn sweep_hints_are_not_judged_while_a_fault_is_in_force() {
 
 /// Issue 10: a frame dropped by the gateway (a push, an ack before it takes effect)
 /// leaves the sweep alone, so a late gap while it is in force is caught; a dropped
-/// ack reply is not judged (the ack took effect and the sweep stopped hinting).
+/// ack reply is not judged (the ack took effect and the sweep stopped hinting). Issue 20:
+/// the same for a crashed client, as the client package declares.
 #[test]
 fn sweep_hints_are_judged_while_a_harmless_fault_is_in_force() {
     let fault = |b: &mut B, id: u64, point: &str, phase: &str| {
@@ -1293,6 +1294,21 @@ fn sweep_hints_are_judged_while_a_harmless_fault_is_in_force() {
     b.hint("b1", "c1", 2, "sweep");
     fault(&mut b, 6, "gw.reply.ack", "end");
     assert!(only(&b, &two_rows(), Kind::D5SweepLate).is_empty());
+
+    // A crashed client (its package says it leaves the sweep alone) excuses nothing.
+    let crash = json!({"id": 7, "at_ms": 0, "end_ms": 2000, "target": "a1",
+                       "kind": "client-crash"});
+    let mut b = B::new();
+    b.gateway_start(500);
+    let v = |phase: &str| json!({"phase": phase, "fault": crash.clone(), "healed": false});
+    b.line("harness", 0, Type::Nemesis, "fault", Some(7), v("start"));
+    b.hint("b1", "c1", 2, "sweep");
+    b.wait(1600.0);
+    let h = b.hint("b1", "c1", 2, "sweep");
+    b.line("harness", 0, Type::Nemesis, "fault", Some(7), v("end"));
+    let late = only(&b, &two_rows(), Kind::D5SweepLate);
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert_eq!(late[0].entries[1], h);
 }
 
 #[test]

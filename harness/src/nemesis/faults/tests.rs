@@ -188,6 +188,23 @@ fn every_kind_is_written_under_its_name_and_reads_back() {
             let v = serde_json::to_value(&d.kind).unwrap();
             assert_eq!(v["kind"], name, "{v}");
             assert_eq!(serde_json::from_value::<FaultKind>(v).unwrap(), d.kind);
+            // What each package declares beyond its draw.
+            assert_eq!(d.kind.needs_lazyfs(), name == "pg-power-cut", "{name}");
+            let spec = d.kind.im_fault();
+            match &d.kind {
+                FaultKind::Process(process::ProcessFault::GwCrashPoint { point, skip }) => {
+                    assert_eq!(spec, Some(format!("{point}:halt:{skip}:1")))
+                }
+                FaultKind::Process(process::ProcessFault::GwFault { point, action }) => {
+                    assert_eq!(spec, Some(format!("{point}:{action}")))
+                }
+                _ => assert_eq!(spec, None, "{name}"),
+            }
+            assert_eq!(
+                d.instant,
+                d.kind.resource(&d.target).is_none(),
+                "{name}: an instant holds nothing, a period holds something"
+            );
         }
     }
     assert!(FaultKind::draw("gw-explode", &mut r, &devices()).is_none());
