@@ -5,7 +5,7 @@ TARGET   := $(or $(CARGO_TARGET_DIR),target)
 # The harness runs target/debug/im-gateway, which must carry the fault points.
 FEATURES := --features im-gateway/faults
 
-.PHONY: setup build test test-containers evidence controls nemesis mutants fuzz up lint repro bench bench-quick clean
+.PHONY: setup build test test-containers evidence controls nemesis mutants fuzz up lint repro bench bench-quick clean report screenshots
 
 setup:
 	@./scripts/setup.sh
@@ -35,6 +35,17 @@ test-containers: build
 
 evidence: build
 	$(TARGET)/debug/evidence
+
+# make report: the committed evidence as a static site in target/report/ (index.html and a
+# page per part: checks, nemesis, controls, bench; plots as inline SVG, no script, no
+# network), each part with the commit that wrote it and STALE when code changed since.
+report: build
+	$(TARGET)/debug/report
+
+# make screenshots: the README's two screenshots of the site (docs/screenshots/), taken by
+# headless chromium from what make report wrote.
+screenshots: report
+	TARGET='$(TARGET)' ./scripts/screenshots.sh
 
 # make controls: the negative controls. Builds the gateway with its deliberate bugs
 # (--features faults,bugs) as target/debug/im-gateway-bugs, rebuilds the clean binary, then

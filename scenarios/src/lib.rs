@@ -3,6 +3,8 @@
 //! invariant checks (P1, D4, S1) run at the end of scenarios. No scenario logic lives here;
 //! the scenarios are the tests in `tests/`.
 
+pub mod site;
+
 pub use harness::verdict::Verdict;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
