@@ -345,6 +345,46 @@ async fn timed<T, F: std::future::Future<Output = anyhow::Result<T>>>(f: F) -> S
 /// Recorded as `environment.shared_buffers`.
 const BENCH_SHARED_BUFFERS: &str = "1GB";
 
+/// The parts in the order they run, each with its section in the result file.
+const PARTS: [(&str, &str); 6] = [
+    ("send", "send_path"),
+    ("fanout", "fanout"),
+    ("sweep", "sweep"),
+    ("repair", "repair"),
+    ("two_gateways", "two_gateways"),
+    ("conns", "conns"),
+];
+
+/// The estimate of time left over the selected parts, from the last run's part times (the
+/// result file about to be replaced), printed as each part starts (issue 22).
+struct PartsEta {
+    eta: harness::util::Eta,
+}
+
+impl PartsEta {
+    fn new(last: &std::path::Path, only: &[String]) -> PartsEta {
+        let last: serde_json::Value = std::fs::read(last)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        let expected = PARTS
+            .iter()
+            .filter(|(p, _)| only.iter().any(|o| o == p))
+            .map(|(_, section)| last[section]["wall_s"].as_f64().unwrap_or(0.0))
+            .collect();
+        PartsEta {
+            eta: harness::util::Eta::new(expected),
+        }
+    }
+
+    /// A part starts: one line that stays (`[bench] fanout: 2 of 6, …, ~3 min left`).
+    fn start(&mut self, part: &str) {
+        self.eta.next_part();
+        util::progress(&format!("[bench] {part}: {}", self.eta.line()));
+        util::progress_done();
+    }
+}
+
 /// Runs the bench; `Ok(true)` when `data_integrity` is PASS and every part ran.
 async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     let started = Instant::now();
@@ -413,17 +453,21 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     };
 
     let on = |part: &str| args.only.iter().any(|o| o == part);
+    let mut eta = PartsEta::new(args.out(), &args.only);
     let send_path = if on("send") {
+        eta.start("send");
         timed(send::run(&ctx)).await
     } else {
         Section::not_run("not selected (--only)")
     };
     let fanout = if on("fanout") {
+        eta.start("fanout");
         timed(fanout::run(&ctx)).await
     } else {
         Section::not_run("not selected (--only)")
     };
     let sweep = if on("sweep") {
+        eta.start("sweep");
         timed(sweep::run(&ctx)).await
     } else {
         Section::not_run("not selected (--only)")
@@ -434,6 +478,7 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         match &fault_check {
             Err(e) => Section::not_run(format!("no usable gateway with fault points: {e:#}")),
             Ok(v) => {
+                eta.start("repair");
                 let a = repair::ChildArgs {
                     out: ctx.tmp.join("repair.json"),
                     seed: params.seed,
@@ -446,12 +491,14 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         }
     };
     let two_gateways = if on("two_gateways") {
+        eta.start("two_gateways");
         timed(twogw::run(&ctx)).await
     } else {
         Section::not_run("not selected (--only)")
     };
     // Last: it raises the open-file limit and leaves tens of thousands of rows behind.
     let conns = if on("conns") {
+        eta.start("conns");
         timed(conns::run(
             &ctx,
             params.conns_target,

@@ -215,8 +215,103 @@ pub fn rfc3339_now() -> String {
     rfc3339_at(SystemTime::now())
 }
 
+/// An estimate of the time left in a long run of parts (issue 22: `make bench`, `make
+/// controls`): each part's expected duration (the last run's, where known), scaled by how
+/// this run compares with those expectations so far.
+#[derive(Debug, Clone)]
+pub struct Eta {
+    expected: Vec<f64>,
+    actual: Vec<f64>,
+    started: Instant,
+    part_started: Instant,
+    running: bool,
+}
+
+impl Eta {
+    /// Parts expected to take these many seconds each (0 where unknown: the mean of the
+    /// known ones stands in; 60 s when none is known).
+    pub fn new(expected_s: Vec<f64>) -> Eta {
+        let known: Vec<f64> = expected_s.iter().copied().filter(|x| *x > 0.0).collect();
+        let fill = if known.is_empty() {
+            60.0
+        } else {
+            known.iter().sum::<f64>() / known.len() as f64
+        };
+        let now = Instant::now();
+        Eta {
+            expected: expected_s
+                .into_iter()
+                .map(|x| if x > 0.0 { x } else { fill })
+                .collect(),
+            actual: Vec::new(),
+            started: now,
+            part_started: now,
+            running: false,
+        }
+    }
+
+    /// A part starts; the one running until now (if any) is done.
+    pub fn next_part(&mut self) {
+        if self.running && self.actual.len() < self.expected.len() {
+            self.actual.push(self.part_started.elapsed().as_secs_f64());
+        }
+        self.running = true;
+        self.part_started = Instant::now();
+    }
+
+    /// Seconds left: the remaining parts' expected time, times this run's pace so far
+    /// (actual over expected of the finished parts), minus what the current part has run.
+    pub fn left_s(&self) -> f64 {
+        let done = self.actual.len();
+        let pace = if done == 0 {
+            1.0
+        } else {
+            self.actual.iter().sum::<f64>() / self.expected[..done].iter().sum::<f64>()
+        };
+        let remaining: f64 = self.expected[done.min(self.expected.len())..].iter().sum();
+        (remaining * pace - self.part_started.elapsed().as_secs_f64()).max(0.0)
+    }
+
+    /// `k of n, 12 min elapsed, ~34 min left` (k counts the part now running).
+    pub fn line(&self) -> String {
+        let k = (self.actual.len() + 1).min(self.expected.len());
+        format!(
+            "{k} of {}, {} elapsed, ~{} left",
+            self.expected.len(),
+            human_s(self.started.elapsed().as_secs_f64()),
+            human_s(self.left_s())
+        )
+    }
+}
+
+/// Seconds as `45 s` or `12 min`.
+pub fn human_s(s: f64) -> String {
+    if s < 120.0 {
+        format!("{s:.0} s")
+    } else {
+        format!("{:.0} min", s / 60.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    /// Issue 22: the estimate follows this run's pace over the parts' expected times.
+    #[test]
+    fn eta_scales_the_remaining_parts_by_the_pace_so_far() {
+        let mut e = super::Eta::new(vec![10.0, 0.0, 30.0]);
+        // The unknown part stands in as the mean of the known ones.
+        assert!((e.left_s() - 60.0).abs() < 1.0, "{}", e.left_s());
+        assert!(
+            e.line().starts_with("1 of 3, 0 s elapsed, ~60 s left"),
+            "{}",
+            e.line()
+        );
+        e.actual.push(20.0); // the first part took twice its expected time
+        assert!((e.left_s() - 100.0).abs() < 1.0, "{}", e.left_s());
+        assert!(e.line().starts_with("2 of 3"), "{}", e.line());
+        assert_eq!(super::human_s(300.0), "5 min");
+    }
+
     use super::*;
 
     #[test]

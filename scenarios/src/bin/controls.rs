@@ -12,6 +12,7 @@
 //! checker's anomalies, and this runner only reads what the tests wrote.
 
 use anyhow::{bail, Context};
+use harness::util::Eta;
 use scenarios::{git, target_dir, workspace, Verdict};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -378,7 +379,9 @@ fn main() -> anyhow::Result<()> {
     if o.nemesis_only {
         return nemesis_only(&o, &out, &bugs, &bugs_bin, started);
     }
-    eprintln!("controls: the clean gateway, whole suite");
+    let mut eta = Eta::new(expected_times(&out, &bugs));
+    eta.next_part();
+    eprintln!("controls: the clean gateway, whole suite ({})", eta.line());
     let clean = run_suite(SUITE, &[], "clean")?;
     let clean_anomalies = anomalies_of(&clean);
     eprintln!(
@@ -390,6 +393,8 @@ fn main() -> anyhow::Result<()> {
     );
     let mut controls = Vec::new();
     for (bug, side) in &bugs {
+        eta.next_part();
+        eprintln!("controls: {bug}: {}", eta.line());
         controls.push(control(&o, bug, side, &bugs_bin)?);
     }
     // --merge: keep the other bugs' entries of the existing file, as they were measured.
@@ -449,6 +454,29 @@ fn main() -> anyhow::Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// Each part's expected seconds for the estimate of time left: the clean suite, then each
+/// bug, as the last run (the file about to be replaced) took them; 0 where unknown.
+fn expected_times(out: &Path, bugs: &[(String, &str)]) -> Vec<f64> {
+    let last: Value = std::fs::read(out)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or(Value::Null);
+    let ms = |v: &Value| v.as_f64().unwrap_or(0.0) / 1000.0;
+    let mut times = vec![ms(&last["clean"]["wall_ms"])];
+    for (bug, _) in bugs {
+        let c = last["controls"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["bug"] == bug.as_str()));
+        times.push(c.map_or(0.0, |c| {
+            let runs: f64 = c["run_wall_ms"]
+                .as_array()
+                .map_or(0.0, |w| w.iter().map(ms).sum());
+            runs + ms(&c["nemesis"]["wall_ms"])
+        }));
+    }
+    times
 }
 
 /// Every deliberate bug (the gateway's, as its binary lists them, then the client's and
