@@ -159,9 +159,31 @@ pub fn page(b: &Value) -> String {
         verdict(&text(&b["targets_met"])),
         esc(&push_p99_crossing(b)),
     );
-    // Send path: sends/s against senders, with both pgbench ceilings.
+    s.push_str(&section(
+        "Send path",
+        &b["send_path"],
+        &[sends(b)],
+        b,
+        "send.",
+    ));
+    s.push_str(&section("Fan-out", &b["fanout"], &fanout(b), b, "push."));
+    s.push_str(&section("Sweep", &b["sweep"], &[sweep(b)], b, "sweep."));
+    s.push_str(&section("Repair", &b["repair"], &[repair(b)], b, "repair."));
+    s.push_str(&section("Connections", &b["conns"], &[], b, "conns."));
+    if let Some(missed) = b["targets_missed"].as_array().filter(|m| !m.is_empty()) {
+        let items: Vec<String> = missed
+            .iter()
+            .map(|m| format!("<li>{}</li>", esc(&text(m))))
+            .collect();
+        let _ = write!(s, "<h2>Targets missed</h2><ul>{}</ul>", items.join(""));
+    }
+    s
+}
+
+/// Sends/s against senders, with both pgbench ceilings.
+fn sends(b: &Value) -> Plot {
     let levels = rows(b, "/send_path/data/levels");
-    let sends = Plot {
+    Plot {
         title: "Sends/s against concurrent senders".into(),
         x_label: "senders (log)".into(),
         y_label: "sends/s".into(),
@@ -187,9 +209,12 @@ pub fn page(b: &Value) -> String {
             ),
         ],
         ..Plot::default()
-    };
-    s.push_str(&section("Send path", &b["send_path"], &[sends], b, "send."));
-    // Fanout: push p99 and delivered frames/s against offered load.
+    }
+}
+
+/// Push p99 (with the limit) and delivered frames/s against offered load, the note's load
+/// marked on both.
+fn fanout(b: &Value) -> [Plot; 2] {
     let st = steps(b);
     let note = f(b, "/fanout/data/base_frames_per_s");
     let limit = f(b, "/fanout/data/p99_limit_ms").unwrap_or(50.0);
@@ -236,14 +261,12 @@ pub fn page(b: &Value) -> String {
         vmarks: mark(note, "the note's load".into(), LOAD),
         ..Plot::default()
     };
-    s.push_str(&section(
-        "Fan-out",
-        &b["fanout"],
-        &[p99, delivered],
-        b,
-        "push.",
-    ));
-    // Sweep: database time per interval against devices.
+    [p99, delivered]
+}
+
+/// Sweep database time per interval against devices, one line per share lagging, with the
+/// target.
+fn sweep(b: &Value) -> Plot {
     let sweep_rows = rows(b, "/sweep/data/rows");
     let mut lags: Vec<f64> = sweep_rows
         .iter()
@@ -252,7 +275,7 @@ pub fn page(b: &Value) -> String {
     lags.sort_by(f64::total_cmp);
     lags.dedup();
     let colours = ["#36c", "#c63", "#393", "#939"];
-    let sweep = Plot {
+    Plot {
         title: "Sweep database time per interval against devices".into(),
         x_label: "subscribed devices (log)".into(),
         y_label: "ms per interval".into(),
@@ -285,11 +308,13 @@ pub fn page(b: &Value) -> String {
             })
             .collect(),
         ..Plot::default()
-    };
-    s.push_str(&section("Sweep", &b["sweep"], &[sweep], b, "sweep."));
-    // Repair: repair time against the sweep interval, with D5's bound.
+    }
+}
+
+/// Repair time of a lost push against the sweep interval, with D5's bound.
+fn repair(b: &Value) -> Plot {
     let iv = rows(b, "/repair/data/intervals");
-    let repair = Plot {
+    Plot {
         title: "Repair time of a lost push against the sweep interval".into(),
         x_label: "IM_SWEEP_MS".into(),
         y_label: "ms".into(),
@@ -314,15 +339,5 @@ pub fn page(b: &Value) -> String {
             ),
         ],
         ..Plot::default()
-    };
-    s.push_str(&section("Repair", &b["repair"], &[repair], b, "repair."));
-    s.push_str(&section("Connections", &b["conns"], &[], b, "conns."));
-    if let Some(missed) = b["targets_missed"].as_array().filter(|m| !m.is_empty()) {
-        let items: Vec<String> = missed
-            .iter()
-            .map(|m| format!("<li>{}</li>", esc(&text(m))))
-            .collect();
-        let _ = write!(s, "<h2>Targets missed</h2><ul>{}</ul>", items.join(""));
     }
-    s
 }

@@ -151,8 +151,7 @@ impl Plot {
             .flat_map(|s| s.points.iter().map(|p| p.1));
         let x = Axis::of(xs.chain(self.vmarks.iter().map(|m| m.at)), self.x_log);
         let y = Axis::of(ys.chain(self.hmarks.iter().map(|m| m.at)), self.y_log);
-        let px = |v: f64| LEFT + x.frac(v) * (W - LEFT - RIGHT);
-        let py = |v: f64| H - BOTTOM - y.frac(v) * (H - TOP - BOTTOM);
+        let fr = Frame { x, y };
         let mut s = String::new();
         let _ = write!(
             s,
@@ -161,19 +160,29 @@ impl Plot {
              <text x=\"{LEFT}\" y=\"16\" font-size=\"13\" font-weight=\"bold\">{t}</text>",
             t = esc(&self.title)
         );
-        for t in y.ticks() {
+        s.push_str(&self.grid(fr));
+        s.push_str(&self.marks(fr));
+        s.push_str(&self.lines(fr));
+        s.push_str("</svg>");
+        s
+    }
+
+    /// The ticks, the frame and the axis labels.
+    fn grid(&self, fr: Frame) -> String {
+        let mut s = String::new();
+        for t in fr.y.ticks() {
             let _ = write!(
                 s,
                 "<line x1=\"{LEFT}\" x2=\"{:.1}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#e4e4e4\"/>\
                  <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
                 W - RIGHT,
                 LEFT - 4.0,
-                py(t) + 4.0,
+                fr.py(t) + 4.0,
                 short(t),
-                yy = py(t)
+                yy = fr.py(t)
             );
         }
-        for t in x.ticks() {
+        for t in fr.x.ticks() {
             let _ = write!(
                 s,
                 "<line x1=\"{xx:.1}\" x2=\"{xx:.1}\" y1=\"{TOP}\" y2=\"{:.1}\" stroke=\"#f0f0f0\"/>\
@@ -181,7 +190,7 @@ impl Plot {
                 H - BOTTOM,
                 H - BOTTOM + 14.0,
                 short(t),
-                xx = px(t)
+                xx = fr.px(t)
             );
         }
         let _ = write!(
@@ -198,6 +207,12 @@ impl Plot {
             (TOP + H - BOTTOM) / 2.0,
             esc(&self.y_label)
         );
+        s
+    }
+
+    /// The reference lines with their labels.
+    fn marks(&self, fr: Frame) -> String {
+        let mut s = String::new();
         for m in &self.hmarks {
             let _ = write!(
                 s,
@@ -205,9 +220,9 @@ impl Plot {
                  <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\" fill=\"{c}\">{}</text>",
                 W - RIGHT,
                 W - RIGHT - 4.0,
-                py(m.at) - 4.0,
+                fr.py(m.at) - 4.0,
                 esc(&m.label),
-                yy = py(m.at),
+                yy = fr.py(m.at),
                 c = m.colour
             );
         }
@@ -217,19 +232,25 @@ impl Plot {
                 "<line x1=\"{xx:.1}\" x2=\"{xx:.1}\" y1=\"{TOP}\" y2=\"{:.1}\" stroke=\"{c}\" stroke-dasharray=\"2 3\"/>\
                  <text x=\"{:.1}\" y=\"{:.1}\" fill=\"{c}\">{}</text>",
                 H - BOTTOM,
-                px(m.at) + 4.0,
+                fr.px(m.at) + 4.0,
                 TOP + 12.0,
                 esc(&m.label),
-                xx = px(m.at),
+                xx = fr.px(m.at),
                 c = m.colour
             );
         }
+        s
+    }
+
+    /// Each series as a line with its points, and the legend.
+    fn lines(&self, fr: Frame) -> String {
+        let mut s = String::new();
         for (i, se) in self.series.iter().enumerate() {
             let pts: Vec<String> = se
                 .points
                 .iter()
                 .filter(|p| p.0.is_finite() && p.1.is_finite())
-                .map(|p| format!("{:.1},{:.1}", px(p.0), py(p.1)))
+                .map(|p| format!("{:.1},{:.1}", fr.px(p.0), fr.py(p.1)))
                 .collect();
             let dash = if se.dashed {
                 " stroke-dasharray=\"5 3\""
@@ -263,8 +284,24 @@ impl Plot {
                 c = se.colour
             );
         }
-        s.push_str("</svg>");
         s
+    }
+}
+
+/// The two axes placed on the drawing.
+#[derive(Clone, Copy)]
+struct Frame {
+    x: Axis,
+    y: Axis,
+}
+
+impl Frame {
+    fn px(self, v: f64) -> f64 {
+        LEFT + self.x.frac(v) * (W - LEFT - RIGHT)
+    }
+
+    fn py(self, v: f64) -> f64 {
+        H - BOTTOM - self.y.frac(v) * (H - TOP - BOTTOM)
     }
 }
 
