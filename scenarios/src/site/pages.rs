@@ -190,6 +190,66 @@ fn counts_table(title: &str, m: &Value, colour: &str) -> String {
     s
 }
 
+/// The matrix: one column per bug, one row per test that caught any (most bugs first), a
+/// mark where that test caught that bug, and a last row with the nemesis seed that did.
+fn matrix(v: &Value) -> String {
+    let controls: Vec<&Value> = v["controls"].as_array().into_iter().flatten().collect();
+    let caught = |c: &Value| -> Vec<String> {
+        c["caught_by"]
+            .as_array()
+            .map(|a| a.iter().map(|t| text(&t["test"])).collect())
+            .unwrap_or_default()
+    };
+    let mut tests: Vec<(String, usize)> = Vec::new();
+    for c in &controls {
+        for t in caught(c) {
+            match tests.iter_mut().find(|(n, _)| *n == t) {
+                Some(e) => e.1 += 1,
+                None => tests.push((t, 1)),
+            }
+        }
+    }
+    tests.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut s = String::from(
+        "<h2>Which check caught which bug</h2><div style=\"overflow-x:auto\"><table class=\"small\"><tr><th>test \\ bug</th>",
+    );
+    for c in &controls {
+        let _ = write!(
+            s,
+            "<th style=\"writing-mode:vertical-rl\">{}</th>",
+            esc(&text(&c["bug"]))
+        );
+    }
+    s.push_str("</tr>");
+    for (t, n) in &tests {
+        let _ = write!(
+            s,
+            "<tr><td>{} <span class=\"small\">({n})</span></td>",
+            esc(t)
+        );
+        for c in &controls {
+            let hit = caught(c).iter().any(|x| x == t);
+            s.push_str(if hit {
+                "<td class=\"CAUGHT\">●</td>"
+            } else {
+                "<td></td>"
+            });
+        }
+        s.push_str("</tr>");
+    }
+    s.push_str("<tr><td><b>nemesis (seed)</b></td>");
+    for c in &controls {
+        let cell = match c["nemesis"]["first_catching_seed"].as_u64() {
+            Some(seed) => format!("<td class=\"CAUGHT\">{seed}</td>"),
+            None if c["nemesis"].is_null() => "<td>-</td>".into(),
+            None => "<td class=\"MISSED\">✗</td>".into(),
+        };
+        s.push_str(&cell);
+    }
+    s.push_str("</tr></table></div>");
+    s
+}
+
 /// The deliberate bugs: how often the suite caught each, by which tests, and whether the
 /// nemesis caught it (at which seed).
 pub fn controls(v: &Value) -> String {
@@ -223,7 +283,8 @@ pub fn controls(v: &Value) -> String {
         list("/summary/nemesis/caught_only_by_scripted_checks"),
         list("/summary/nemesis/missed_by_both"),
     );
-    s.push_str("<table><tr><th>bug</th><th>side</th><th>suite</th><th>runs</th><th>anomaly kinds</th><th>catching tests</th><th>nemesis</th></tr>");
+    s.push_str(&matrix(v));
+    s.push_str("<h2>Each bug</h2><table><tr><th>bug</th><th>side</th><th>suite</th><th>runs</th><th>anomaly kinds</th><th>catching tests</th><th>nemesis</th></tr>");
     for c in v["controls"].as_array().into_iter().flatten() {
         let tests: Vec<String> = c["caught_by"]
             .as_array()

@@ -92,6 +92,24 @@ fn the_controls_and_nemesis_pages_show_the_matrix_and_the_runs_that_failed() {
     let controls = &site[3].1;
     assert!(controls.contains("Only the nemesis caught: <b>sneaky-bug</b>"));
     assert!(controls.contains("at seed 4") && controls.contains("after 20 seeds"));
+    // The matrix: a row per catching test, a mark under the bug it caught, the nemesis row.
+    let m = controls
+        .split("Which check caught which bug")
+        .nth(1)
+        .unwrap();
+    let m = m.split("</table>").next().unwrap();
+    let row = |name: &str| {
+        m.split("<tr>")
+            .find(|r| r.starts_with(&format!("<td>{name} ")))
+            .unwrap_or_else(|| panic!("no row {name}: {m}"))
+            .to_string()
+    };
+    assert_eq!(row("im06_a").matches("●").count(), 1);
+    assert!(row("im06_a").contains("<td class=\"CAUGHT\">●</td><td></td>"));
+    assert!(
+        m.contains("<td class=\"MISSED\">✗</td><td class=\"CAUGHT\">4</td>"),
+        "{m}"
+    );
     let nemesis = &site[2].1;
     assert!(nemesis.contains("Runs that did not pass (1)"));
     assert!(nemesis.contains("runs/seed-3/report.html"));
