@@ -127,6 +127,13 @@ fn section(title: &str, status: &Value, plots: &[Plot], b: &Value, prefix: &str)
     s
 }
 
+/// One series per (name, colour, y pointer, dashed), all over `rows` against `x`.
+fn lines(rows: &[Value], x: &str, spec: &[(&str, &'static str, &str, bool)]) -> Vec<Series> {
+    spec.iter()
+        .map(|(name, colour, y, dashed)| line(name, colour, points(rows, x, y), *dashed))
+        .collect()
+}
+
 fn line(name: &str, colour: &'static str, points: Vec<(f64, f64)>, dashed: bool) -> Series {
     Series {
         name: name.into(),
@@ -188,26 +195,25 @@ fn sends(b: &Value) -> Plot {
         x_label: "senders (log)".into(),
         y_label: "sends/s".into(),
         x_log: true,
-        series: vec![
-            line(
-                "gateway",
-                "#36c",
-                points(levels, "/concurrency", "/gateway/ops_per_s"),
-                false,
-            ),
-            line(
-                "pgbench: the send's SQL",
-                "#888",
-                points(levels, "/concurrency", "/pgbench_plain/ops_per_s"),
-                true,
-            ),
-            line(
-                "pgbench: with pg_notify",
-                "#c63",
-                points(levels, "/concurrency", "/pgbench_notify/ops_per_s"),
-                true,
-            ),
-        ],
+        series: lines(
+            levels,
+            "/concurrency",
+            &[
+                ("gateway", "#36c", "/gateway/ops_per_s", false),
+                (
+                    "pgbench: the send's SQL",
+                    "#888",
+                    "/pgbench_plain/ops_per_s",
+                    true,
+                ),
+                (
+                    "pgbench: with pg_notify",
+                    "#c63",
+                    "/pgbench_notify/ops_per_s",
+                    true,
+                ),
+            ],
+        ),
         ..Plot::default()
     }
 }
@@ -223,20 +229,14 @@ fn fanout(b: &Value) -> [Plot; 2] {
         x_label: "offered frames/s".into(),
         y_label: "ms (log)".into(),
         y_log: true,
-        series: vec![
-            line(
-                "push p99",
-                "#36c",
-                points(&st, "/target_frames_per_s", "/push_latency/p99_ms"),
-                false,
-            ),
-            line(
-                "send p99",
-                "#c63",
-                points(&st, "/target_frames_per_s", "/send_latency/p99_ms"),
-                true,
-            ),
-        ],
+        series: lines(
+            &st,
+            "/target_frames_per_s",
+            &[
+                ("push p99", "#36c", "/push_latency/p99_ms", false),
+                ("send p99", "#c63", "/send_latency/p99_ms", true),
+            ],
+        ),
         hmarks: mark(Some(limit), format!("{limit} ms"), LIMIT),
         vmarks: mark(note, "the note's load".into(), LOAD),
         ..Plot::default()
@@ -318,26 +318,15 @@ fn repair(b: &Value) -> Plot {
         title: "Repair time of a lost push against the sweep interval".into(),
         x_label: "IM_SWEEP_MS".into(),
         y_label: "ms".into(),
-        series: vec![
-            line(
-                "p50",
-                "#36c",
-                points(iv, "/sweep_ms", "/repair/p50_ms"),
-                false,
-            ),
-            line(
-                "p99",
-                "#c63",
-                points(iv, "/sweep_ms", "/repair/p99_ms"),
-                false,
-            ),
-            line(
-                "D5 bound",
-                LIMIT,
-                points(iv, "/sweep_ms", "/d5_bound_ms"),
-                true,
-            ),
-        ],
+        series: lines(
+            iv,
+            "/sweep_ms",
+            &[
+                ("p50", "#36c", "/repair/p50_ms", false),
+                ("p99", "#c63", "/repair/p99_ms", false),
+                ("D5 bound", LIMIT, "/d5_bound_ms", true),
+            ],
+        ),
         ..Plot::default()
     }
 }
