@@ -46,16 +46,21 @@ if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
   echo "setup: creating the postgres system user (PostgreSQL refuses to run as root)"
   useradd --system --home-dir /var/lib/postgresql --shell /usr/sbin/nologin postgres
 fi
-# chromium opens the evidence site in the browser test (scenarios/tests/site.rs); without it
-# that test says SKIPPED with the reason.
-if ! command -v chromium >/dev/null 2>&1; then
+# chromium opens the evidence site in the browser test (scenarios/tests/site.rs); haproxy
+# is the load balancer in front of several gateways (scenarios/tests/balancer.rs). Without
+# them those tests say SKIPPED with the reason.
+missing=""
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+[ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null 2>&1 || missing="$missing haproxy"
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ]; then
-    echo "setup: installing chromium (apt-get install -y chromium) for the site's browser test"
+    echo "setup: installing$missing (apt-get install -y$missing)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq || true
-    apt-get install -y -qq chromium >/dev/null || echo "setup: chromium could not be installed; the browser test will be SKIPPED" >&2
+    # shellcheck disable=SC2086
+    apt-get install -y -qq $missing >/dev/null || echo "setup:$missing could not be installed; their tests will be SKIPPED" >&2
   else
-    echo "setup: chromium is missing (Debian: apt-get install -y chromium); the site's browser test will be SKIPPED" >&2
+    echo "setup:$missing missing (Debian: apt-get install -y$missing); their tests will be SKIPPED" >&2
   fi
 fi
 if ! cargo nextest --version >/dev/null 2>&1; then

@@ -1,4 +1,5 @@
 pub mod autofailover;
+pub mod balancer;
 pub mod checker;
 pub mod client;
 pub mod container;
