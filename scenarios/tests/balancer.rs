@@ -14,14 +14,25 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
 
-async fn state_of(bal: &Balancer, server: &str) -> String {
-    bal.states()
-        .await
-        .unwrap_or_default()
-        .into_iter()
-        .find(|(n, _)| n == server)
-        .map(|(_, s)| s)
-        .unwrap_or_default()
+/// Waits (bounded by `T`) until HAProxy reports `server` in a state starting with `want`.
+async fn wait_state(bal: &Balancer, server: &str, want: &str) {
+    wait_until(&format!("{server} {want}"), T, async || {
+        let s = bal
+            .states()
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .find(|(n, _)| n == server)
+            .map(|(_, s)| s)
+            .unwrap_or_default();
+        if s.starts_with(want) {
+            Ok(())
+        } else {
+            Err(s)
+        }
+    })
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
@@ -48,16 +59,7 @@ async fn devices_reconnect_through_haproxy_to_the_gateway_left() {
 
     // Gateway 0 dies: HAProxy marks it DOWN within its checks.
     w.kill_gateway_at(0);
-    wait_until("gw0 DOWN", T, async || {
-        let s = state_of(&bal, "gw0").await;
-        if s.starts_with("DOWN") {
-            Ok(())
-        } else {
-            Err(s)
-        }
-    })
-    .await
-    .unwrap();
+    wait_state(&bal, "gw0", "DOWN").await;
     // Both devices restart and come back through the same address, onto gateway 1.
     let (sa, sb) = (a.state_path().to_path_buf(), b.state_path().to_path_buf());
     a.crash().await;
@@ -78,16 +80,7 @@ async fn devices_reconnect_through_haproxy_to_the_gateway_left() {
         .await
         .unwrap();
     bal.set_server(0, w.gw_at(0).addr()).await.unwrap();
-    wait_until("gw0 UP again", T, async || {
-        let s = state_of(&bal, "gw0").await;
-        if s.starts_with("UP") {
-            Ok(())
-        } else {
-            Err(s)
-        }
-    })
-    .await
-    .unwrap();
+    wait_state(&bal, "gw0", "UP").await;
     let judged = w.judge().await.unwrap();
     assert!(
         judged.report.anomalies.is_empty(),
