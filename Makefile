@@ -50,30 +50,33 @@ screenshots: report
 # make controls: the negative controls. Builds the gateway with its deliberate bugs
 # (--features faults,bugs) as target/debug/im-gateway-bugs, rebuilds the clean binary, then
 # runs the suite against the clean gateway and each bug (RUNS=10 runs each), then each bug
-# under the nemesis (seeds 1..NEMESIS_SEEDS, stopping at the first that catches it; 0 skips),
-# and writes evidence/controls/result.json (format: evidence/README.md). NEMESIS_ONLY=1 runs
+# under the nemesis (seeds 1..NEMESIS_SEEDS, stopping at the first that catches it; 0 skips;
+# NEMESIS_GATEWAYS=3 gateways behind HAProxy, 1 for one), and writes evidence/controls/result.json (format: evidence/README.md). NEMESIS_ONLY=1 runs
 # only the nemesis part and merges it into the existing file.
 RUNS ?= 10
 NEMESIS_SEEDS ?= 20
+NEMESIS_GATEWAYS ?= 3
 controls: build
 	$(CARGO) build -p im-gateway --bin im-gateway --features faults,bugs
 	cp $(TARGET)/debug/im-gateway $(TARGET)/debug/im-gateway-bugs
 	$(CARGO) build -p im-gateway --bin im-gateway $(FEATURES)
 	touch $(TARGET)/debug/im-gateway
-	$(TARGET)/debug/controls --runs $(RUNS) --nemesis-seeds $(NEMESIS_SEEDS) $(if $(ONLY),--only $(ONLY)) $(if $(MERGE),--merge) $(if $(NEMESIS_ONLY),--nemesis-only)
+	$(TARGET)/debug/controls --runs $(RUNS) --nemesis-seeds $(NEMESIS_SEEDS) --nemesis-gateways $(NEMESIS_GATEWAYS) $(if $(ONLY),--only $(ONLY)) $(if $(MERGE),--merge) $(if $(NEMESIS_ONLY),--nemesis-only)
 
-# make nemesis [SEEDS=20] [SEED=n] [DURATION=ms] [JOBS=n] [SHARD=k/n] (SEED given on the
+# make nemesis [SEEDS=20] [SEED=n] [DURATION=ms] [JOBS=n] [GATEWAYS=1..3] [SHARD=k/n] (SEED given on the
 # command line or in the environment runs that one seed; the fuzz target's default SEED does
 # not count): seeded random fault schedules over a live workload on the real gateway and
 # throwaway clusters (issue 10), judged by the checker, JOBS at once (each in its own
 # process, cluster and gateway); SHARD=k/n runs every n-th seed from the k-th, to spread a
 # series over machines. A failing seed keeps its artefacts under target/nemesis/seed-N/ and
-# is shrunk to minimal.json. Writes evidence/nemesis/result.json (format:
-# evidence/README.md). `target/debug/nemesis --help` for replay (--replay FILE) and the rest.
+# is shrunk to minimal.json. GATEWAYS=2 or 3 runs that many gateways behind HAProxy (each
+# gateway fault hits one of them). Writes evidence/nemesis/result.json (GATEWAYS=1) or
+# evidence/nemesis/gateways-N.json (format: evidence/README.md). `target/debug/nemesis --help` for replay (--replay FILE) and the rest.
 SEEDS ?= 20
 JOBS ?= 4
+GATEWAYS ?= 1
 nemesis: build
-	$(TARGET)/debug/nemesis $(if $(filter-out file default undefined,$(origin SEED)),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --jobs $(JOBS) $(if $(SHARD),--shard $(SHARD)) --shrink --out $(TARGET)/nemesis --summary evidence/nemesis/result.json
+	$(TARGET)/debug/nemesis $(if $(filter-out file default undefined,$(origin SEED)),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --jobs $(JOBS) --gateways $(GATEWAYS) $(if $(SHARD),--shard $(SHARD)) --shrink --out $(TARGET)/nemesis --summary evidence/nemesis/$(if $(filter 1,$(GATEWAYS)),result.json,gateways-$(GATEWAYS).json)
 
 # make mutants [SHARD=k/n] [IN_DIFF=rev] [FILES='glob …'] [ALL=1] [MERGE='dir …']: mutation
 # testing (cargo-mutants, installed from crates.io when missing) of the gateway and the

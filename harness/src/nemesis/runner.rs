@@ -3,10 +3,11 @@
 //! their offsets, then every fault is healed, the outboxes are replayed, and the checker
 //! judges the whole history (D5 after the heal).
 //!
-//! Owns: a [`World`] whose gateway reaches PostgreSQL through a controlled proxy, a second
-//! controlled proxy in front of the gateway for the clients, the gateway's fault control
-//! socket (`IM_FAULT_CONTROL`), one task per device, and the supervisor that restarts a
-//! gateway that exited (a crash point fired) or was killed (after its down time).
+//! Owns: a [`World`] whose gateways reach PostgreSQL through a controlled proxy, a second
+//! controlled proxy in front of the gateway for the clients (in front of HAProxy, itself in
+//! front of the 2–3 gateways of `--gateways N`), each gateway's fault control socket
+//! (`IM_FAULT_CONTROL`), one task per device, and the supervisor that restarts a gateway
+//! that exited (a crash point fired) or was killed (after its down time).
 //!
 //! Must not: judge anything itself (the checker does), or retry a send on a client's
 //! behalf except through the client's own outbox replay.
@@ -14,12 +15,11 @@
 use super::faults::{CrashSwitches, FaultCtx, Package};
 use super::outcome::Outcome;
 use super::schedule::{Fault, Membership, Schedule};
-use super::supervisor::Supervisor;
+use super::supervisor::{Started, Supervisor};
 use crate::checker::Report;
 use crate::client::{Client, ClientError, ClientOptions, HintAck};
 use crate::gateway::{self, GatewayOpts};
 use crate::history::{Action, History, Join};
-use crate::proxy::Proxy;
 use crate::verdict::Verdict;
 use crate::world::{World, WorldOpts};
 use anyhow::Context;
@@ -100,16 +100,29 @@ async fn run_inner(
         .prefix("imfault-nemesis-")
         .tempdir()
         .context("make the control socket directory")?;
-    let control = sock_dir.path().join("fault.sock");
-    let opts = GatewayOpts {
-        sweep_ms: Some(schedule.options.sweep_ms),
-        db_timeout_ms: Some(GW_DB_TIMEOUT_MS),
-        env: vec![(
-            "IM_FAULT_CONTROL".to_string(),
-            control.to_string_lossy().to_string(),
-        )],
-        ..Default::default()
-    };
+    // Each gateway's options: the same but for its control socket.
+    let gateways: Vec<Started> = (0..schedule.options.gateways.max(1))
+        .map(|i| {
+            let control = match i {
+                0 => sock_dir.path().join("fault.sock"),
+                _ => sock_dir.path().join(format!("fault-{i}.sock")),
+            };
+            let opts = GatewayOpts {
+                sweep_ms: Some(schedule.options.sweep_ms),
+                db_timeout_ms: Some(GW_DB_TIMEOUT_MS),
+                env: vec![(
+                    "IM_FAULT_CONTROL".to_string(),
+                    control.to_string_lossy().to_string(),
+                )],
+                ..Default::default()
+            };
+            Started { opts, control }
+        })
+        .collect();
+    if gateways.len() > 1 {
+        crate::balancer::haproxy_bin()
+            .map_err(|why| anyhow::anyhow!("--gateways {}: {why}", gateways.len()))?;
+    }
     if schedule.needs_lazyfs() {
         crate::lazyfs::LazyFs::available()
             .map_err(|why| anyhow::anyhow!("a pg-power-cut fault needs the LazyFS layer: {why}"))?;
@@ -123,10 +136,10 @@ async fn run_inner(
             },
             ..Default::default()
         },
-        opts.clone(),
+        gateways[0].opts.clone(),
     )
     .await?;
-    let result = drive(&mut w, schedule, &opts, &control, repeat, t0, log).await;
+    let result = drive(&mut w, schedule, gateways, repeat, t0, log).await;
     // The artefacts, whatever happened.
     let work = w.pg.work_dir().to_path_buf();
     for name in ["history.jsonl", "final.json", "report.json"] {
@@ -156,8 +169,7 @@ async fn run_inner(
 async fn drive(
     w: &mut World,
     schedule: &Schedule,
-    opts: &GatewayOpts,
-    control: &Path,
+    mut gateways: Vec<Started>,
     repeat: &str,
     t0: Instant,
     log: &mut Vec<Value>,
@@ -171,9 +183,12 @@ async fn drive(
     // Several seeds share two cores (`--jobs`): a moment this process is not run is
     // recorded, and no time bound is judged across it.
     hist.watch_stalls();
-    let client_proxy = Proxy::start_controlled(w.gw().addr())?;
+    let more = gateways.split_off(1);
+    let first = gateways.pop().context("no gateway to start")?;
+    let mut sup = Supervisor::new(w, first)?;
+    sup.start_more(w, more).await?;
     let shared = Arc::new(Shared {
-        ws_url: format!("ws://{}/ws", client_proxy.addr()),
+        ws_url: sup.ws_url(),
         membership: Mutex::new(BTreeMap::new()),
         sending: AtomicBool::new(true),
     });
@@ -185,7 +200,7 @@ async fn drive(
         w,
         schedule,
         hist,
-        sup: Supervisor::new(opts.clone(), control.to_path_buf(), client_proxy),
+        sup,
         crash_switches,
         log,
         active: BTreeMap::new(),
@@ -429,7 +444,7 @@ impl Run<'_> {
                 .filter(|d| !d.settled.load(Ordering::SeqCst))
                 .map(|d| d.device.clone())
                 .collect();
-            if unsettled.is_empty() && self.w.gateway_up() && memberships_done {
+            if unsettled.is_empty() && self.sup.all_up(self.w) && memberships_done {
                 break;
             }
             if Instant::now() >= heal_deadline {

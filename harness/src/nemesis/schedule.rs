@@ -7,7 +7,7 @@
 //! options. The random source is [`Rng`] (SplitMix64, defined here): its sequence is fixed
 //! forever, unlike a library generator whose algorithm may change between versions.
 
-pub use super::faults::{kinds, Drawn, FaultKind, Package};
+pub use super::faults::{kinds, Drawn, FaultKind, Package, Targets};
 pub use super::rng::Rng;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
@@ -51,6 +51,22 @@ pub struct Options {
     pub sweep_ms: u64,
     /// The fault kinds to draw from ([`KINDS`] names); empty means all.
     pub kinds: Vec<String>,
+    /// Gateways (1 to [`GATEWAYS_MAX`]): with more than one, they run behind HAProxy as
+    /// the clients' one address, and each gateway fault is drawn onto one of them. Absent
+    /// from `schedule.json` when 1 (one gateway's schedules are unchanged, byte for byte).
+    #[serde(default = "one_gateway", skip_serializing_if = "is_one_gateway")]
+    pub gateways: u32,
+}
+
+/// Most gateways a schedule runs (issue 21: 2–3 behind the balancer).
+pub const GATEWAYS_MAX: u32 = 3;
+
+fn one_gateway() -> u32 {
+    1
+}
+
+fn is_one_gateway(n: &u32) -> bool {
+    *n == 1
 }
 
 impl Default for Options {
@@ -65,6 +81,7 @@ impl Default for Options {
             think_ms: (60, 400),
             sweep_ms: 500,
             kinds: Vec::new(),
+            gateways: 1,
         }
     }
 }
@@ -199,6 +216,21 @@ impl Schedule {
                 l.after_ms
             );
         }
+        anyhow::ensure!(
+            (1..=GATEWAYS_MAX).contains(&self.options.gateways),
+            "gateways {} is not within 1..={GATEWAYS_MAX}",
+            self.options.gateways
+        );
+        let devices = self.devices();
+        let on = Targets {
+            devices: &devices,
+            gateways: self.options.gateways,
+        };
+        for f in &self.faults {
+            f.kind
+                .check_target(&f.target, &on)
+                .with_context(|| format!("fault {} ({})", f.id, f.kind.name()))?;
+        }
         validate_faults(&self.faults, self.options.duration_ms)
     }
 
@@ -271,7 +303,7 @@ fn holds_at<K: Package>(holder: &Fault<K>, needer: &Fault<K>) -> bool {
         return false;
     };
     holder.id != needer.id
-        && needer.kind.requires().contains(&held.as_str())
+        && needer.kind.requires(&needer.target).contains(&held)
         && holder.at_ms <= needer.at_ms
         && needer.at_ms < holder.end_ms.max(holder.at_ms + 1)
 }
@@ -279,6 +311,11 @@ fn holds_at<K: Package>(holder: &Fault<K>, needer: &Fault<K>) -> bool {
 /// The schedule of `seed` under `opts`. Deterministic: no clock, no environment.
 pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
     anyhow::ensure!(opts.users >= 2, "at least 2 users");
+    anyhow::ensure!(
+        (1..=GATEWAYS_MAX).contains(&opts.gateways),
+        "gateways {} is not within 1..={GATEWAYS_MAX}",
+        opts.gateways
+    );
     anyhow::ensure!(opts.convs >= 1, "at least 1 conversation");
     anyhow::ensure!(opts.duration_ms >= 1000, "a workload of at least 1000 ms");
     anyhow::ensure!(
@@ -369,7 +406,11 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
         }]
     };
 
-    let mut faults = draw_faults::<FaultKind>(&mut fr, opts, &devices)?;
+    let on = Targets {
+        devices: &devices,
+        gateways: opts.gateways,
+    };
+    let mut faults = draw_faults::<FaultKind>(&mut fr, opts, &on)?;
     faults.sort_by_key(|f| (f.at_ms, f.id));
     let s = Schedule {
         version: SCHEDULE_VERSION,
@@ -411,7 +452,7 @@ fn drawn_kinds<K: Package>(opts: &Options) -> anyhow::Result<Vec<&'static str>> 
 pub fn draw_faults<K: Package>(
     fr: &mut Rng,
     opts: &Options,
-    devices: &[String],
+    on: &Targets,
 ) -> anyhow::Result<Vec<Fault<K>>> {
     let kinds = drawn_kinds::<K>(opts)?;
     // Faults: a kind, a start between 5% and 95% of the workload, a length of 0.2 to 2 s
@@ -440,7 +481,7 @@ pub fn draw_faults<K: Package>(
                 kind,
                 target,
                 instant,
-            } = K::draw(kind_name, fr, devices)
+            } = K::draw(kind_name, fr, on)
                 .with_context(|| format!("kind {kind_name} has no package"))?;
             let end_ms = if instant { at_ms } else { end_ms };
             let busy = kind.resource(&target).is_some_and(|r| {
@@ -581,6 +622,80 @@ mod tests {
         assert!(e.contains("generator 1"), "{e}");
     }
 
+    /// Issue 21: with several gateways each gateway fault is drawn onto one of them, every
+    /// gateway is drawn, a gateway's resources are its own (two gateways may be killed at
+    /// once, one gateway never twice), and a schedule naming a gateway it does not have is
+    /// refused. One gateway's schedules stay as they were (the pinned digest above).
+    #[test]
+    fn several_gateways_share_the_faults_and_each_holds_its_own() {
+        let o = Options {
+            gateways: 3,
+            ..Options::default()
+        };
+        let names_a_gateway = |t: &str| {
+            t.strip_prefix("gateway-")
+                .is_some_and(|i| i.parse::<u32>().is_ok())
+        };
+        let mut targets = std::collections::BTreeSet::new();
+        let mut overlapping_kills = 0;
+        for seed in 0..300 {
+            let s = generate(seed, &o).unwrap();
+            s.validate().unwrap();
+            for f in &s.faults {
+                if f.kind.name().starts_with("gw-") {
+                    assert!(names_a_gateway(&f.target), "{f:?}");
+                    targets.insert(f.target.clone());
+                } else {
+                    assert!(!names_a_gateway(&f.target), "{f:?}");
+                }
+            }
+            for (i, a) in s.faults.iter().enumerate() {
+                for b in &s.faults[i + 1..] {
+                    let kills = |f: &Fault| f.kind.name() == "gw-kill";
+                    let overlap = a.at_ms < b.end_ms && b.at_ms < a.end_ms;
+                    if kills(a) && kills(b) && overlap {
+                        assert_ne!(a.target, b.target, "seed {seed}: one gateway killed twice");
+                        overlapping_kills += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            targets.into_iter().collect::<Vec<_>>(),
+            ["gateway-0", "gateway-1", "gateway-2"]
+        );
+        assert!(
+            overlapping_kills > 0,
+            "no two gateways were ever down at once"
+        );
+        // A target the schedule's gateways do not have is refused, by name.
+        let mut s = (0..100)
+            .map(|seed| generate(seed, &o).unwrap())
+            .find(|s| s.faults.iter().any(|f| f.kind.name() == "gw-kill"))
+            .unwrap();
+        let k = s
+            .faults
+            .iter()
+            .position(|f| f.kind.name() == "gw-kill")
+            .unwrap();
+        for bad in ["gateway-3", "gateway", "gateway-x"] {
+            s.faults[k].target = bad.into();
+            let e = format!("{:#}", Schedule::from_json(&s.to_json()).unwrap_err());
+            assert!(e.contains(bad), "{bad}: {e}");
+        }
+        s.faults[k].target = "gateway-2".into();
+        s.options.gateways = 4;
+        let e = Schedule::from_json(&s.to_json()).unwrap_err().to_string();
+        assert!(e.contains("gateways 4"), "{e}");
+        let one = Options::default();
+        assert!(generate(1, &one)
+            .unwrap()
+            .faults
+            .iter()
+            .all(|f| f.target != "gateway-0"));
+        assert!(generate(1, &Options { gateways: 0, ..one }).is_err());
+    }
+
     /// Issue 20: a fault is never drawn to start while another holds what it needs (a
     /// backend terminated while the database is down, a frame fault armed while the gateway
     /// is killed or paused); the validator refuses such a schedule.
@@ -591,7 +706,7 @@ mod tests {
         for seed in 0..500 {
             let s = generate(seed, &o).unwrap();
             for a in &s.faults {
-                needers += usize::from(!a.kind.requires().is_empty());
+                needers += usize::from(!a.kind.requires(&a.target).is_empty());
                 assert!(
                     !s.faults.iter().any(|b| holds_at(b, a)),
                     "seed {seed}: {a:?}"

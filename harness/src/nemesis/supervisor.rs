@@ -1,13 +1,16 @@
-//! The gateway under a nemesis run: one gateway process kept running behind the clients'
-//! proxy, started again when it exits (a crash point fired) unless a `gw-kill` holds it
-//! down, and the fault control socket through which faults are armed.
+//! The gateways under a nemesis run: one gateway process (or 2–3 behind HAProxy,
+//! `--gateways N`) kept running behind the clients' proxy, each started again when it exits
+//! (a crash point fired) unless a `gw-kill` holds it down, and each one's fault control
+//! socket through which faults are armed.
 //!
-//! Owns: the gateway's options, its control socket path, the clients' proxy, and whether
-//! the gateway is held down. The [`World`] owns the process itself; only this type replaces
-//! or drops it during a run.
+//! Owns: each gateway's options, control socket path, whether it is held down and when a
+//! failed start may be tried again; the clients' route to the gateways (the clients' proxy,
+//! and the balancer behind it when there are several). The [`World`] owns the processes;
+//! only this type replaces or drops them during a run.
 //!
 //! Must not: decide which faults happen (the schedule does) or judge anything.
 
+use crate::balancer::Balancer;
 use crate::gateway::{self, GatewayOpts};
 use crate::history::Action;
 use crate::proxy::{Condition, Proxy};
@@ -16,155 +19,253 @@ use anyhow::Context;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// Keeps one gateway running behind the clients' proxy.
-pub struct Supervisor {
+/// One supervised gateway.
+struct Slot {
     opts: GatewayOpts,
     control: PathBuf,
-    client_proxy: Proxy,
-    /// A `gw-kill` holds the gateway down until its end.
+    /// A `gw-kill` holds it down until its end.
     down: bool,
-    gateway_starts: u64,
     /// When a failed start may be tried again.
     next_restart: Option<Instant>,
+}
+
+/// Keeps the run's gateways running behind the clients' proxy.
+pub struct Supervisor {
+    slots: Vec<Slot>,
+    /// The clients' proxy (whose condition the `net-client` faults set): it forwards to the
+    /// one gateway, or to the balancer in front of several.
+    proxy: Proxy,
+    /// With several gateways, HAProxy (server `gwI` is gateway I): a restarted gateway is
+    /// pointed at through its runtime API. With one, the proxy is switched to it.
+    balancer: Option<Balancer>,
+    gateway_starts: u64,
 }
 
 /// How long a gateway fault's start waits for a gateway that is being started again (after
 /// a crash point fired, or while its restart waits for the database).
 const GATEWAY_BACK_WITHIN: Duration = Duration::from_secs(3);
 
+/// A gateway's start (what [`Supervisor::new`] and [`Supervisor::start_more`] are given):
+/// its options and its control socket (`IM_FAULT_CONTROL` in `opts.env`).
+pub struct Started {
+    pub opts: GatewayOpts,
+    pub control: PathBuf,
+}
+
 impl Supervisor {
+    /// The supervisor of the world's gateway 0 (already started with `first.opts`), the
+    /// clients reaching it through a controlled proxy.
+    pub fn new(w: &World, first: Started) -> anyhow::Result<Supervisor> {
+        let proxy = Proxy::start_controlled(w.gw_at(0).addr())?;
+        Ok(Supervisor {
+            slots: vec![Slot {
+                opts: first.opts,
+                control: first.control,
+                down: false,
+                next_restart: None,
+            }],
+            proxy,
+            balancer: None,
+            gateway_starts: 1,
+        })
+    }
+
+    /// Starts the `more` gateways (1, 2, …) on the world's database and puts all of them
+    /// behind HAProxy, which the clients' proxy then forwards to.
+    pub async fn start_more(&mut self, w: &mut World, more: Vec<Started>) -> anyhow::Result<()> {
+        if more.is_empty() {
+            return Ok(());
+        }
+        for s in more {
+            let i = w.start_gateway(s.opts.clone()).await?;
+            anyhow::ensure!(i == self.slots.len(), "gateway {i} started out of order");
+            self.gateway_starts += 1;
+            self.slots.push(Slot {
+                opts: s.opts,
+                control: s.control,
+                down: false,
+                next_restart: None,
+            });
+        }
+        let addrs: Vec<_> = (0..self.slots.len()).map(|i| w.gw_at(i).addr()).collect();
+        let balancer = Balancer::start(&addrs).await?;
+        self.proxy.switch(balancer.addr());
+        self.balancer = Some(balancer);
+        Ok(())
+    }
+
+    /// The clients' address.
+    pub fn ws_url(&self) -> String {
+        format!("ws://{}/ws", self.proxy.addr())
+    }
+
+    /// How many gateways run under it.
+    pub fn gateways(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The gateway a fault's target names (`gateway`, `gateway-I`), if this run has it.
+    pub fn index_of(&self, target: &str) -> anyhow::Result<usize> {
+        let i = super::faults::process::gateway_index(target)?;
+        anyhow::ensure!(
+            i < self.slots.len(),
+            "{target}: this run has {} gateway(s)",
+            self.slots.len()
+        );
+        Ok(i)
+    }
+
     /// During the heal nothing may stay armed, yet an `arm` the harness gave up on (it
     /// timed out while the gateway was paused: seed 248 of a 1,000-seed run) can still take
     /// effect once the gateway runs again, after that fault's end disarmed it: its command
     /// waited in the control socket. Anything armed now is recorded and disarmed.
     pub async fn disarm_stale(&self, w: &World) {
-        if !w.has_gateway() {
-            return;
+        for (i, slot) in self.slots.iter().enumerate() {
+            if !w.has_gateway_at(i) {
+                continue;
+            }
+            let Ok(listed) = gateway::fault_control(&slot.control, "list").await else {
+                continue;
+            };
+            let armed = listed.trim_start_matches("ok").trim();
+            if armed.is_empty() {
+                continue;
+            }
+            let r = gateway::fault_control(&slot.control, "disarm all").await;
+            w.history().nemesis_instant(Action::StaleFaultDisarmed {
+                armed: armed.to_string(),
+                disarm: r.unwrap_or_else(|e| format!("{e:#}")),
+            });
         }
-        let Ok(listed) = gateway::fault_control(&self.control, "list").await else {
-            return;
-        };
-        let armed = listed.trim_start_matches("ok").trim();
-        if armed.is_empty() {
-            return;
-        }
-        let r = gateway::fault_control(&self.control, "disarm all").await;
-        w.history().nemesis_instant(Action::StaleFaultDisarmed {
-            armed: armed.to_string(),
-            disarm: r.unwrap_or_else(|e| format!("{e:#}")),
-        });
     }
 
-    /// Restarts the gateway if it exited (a crash point fired) or is missing, unless a
+    /// Restarts every gateway that exited (a crash point fired) or is missing, unless a
     /// `gw-kill` holds it down. A start that fails (the database is away) is retried.
     pub async fn supervise(&mut self, w: &mut World) {
-        if self.down {
+        for i in 0..self.slots.len() {
+            self.supervise_one(w, i).await;
+        }
+    }
+
+    async fn supervise_one(&mut self, w: &mut World, i: usize) {
+        if self.slots[i].down {
             return;
         }
-        if w.has_gateway() {
-            let Some(status) = w.take_exited_gateway() else {
+        if w.has_gateway_at(i) {
+            let Some(status) = w.take_exited_gateway_at(i) else {
                 return;
             };
             w.history().nemesis_instant(Action::GatewayExit {
-                gateway: None,
+                // One gateway's history reads as it always did.
+                gateway: (self.slots.len() > 1).then_some(i),
                 status: status.code(),
                 raw: status.to_string(),
             });
         }
-        if self.next_restart.is_some_and(|t| Instant::now() < t) {
+        if self.slots[i]
+            .next_restart
+            .is_some_and(|t| Instant::now() < t)
+        {
             return;
         }
-        match w.restart_gateway(self.opts.clone()).await {
+        match w.restart_gateway_at(i, self.slots[i].opts.clone()).await {
             Ok(()) => {
                 self.gateway_starts += 1;
-                self.next_restart = None;
-                self.client_proxy.switch(w.gw().addr());
+                self.slots[i].next_restart = None;
+                let addr = w.gw_at(i).addr();
+                match &self.balancer {
+                    None => self.proxy.switch(addr),
+                    Some(b) => {
+                        if let Err(e) = b.set_server(i, addr).await {
+                            // Its health checks keep it DOWN: the clients go to the others.
+                            tracing::warn!(error = %format!("{e:#}"), gateway = i, "nemesis: balancer not pointed at the restarted gateway");
+                        }
+                    }
+                }
             }
             Err(e) => {
-                tracing::info!(error = %format!("{e:#}"), "nemesis: gateway start failed; retrying");
-                w.take_gateway();
-                self.next_restart = Some(Instant::now() + Duration::from_millis(200));
+                tracing::info!(error = %format!("{e:#}"), gateway = i, "nemesis: gateway start failed; retrying");
+                w.take_gateway_at(i);
+                self.slots[i].next_restart = Some(Instant::now() + Duration::from_millis(200));
             }
         }
     }
 
-    pub fn new(opts: GatewayOpts, control: PathBuf, client_proxy: Proxy) -> Supervisor {
-        Supervisor {
-            opts,
-            control,
-            client_proxy,
-            down: false,
-            gateway_starts: 1,
-            next_restart: None,
-        }
-    }
-
-    /// Gateways started so far, the first included.
+    /// Gateways started so far, the first ones included.
     pub fn gateway_starts(&self) -> u64 {
         self.gateway_starts
     }
 
-    /// Kills the gateway (SIGKILL) and holds it down until [`Supervisor::release`].
-    pub fn hold_down(&mut self, w: &mut World) {
-        self.down = true;
-        if let Some(mut gw) = w.take_gateway() {
+    /// Whether every gateway runs.
+    pub fn all_up(&self, w: &mut World) -> bool {
+        (0..self.slots.len()).all(|i| w.gateway_up_at(i))
+    }
+
+    /// Kills gateway `i` (SIGKILL) and holds it down until [`Supervisor::release`].
+    pub fn hold_down(&mut self, w: &mut World, i: usize) {
+        self.slots[i].down = true;
+        if let Some(mut gw) = w.take_gateway_at(i) {
             gw.kill();
         }
     }
 
-    /// Ends a [`Supervisor::hold_down`]: the gateway is started again now. True when it runs.
-    pub async fn release(&mut self, w: &mut World) -> bool {
-        self.down = false;
-        self.next_restart = None;
-        self.supervise(w).await;
-        w.has_gateway()
+    /// Ends a [`Supervisor::hold_down`]: gateway `i` is started again now. True when it
+    /// runs.
+    pub async fn release(&mut self, w: &mut World, i: usize) -> bool {
+        self.slots[i].down = false;
+        self.slots[i].next_restart = None;
+        self.supervise_one(w, i).await;
+        w.has_gateway_at(i)
     }
 
-    /// Sends `cmd` once to the control socket, whatever runs (a disarm after the gateway may
-    /// have exited or been replaced: nothing is then armed).
-    pub async fn control_once(&self, cmd: &str) -> anyhow::Result<String> {
-        gateway::fault_control(&self.control, cmd).await
+    /// Sends `cmd` once to gateway `i`'s control socket, whatever runs (a disarm after the
+    /// gateway may have exited or been replaced: nothing is then armed).
+    pub async fn control_once(&self, i: usize, cmd: &str) -> anyhow::Result<String> {
+        gateway::fault_control(&self.slots[i].control, cmd).await
     }
 
-    /// The clients↔gateway path's condition.
+    /// The clients↔gateways path's condition.
     pub fn set_client_condition(&self, c: Condition) {
-        self.client_proxy.set_condition(c);
+        self.proxy.set_condition(c);
     }
 
     /// Resets every client↔gateway connection.
     pub fn cut_clients(&self) {
-        self.client_proxy.cut();
+        self.proxy.cut();
     }
 
-    /// Makes sure a gateway runs before a fault that acts on it starts: one that exited or is
-    /// being restarted is started now (bounded by [`GATEWAY_BACK_WITHIN`]). Err when none could
-    /// be: the fault cannot start, and the run is then an ERROR.
-    pub async fn ensure_gateway(&mut self, w: &mut World) -> anyhow::Result<()> {
+    /// Makes sure gateway `i` runs before a fault that acts on it starts: one that exited or
+    /// is being restarted is started now (bounded by [`GATEWAY_BACK_WITHIN`]). Err when it
+    /// could not be: the fault cannot start, and the run is then an ERROR.
+    pub async fn ensure_gateway(&mut self, w: &mut World, i: usize) -> anyhow::Result<()> {
         let deadline = Instant::now() + GATEWAY_BACK_WITHIN;
         loop {
-            if w.gateway_up() {
+            if w.gateway_up_at(i) {
                 return Ok(());
             }
-            anyhow::ensure!(!self.down, "no gateway running: a gw-kill holds it down");
+            anyhow::ensure!(
+                !self.slots[i].down,
+                "gateway {i} not running: a gw-kill holds it down"
+            );
             anyhow::ensure!(
                 Instant::now() < deadline,
-                "no gateway running: it could not be started again within {GATEWAY_BACK_WITHIN:?}"
+                "gateway {i} not running: it could not be started again within {GATEWAY_BACK_WITHIN:?}"
             );
-            self.next_restart = None;
+            self.slots[i].next_restart = None;
             let left = deadline.saturating_duration_since(Instant::now());
-            let _ = tokio::time::timeout(left, self.supervise(w)).await;
+            let _ = tokio::time::timeout(left, self.supervise_one(w, i)).await;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
-    /// Sends `cmd` to the gateway's fault control socket once a gateway runs
-    /// ([`ensure_gateway`]); a gateway that has just started may not listen on it yet, so a
-    /// refused command is tried again until [`GATEWAY_BACK_WITHIN`] passed.
-    pub async fn control(&mut self, w: &mut World, cmd: &str) -> anyhow::Result<String> {
+    /// Sends `cmd` to gateway `i`'s fault control socket once it runs ([`ensure_gateway`]);
+    /// a gateway that has just started may not listen on it yet, so a refused command is
+    /// tried again until [`GATEWAY_BACK_WITHIN`] passed.
+    pub async fn control(&mut self, w: &mut World, i: usize, cmd: &str) -> anyhow::Result<String> {
         let deadline = Instant::now() + GATEWAY_BACK_WITHIN;
         loop {
-            self.ensure_gateway(w).await?;
-            match gateway::fault_control(&self.control, cmd).await {
+            self.ensure_gateway(w, i).await?;
+            match gateway::fault_control(&self.slots[i].control, cmd).await {
                 Ok(r) => return Ok(r),
                 Err(e) if Instant::now() >= deadline => return Err(e),
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
@@ -172,8 +273,16 @@ impl Supervisor {
         }
     }
 
-    pub fn signal_gateway(&self, w: &World, sig: nix::sys::signal::Signal) -> anyhow::Result<()> {
-        let pid = w.gateway_pid().context("no gateway running")?;
+    /// Sends `sig` to gateway `i`.
+    pub fn signal_gateway(
+        &self,
+        w: &World,
+        i: usize,
+        sig: nix::sys::signal::Signal,
+    ) -> anyhow::Result<()> {
+        let pid = w
+            .gateway_pid_at(i)
+            .with_context(|| format!("gateway {i} not running"))?;
         let pid = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
         nix::sys::signal::kill(pid, sig).with_context(|| format!("kill({pid}, {sig})"))
     }

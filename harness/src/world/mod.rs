@@ -12,9 +12,9 @@
 //!
 //! In three parts besides the construction here: `topology.rs` (the processes: gateways,
 //! the database, failover, fault arming), `admin.rs` (admin commands, look-ups, clients)
-//! and `judge.rs` (the final read and the checker). Gateway 0 is private: a supervisor
-//! replaces it only through [`World::take_exited_gateway`], [`World::take_gateway`] and
-//! [`World::restart_gateway`].
+//! and `judge.rs` (the final read and the checker). The gateways are private: a supervisor
+//! replaces one only through [`World::take_exited_gateway_at`], [`World::take_gateway_at`]
+//! and [`World::restart_gateway_at`].
 
 use std::path::PathBuf;
 
@@ -59,11 +59,12 @@ CREATE TRIGGER imfault_cursor_audit AFTER INSERT OR UPDATE ON device_cursors
 /// gateway is killed before the database goes away.
 pub struct World {
     /// The current gateway (gateway 0); `None` only once taken out
-    /// ([`World::take_gateway`], [`World::take_exited_gateway`]) and not started again.
+    /// ([`World::take_gateway_at`], [`World::take_exited_gateway_at`]) and not started again.
     gw: Option<Gateway>,
     /// Further gateway processes on the same database (gateways 1, 2, …), each with the
-    /// options it was started with ([`World::start_gateway`]).
-    more: Vec<(Gateway, GatewayOpts)>,
+    /// options it was started with ([`World::start_gateway`]); `None` once taken out, as
+    /// gateway 0.
+    more: Vec<(Option<Gateway>, GatewayOpts)>,
     /// The standby and the proxies of a replicated world (dropped before the primary).
     pub failover: Option<Failover>,
     /// The gateway's own path to the database ([`WorldOpts::db_proxy`]): a controlled

@@ -140,7 +140,7 @@ impl World {
         let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
         let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
         record_gateway_start(&self.hist, i, &opts);
-        self.more.push((gw, opts));
+        self.more.push((Some(gw), opts));
         Ok(i)
     }
 
@@ -199,9 +199,9 @@ impl World {
         1 + self.more.len()
     }
 
-    /// SIGKILLs gateway `i` if it still runs, recorded as a nemesis action.
+    /// SIGKILLs gateway `i` if it is there and still runs, recorded as a nemesis action.
     pub fn kill_gateway_at(&mut self, i: usize) {
-        if self.gw_at_mut(i).try_exit_status().is_none() {
+        if self.gateway_up_at(i) {
             let id = self.hist.nemesis_start(Action::GatewayKill { gateway: i });
             self.gw_at_mut(i).kill();
             self.hist
@@ -217,9 +217,7 @@ impl World {
                 .await
                 .context("join the faults check")??;
         }
-        if i == 0 && self.gw.is_none() {
-            // A test took gateway 0 out: nothing to kill.
-        } else {
+        if self.has_gateway_at(i) {
             self.kill_gateway_at(i);
         }
         let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
@@ -230,40 +228,62 @@ impl World {
             self.opts = opts;
         } else {
             // The old process was killed and reaped above; dropping it does nothing more.
-            self.more[i - 1] = (gw, opts);
+            self.more[i - 1] = (Some(gw), opts);
         }
         Ok(())
     }
 
-    /// Whether gateway 0 is there and has not exited.
-    pub fn gateway_up(&mut self) -> bool {
-        self.gw
+    /// Gateway `i`'s slot: `None` once taken out ([`World::take_gateway_at`]) and not
+    /// started again. Panics on an index the world never handed out.
+    fn slot(&mut self, i: usize) -> &mut Option<Gateway> {
+        match i {
+            0 => &mut self.gw,
+            _ => &mut self.more.get_mut(i - 1).expect("no such gateway").0,
+        }
+    }
+
+    fn slot_ref(&self, i: usize) -> Option<&Gateway> {
+        match i {
+            0 => self.gw.as_ref(),
+            _ => self.more.get(i - 1).expect("no such gateway").0.as_ref(),
+        }
+    }
+
+    /// Whether gateway `i` is there and has not exited.
+    pub fn gateway_up_at(&mut self, i: usize) -> bool {
+        self.slot(i)
             .as_mut()
             .is_some_and(|g| g.try_exit_status().is_none())
     }
 
-    /// Whether gateway 0 is there (it may have exited since it was last looked at).
-    pub fn has_gateway(&self) -> bool {
-        self.gw.is_some()
+    /// Whether gateway 0 is there and has not exited.
+    pub fn gateway_up(&mut self) -> bool {
+        self.gateway_up_at(0)
     }
 
-    /// Gateway 0's exit status if it exited; the exited process is then taken out (a
-    /// supervisor records the exit and starts another: [`World::restart_gateway`]).
-    pub fn take_exited_gateway(&mut self) -> Option<std::process::ExitStatus> {
-        let status = self.gw.as_mut()?.try_exit_status()?;
-        self.gw = None;
+    /// Whether gateway `i` is there (it may have exited since it was last looked at).
+    pub fn has_gateway_at(&self, i: usize) -> bool {
+        self.slot_ref(i).is_some()
+    }
+
+    /// Gateway `i`'s exit status if it exited; the exited process is then taken out (a
+    /// supervisor records the exit and starts another: [`World::restart_gateway_at`]).
+    pub fn take_exited_gateway_at(&mut self, i: usize) -> Option<std::process::ExitStatus> {
+        let slot = self.slot(i);
+        let status = slot.as_mut()?.try_exit_status()?;
+        *slot = None;
         Some(status)
     }
 
-    /// Takes gateway 0 out of the world (the caller kills it, or it was killed already);
-    /// [`World::restart_gateway`] starts another in its place.
-    pub fn take_gateway(&mut self) -> Option<Gateway> {
-        self.gw.take()
+    /// Takes gateway `i` out of the world (the caller kills it, or it was killed already);
+    /// [`World::restart_gateway_at`] starts another in its place.
+    pub fn take_gateway_at(&mut self, i: usize) -> Option<Gateway> {
+        self.slot(i).take()
     }
 
-    /// Gateway 0's process id, if it is there.
-    pub fn gateway_pid(&self) -> Option<u32> {
-        self.gw.as_ref().map(Gateway::pid)
+    /// Gateway `i`'s process id, if it is there.
+    pub fn gateway_pid_at(&self, i: usize) -> Option<u32> {
+        self.slot_ref(i).map(Gateway::pid)
     }
 
     /// The current gateway. Panics if a test took it out of `gw`.
@@ -285,7 +305,9 @@ impl World {
     pub fn gw_at(&self, i: usize) -> &Gateway {
         match i {
             0 => self.gw(),
-            _ => &self.more.get(i - 1).expect("no such gateway").0,
+            _ => self
+                .slot_ref(i)
+                .expect("World has no such gateway (taken out)"),
         }
     }
 
@@ -293,7 +315,10 @@ impl World {
     pub fn gw_at_mut(&mut self, i: usize) -> &mut Gateway {
         match i {
             0 => self.gw_mut(),
-            _ => &mut self.more.get_mut(i - 1).expect("no such gateway").0,
+            _ => self
+                .slot(i)
+                .as_mut()
+                .expect("World has no such gateway (taken out)"),
         }
     }
 

@@ -59,6 +59,10 @@ struct Args {
     /// pg-terminate-pool, net-db, net-client, net-db-reset, net-client-reset, client-crash.
     #[arg(long, value_delimiter = ',')]
     kinds: Vec<String>,
+    /// Gateways (1–3). With 2 or 3 they run behind HAProxy (Debian's `haproxy`, started by
+    /// the harness) as the clients' one address, and each gateway fault hits one of them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=3))]
+    gateways: u32,
     /// Run this schedule.json exactly (its seed and options are in it).
     #[arg(long, value_name = "FILE")]
     replay: Option<PathBuf>,
@@ -212,6 +216,7 @@ fn options(args: &Args) -> Options {
         o.faults = f;
     }
     o.kinds = args.kinds.clone();
+    o.gateways = args.gateways;
     o
 }
 
@@ -233,6 +238,9 @@ fn repeat_seed(seed: u64, o: &Options) -> String {
     }
     if !o.kinds.is_empty() {
         s.push_str(&format!(" --kinds {}", o.kinds.join(",")));
+    }
+    if o.gateways != d.gateways {
+        s.push_str(&format!(" --gateways {}", o.gateways));
     }
     s
 }
@@ -491,6 +499,7 @@ fn child_command(args: &Args, p: &Planned) -> anyhow::Result<tokio::process::Com
     if !args.kinds.is_empty() {
         cmd.arg("--kinds").arg(args.kinds.join(","));
     }
+    cmd.arg("--gateways").arg(args.gateways.to_string());
     let log = args.out.join(format!("{}.log", p.name));
     let file = std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
     cmd.stdout(file.try_clone()?)

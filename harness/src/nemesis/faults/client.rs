@@ -3,7 +3,7 @@
 //!
 //! Must not: touch the gateway, the database or the network.
 
-use super::{Drawn, FaultCtx, Package};
+use super::{Drawn, FaultCtx, Package, Targets};
 use crate::nemesis::rng::Rng;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
@@ -22,10 +22,10 @@ impl Package for ClientFault {
         vec!["client-crash"]
     }
 
-    fn draw(name: &str, r: &mut Rng, devices: &[String]) -> Option<Drawn<Self>> {
+    fn draw(name: &str, r: &mut Rng, on: &Targets) -> Option<Drawn<Self>> {
         (name == "client-crash").then(|| Drawn {
             kind: ClientFault::ClientCrash,
-            target: r.pick(devices).clone(),
+            target: r.pick(on.devices).clone(),
             instant: false,
         })
     }
@@ -38,8 +38,16 @@ impl Package for ClientFault {
         Some(format!("device:{target}"))
     }
 
-    fn requires(&self) -> &'static [&'static str] {
-        &[]
+    fn requires(&self, _target: &str) -> Vec<String> {
+        Vec::new()
+    }
+
+    fn check_target(&self, target: &str, on: &Targets) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            on.devices.iter().any(|d| d == target),
+            "client-crash on {target:?}: no device of the workload"
+        );
+        Ok(())
     }
 
     /// A crashed client neither slows the sweep nor its other devices.

@@ -4,7 +4,7 @@
 //!
 //! Must not: touch the gateway process or the network.
 
-use super::{Drawn, FaultCtx, Package};
+use super::{Drawn, FaultCtx, Package, Targets};
 use crate::nemesis::rng::Rng;
 use crate::world::World;
 use anyhow::Context;
@@ -45,7 +45,7 @@ impl Package for DatabaseFault {
         KINDS.to_vec()
     }
 
-    fn draw(name: &str, r: &mut Rng, _devices: &[String]) -> Option<Drawn<Self>> {
+    fn draw(name: &str, r: &mut Rng, _on: &Targets) -> Option<Drawn<Self>> {
         let (kind, instant) = match name {
             "pg-crash" => (DatabaseFault::PgCrash, false),
             "pg-pause" => (DatabaseFault::PgPause, false),
@@ -86,12 +86,12 @@ impl Package for DatabaseFault {
     }
 
     /// Terminating backends needs the database up.
-    fn requires(&self) -> &'static [&'static str] {
+    fn requires(&self, _target: &str) -> Vec<String> {
         match self {
             DatabaseFault::PgTerminateListen | DatabaseFault::PgTerminatePool { .. } => {
-                &["postgres"]
+                vec!["postgres".into()]
             }
-            _ => &[],
+            _ => Vec::new(),
         }
     }
 

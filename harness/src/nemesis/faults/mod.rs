@@ -34,19 +34,25 @@ pub trait Package:
 {
     /// The kinds' names, as `--kinds` and `schedule.json` spell them, in draw order.
     fn kinds() -> Vec<&'static str>;
-    /// The parameters of one fault of kind `name`, drawn from `r`; `None` (and nothing
-    /// drawn) when `name` is not one of [`Package::kinds`].
-    fn draw(name: &str, r: &mut Rng, devices: &[String]) -> Option<Drawn<Self>>;
+    /// The parameters of one fault of kind `name` and what it acts on (among `on`), drawn
+    /// from `r`; `None` (and nothing drawn) when `name` is not one of [`Package::kinds`].
+    fn draw(name: &str, r: &mut Rng, on: &Targets) -> Option<Drawn<Self>>;
     /// Its name in [`Package::kinds`].
     fn name(&self) -> &'static str;
     /// Faults that may not overlap share a resource (the gateway process, the database
     /// process, one proxy, one fault point, one device); an instant takes none.
     fn resource(&self, target: &str) -> Option<String>;
-    /// Resources that must be free when it starts, though it does not hold them.
-    fn requires(&self) -> &'static [&'static str];
+    /// Resources that must be free when it starts on `target`, though it does not hold
+    /// them.
+    fn requires(&self, target: &str) -> Vec<String>;
     /// A schedule read from a file is refused when one of its faults is not well formed
     /// (by default every drawn value is).
     fn validate(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+    /// A schedule read from a file is refused when a fault's target is not one of `on`
+    /// (by default any target is).
+    fn check_target(&self, _target: &str, _on: &Targets) -> anyhow::Result<()> {
         Ok(())
     }
     /// The equivalent `IM_FAULT` spec when it is one fault point (`make repro FAULT=…`);
@@ -61,6 +67,15 @@ pub trait Package:
     /// For the checker's `d5-sweep-late`: true when the fault cannot delay the sweep's
     /// pass, so a late hint during it is still the sweep's fault.
     fn leaves_the_sweep_alone(&self) -> bool;
+}
+
+/// What a schedule's faults may act on besides the database and the network paths: its
+/// devices and its gateways (1: the target is `gateway`; 2 or 3: `gateway-0`, `gateway-1`…,
+/// all behind one balancer).
+#[derive(Debug, Clone, Copy)]
+pub struct Targets<'a> {
+    pub devices: &'a [String],
+    pub gateways: u32,
 }
 
 /// One drawn fault: its kind, what it acts on, and whether it is an instant.
@@ -82,8 +97,8 @@ impl<K> Drawn<K> {
 }
 
 /// What a fault's `start` and `end` act on: the run's world (the cluster, the database
-/// proxy), the gateway's supervisor (the process, its control socket, the clients' proxy)
-/// and each device's crash switch.
+/// proxy), the gateways' supervisor (the processes, their control sockets, the clients'
+/// proxy and balancer) and each device's crash switch.
 pub struct FaultCtx<'a> {
     pub w: &'a mut World,
     pub sup: &'a mut Supervisor,
@@ -113,9 +128,9 @@ macro_rules! registry {
             fn draw(
                 name: &str,
                 r: &mut $crate::nemesis::rng::Rng,
-                devices: &[String],
+                on: &$crate::nemesis::faults::Targets,
             ) -> Option<$crate::nemesis::faults::Drawn<Self>> {
-                $(if let Some(d) = <$pkg as $crate::nemesis::faults::Package>::draw(name, r, devices) {
+                $(if let Some(d) = <$pkg as $crate::nemesis::faults::Package>::draw(name, r, on) {
                     return Some(d.map($name::$var));
                 })+
                 None
@@ -126,11 +141,18 @@ macro_rules! registry {
             fn resource(&self, target: &str) -> Option<String> {
                 match self { $($name::$var(k) => k.resource(target)),+ }
             }
-            fn requires(&self) -> &'static [&'static str] {
-                match self { $($name::$var(k) => k.requires()),+ }
+            fn requires(&self, target: &str) -> Vec<String> {
+                match self { $($name::$var(k) => k.requires(target)),+ }
             }
             fn validate(&self) -> anyhow::Result<()> {
                 match self { $($name::$var(k) => k.validate()),+ }
+            }
+            fn check_target(
+                &self,
+                target: &str,
+                on: &$crate::nemesis::faults::Targets,
+            ) -> anyhow::Result<()> {
+                match self { $($name::$var(k) => k.check_target(target, on)),+ }
             }
             fn im_fault(&self) -> Option<String> {
                 match self { $($name::$var(k) => k.im_fault()),+ }

@@ -4,7 +4,7 @@
 //!
 //! Must not: touch a process.
 
-use super::{Drawn, FaultCtx, Package};
+use super::{Drawn, FaultCtx, Package, Targets};
 use crate::nemesis::rng::Rng;
 use crate::proxy::Condition;
 use anyhow::Context;
@@ -47,7 +47,7 @@ impl Package for NetworkFault {
         KINDS.to_vec()
     }
 
-    fn draw(name: &str, r: &mut Rng, _devices: &[String]) -> Option<Drawn<Self>> {
+    fn draw(name: &str, r: &mut Rng, _on: &Targets) -> Option<Drawn<Self>> {
         let (kind, target, instant) = match name {
             "net-db" => (
                 NetworkFault::NetDb {
@@ -91,8 +91,8 @@ impl Package for NetworkFault {
         }
     }
 
-    fn requires(&self) -> &'static [&'static str] {
-        &[]
+    fn requires(&self, _target: &str) -> Vec<String> {
+        Vec::new()
     }
 
     fn leaves_the_sweep_alone(&self) -> bool {

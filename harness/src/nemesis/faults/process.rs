@@ -1,11 +1,14 @@
-//! The process package: faults on the gateway process (kill, crash at a fault point, pause)
+//! The process package: faults on a gateway process (kill, crash at a fault point, pause)
 //! and on what it does at a fault point (a frame or a notification dropped, failed or
-//! delayed), through its control socket (`IM_FAULT_CONTROL`).
+//! delayed), through its control socket (`IM_FAULT_CONTROL`). With several gateways
+//! (`--gateways N`) each fault is drawn onto one of them: its target names which
+//! ([`gateway_target`]).
 //!
 //! Must not: touch the database or the network.
 
-use super::{Drawn, FaultCtx, Package};
+use super::{Drawn, FaultCtx, Package, Targets};
 use crate::nemesis::rng::Rng;
+use anyhow::Context;
 use im_protocol::FaultPoint;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -51,6 +54,27 @@ pub enum ProcessFault {
 
 const KINDS: &[&str] = &["gw-kill", "gw-crash-point", "gw-pause", "gw-fault"];
 
+/// The target naming gateway `i` of `gateways`: `gateway` when there is one (the schedules
+/// of one gateway are those of generator 2, byte for byte), `gateway-I` when there are more.
+pub fn gateway_target(i: u32, gateways: u32) -> String {
+    if gateways <= 1 {
+        "gateway".into()
+    } else {
+        format!("gateway-{i}")
+    }
+}
+
+/// The gateway a target names ([`gateway_target`]): `gateway` is gateway 0.
+pub fn gateway_index(target: &str) -> anyhow::Result<usize> {
+    if target == "gateway" {
+        return Ok(0);
+    }
+    target
+        .strip_prefix("gateway-")
+        .and_then(|i| i.parse().ok())
+        .with_context(|| format!("{target:?} names no gateway (gateway, gateway-0, gateway-1, …)"))
+}
+
 /// Whether a frame fault leaves the sweep's pass alone: a drop or error of a push, a reply
 /// or a notification does not delay it; a delay does, and so does anything at
 /// `gw.reply.ack` (the acks the sweep waits for). Shared with im-06's scripted frame faults.
@@ -63,7 +87,7 @@ impl Package for ProcessFault {
         KINDS.to_vec()
     }
 
-    fn draw(name: &str, r: &mut Rng, _devices: &[String]) -> Option<Drawn<Self>> {
+    fn draw(name: &str, r: &mut Rng, on: &Targets) -> Option<Drawn<Self>> {
         let kind = match name {
             "gw-kill" => ProcessFault::GwKill,
             "gw-crash-point" => ProcessFault::GwCrashPoint {
@@ -84,9 +108,16 @@ impl Package for ProcessFault {
             }
             _ => return None,
         };
+        // Drawn after the kind's parameters, and only with several gateways: one gateway's
+        // schedules keep every draw they had.
+        let i = if on.gateways > 1 {
+            r.range(0, u64::from(on.gateways) - 1) as u32
+        } else {
+            0
+        };
         Some(Drawn {
             kind,
-            target: "gateway".into(),
+            target: gateway_target(i, on.gateways),
             instant: false,
         })
     }
@@ -100,10 +131,11 @@ impl Package for ProcessFault {
         }
     }
 
-    fn resource(&self, _target: &str) -> Option<String> {
+    /// Its gateway (the target), or one fault point of it.
+    fn resource(&self, target: &str) -> Option<String> {
         match self {
-            ProcessFault::GwFault { point, .. } => Some(format!("point:{point}")),
-            _ => Some("gateway".into()),
+            ProcessFault::GwFault { point, .. } => Some(format!("{target}/point:{point}")),
+            _ => Some(target.into()),
         }
     }
 
@@ -111,12 +143,27 @@ impl Package for ProcessFault {
     /// crashed starts again only while the database answers (seed 62: a gw-pause while a
     /// pg-pause held the database after a gw-kill found no gateway); arming a frame fault
     /// also needs the gateway not held down.
-    fn requires(&self) -> &'static [&'static str] {
+    fn requires(&self, target: &str) -> Vec<String> {
         match self {
-            ProcessFault::GwKill => &[],
-            ProcessFault::GwPause | ProcessFault::GwCrashPoint { .. } => &["postgres"],
-            ProcessFault::GwFault { .. } => &["gateway", "postgres"],
+            ProcessFault::GwKill => Vec::new(),
+            ProcessFault::GwPause | ProcessFault::GwCrashPoint { .. } => vec!["postgres".into()],
+            ProcessFault::GwFault { .. } => vec![target.into(), "postgres".into()],
         }
+    }
+
+    fn check_target(&self, target: &str, on: &Targets) -> anyhow::Result<()> {
+        let i = gateway_index(target)?;
+        anyhow::ensure!(
+            target == gateway_target(i as u32, on.gateways) && (i as u32) < on.gateways.max(1),
+            "{} on {target:?}: the schedule has {} gateway(s), named {}",
+            self.name(),
+            on.gateways,
+            (0..on.gateways.max(1))
+                .map(|i| gateway_target(i, on.gateways))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(())
     }
 
     fn validate(&self) -> anyhow::Result<()> {
@@ -151,46 +198,48 @@ impl Package for ProcessFault {
 }
 
 impl ProcessFault {
-    pub async fn start(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
+    pub async fn start(&self, cx: &mut FaultCtx<'_>, target: &str) -> anyhow::Result<Value> {
         use nix::sys::signal::Signal;
+        let i = cx.sup.index_of(target)?;
         match self {
             ProcessFault::GwKill => {
-                cx.sup.hold_down(cx.w);
+                cx.sup.hold_down(cx.w, i);
                 Ok(json!({"killed": true}))
             }
             ProcessFault::GwCrashPoint { point, skip } => {
                 let r = cx
                     .sup
-                    .control(cx.w, &format!("arm {point}:halt:{skip}:1"))
+                    .control(cx.w, i, &format!("arm {point}:halt:{skip}:1"))
                     .await?;
                 Ok(json!({"control": r}))
             }
             ProcessFault::GwPause => {
-                cx.sup.ensure_gateway(cx.w).await?;
-                cx.sup.signal_gateway(cx.w, Signal::SIGSTOP)?;
+                cx.sup.ensure_gateway(cx.w, i).await?;
+                cx.sup.signal_gateway(cx.w, i, Signal::SIGSTOP)?;
                 Ok(json!({"stopped": true}))
             }
             ProcessFault::GwFault { point, action } => {
                 let r = cx
                     .sup
-                    .control(cx.w, &format!("arm {point}:{action}"))
+                    .control(cx.w, i, &format!("arm {point}:{action}"))
                     .await?;
                 Ok(json!({"control": r}))
             }
         }
     }
 
-    pub async fn end(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
+    pub async fn end(&self, cx: &mut FaultCtx<'_>, target: &str) -> anyhow::Result<Value> {
+        let i = cx.sup.index_of(target)?;
         match self {
-            ProcessFault::GwKill => Ok(json!({"restarted": cx.sup.release(cx.w).await})),
+            ProcessFault::GwKill => Ok(json!({"restarted": cx.sup.release(cx.w, i).await})),
             ProcessFault::GwCrashPoint { point, .. } | ProcessFault::GwFault { point, .. } => {
                 // The gateway may have exited (the halt fired) or been replaced: nothing armed.
-                let r = cx.sup.control_once(&format!("disarm {point}")).await;
+                let r = cx.sup.control_once(i, &format!("disarm {point}")).await;
                 Ok(json!({"control": r.unwrap_or_else(|e| format!("{e:#}"))}))
             }
             ProcessFault::GwPause => {
                 cx.sup
-                    .signal_gateway(cx.w, nix::sys::signal::Signal::SIGCONT)?;
+                    .signal_gateway(cx.w, i, nix::sys::signal::Signal::SIGCONT)?;
                 Ok(json!({"continued": true}))
             }
         }

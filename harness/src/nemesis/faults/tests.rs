@@ -7,7 +7,7 @@ use crate::nemesis::schedule::{draw_faults, validate_faults, Fault, Options};
 /// `disk-full`, that fills the database's disk to `percent` for a while. It holds the
 /// database as a crash does, and its start and end are its own.
 mod made_up {
-    use super::super::{Drawn, FaultCtx, Package};
+    use super::super::{Drawn, FaultCtx, Package, Targets};
     use crate::nemesis::rng::Rng;
     use serde::{Deserialize, Serialize};
     use serde_json::{json, Value};
@@ -22,7 +22,7 @@ mod made_up {
         fn kinds() -> Vec<&'static str> {
             vec!["disk-full"]
         }
-        fn draw(name: &str, r: &mut Rng, _devices: &[String]) -> Option<Drawn<Self>> {
+        fn draw(name: &str, r: &mut Rng, _on: &Targets) -> Option<Drawn<Self>> {
             (name == "disk-full").then(|| Drawn {
                 kind: DiskFault::DiskFull {
                     percent: r.range(90, 100),
@@ -37,8 +37,8 @@ mod made_up {
         fn resource(&self, _target: &str) -> Option<String> {
             Some("postgres".into())
         }
-        fn requires(&self) -> &'static [&'static str] {
-            &[]
+        fn requires(&self, _target: &str) -> Vec<String> {
+            Vec::new()
         }
         fn validate(&self) -> anyhow::Result<()> {
             let DiskFault::DiskFull { percent } = self;
@@ -90,8 +90,16 @@ fn devices() -> Vec<String> {
     ["u1d1", "u1d2", "u2d1"].map(String::from).to_vec()
 }
 
+/// The test's devices and one gateway.
+fn on(devices: &[String]) -> Targets<'_> {
+    Targets {
+        devices,
+        gateways: 1,
+    }
+}
+
 fn faults_json<K: Package>(seed: u64, opts: &Options) -> String {
-    let f: Vec<Fault<K>> = draw_faults(&mut Rng::new(seed), opts, &devices()).unwrap();
+    let f: Vec<Fault<K>> = draw_faults(&mut Rng::new(seed), opts, &on(&devices())).unwrap();
     serde_json::to_string(&f).unwrap()
 }
 
@@ -109,7 +117,8 @@ fn a_made_up_kind_is_one_package_and_one_registry_line() {
     let opts = Options::default();
     let mut drawn = 0;
     for seed in 0..300 {
-        let f: Vec<Fault<Extended>> = draw_faults(&mut Rng::new(seed), &opts, &devices()).unwrap();
+        let f: Vec<Fault<Extended>> =
+            draw_faults(&mut Rng::new(seed), &opts, &on(&devices())).unwrap();
         validate_faults(&f, opts.duration_ms).unwrap();
         for d in f.iter().filter(|d| d.kind.name() == "disk-full") {
             drawn += 1;
@@ -118,7 +127,7 @@ fn a_made_up_kind_is_one_package_and_one_registry_line() {
                 let holds_db = o.kind.resource(&o.target).as_deref() == Some("postgres");
                 let overlaps = o.at_ms < d.end_ms && d.at_ms < o.end_ms.max(o.at_ms + 1);
                 assert!(!(holds_db && overlaps), "seed {seed}: {o:?} overlaps {d:?}");
-                let needs_db = o.kind.requires().contains(&"postgres");
+                let needs_db = o.kind.requires(&o.target).iter().any(|r| r == "postgres");
                 let starts_during = d.at_ms <= o.at_ms && o.at_ms < d.end_ms;
                 assert!(
                     !(needs_db && starts_during),
@@ -182,7 +191,7 @@ fn every_kind_is_written_under_its_name_and_reads_back() {
     let mut r = Rng::new(5);
     for name in kinds() {
         for _ in 0..20 {
-            let d = FaultKind::draw(name, &mut r, &devices()).unwrap();
+            let d = FaultKind::draw(name, &mut r, &on(&devices())).unwrap();
             assert_eq!(d.kind.name(), name);
             d.kind.validate().unwrap();
             let v = serde_json::to_value(&d.kind).unwrap();
@@ -207,7 +216,7 @@ fn every_kind_is_written_under_its_name_and_reads_back() {
             );
         }
     }
-    assert!(FaultKind::draw("gw-explode", &mut r, &devices()).is_none());
+    assert!(FaultKind::draw("gw-explode", &mut r, &on(&devices())).is_none());
     let e = serde_json::from_str::<FaultKind>(r#"{"kind":"gw-kill","extra":1}"#);
     assert!(e.is_ok(), "unit kinds ignore extra fields as before: {e:?}");
     let e = serde_json::from_str::<FaultKind>(r#"{"kind":"gw-crash-point"}"#).unwrap_err();
