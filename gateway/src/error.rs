@@ -13,13 +13,16 @@ pub fn from_db(e: &sqlx::Error) -> WireError {
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
             // 08: connection exception; 57P: operator intervention (shutdown, crash
-            // recovery); 53: insufficient resources; 40001/40P01: retryable conflicts;
-            // 57014/55P03: statement_timeout / lock_timeout (the database deadline).
+            // recovery); 53: insufficient resources (53100: the disk is full); 58: system
+            // error (58030: an I/O error of the server's disk, issue 21); 40001/40P01:
+            // retryable conflicts; 57014/55P03: statement_timeout / lock_timeout (the
+            // database deadline).
             let retryable = code.starts_with("08")
                 || code.starts_with("57P")
                 || code == "57014"
                 || code == "55P03"
                 || code.starts_with("53")
+                || code.starts_with("58")
                 || code == "40001"
                 || code == "40P01";
             if retryable {

@@ -21,10 +21,24 @@
 //!   directory at once, as a journalling file system that orders metadata would keep it;
 //!   the cut loses data, not names. A file created and written but never synced comes back
 //!   with its size on the backing directory (0 when never synced).
-//! - No torn writes: a synced page is written whole (the optional torn-write part of the
-//!   issue is not built).
+//! - No torn writes by default: a synced page is written whole. A power cut with
+//!   `torn: true` ([`LazyFs::power_cut_with`]) writes the first half (four 512-byte sectors)
+//!   of the last page written and not synced before it forgets the rest: a write the power
+//!   cut caught half done.
 //! - `fsync` of the layer copies the pages into the backing files without a real `fsync`:
 //!   the machine does not lose power, only the layer pretends to.
+//!
+//! Disk faults (issue 21, [`DiskFaults`], switched while the layer runs with
+//! [`LazyFs::set_faults`]; a power cut clears them, as a new boot would):
+//! - `fsync_eio`: `fsync`/`fdatasync` (and a write through an `O_SYNC` handle) fail with
+//!   `EIO`, and the file's unsynced pages are thrown away, as Linux marks the pages of a
+//!   failed writeback clean ("fsyncgate"): a retried `fsync` then succeeds without the data.
+//!   PostgreSQL must PANIC on the first failure, not retry.
+//! - `enospc`: a write that would extend a file fails with `ENOSPC` (a full disk; writes
+//!   inside a file's size still succeed, as on a real file system with its blocks
+//!   allocated).
+//! - `fsync_delay_ms`: every `fsync` is answered that much later (a slow disk), on a thread
+//!   of its own, so reads and writes of the layer go on meanwhile.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsStr;
@@ -75,6 +89,16 @@ pub struct Stats {
     pub pages_dropped: AtomicU64,
     /// Files that had unsynced pages at a power cut.
     pub files_dropped: AtomicU64,
+    /// `fsync`s (and `O_SYNC` writes) failed with `EIO` by [`DiskFaults::fsync_eio`].
+    pub fsync_errors: AtomicU64,
+    /// Pages thrown away by those failures.
+    pub pages_dropped_by_fsync_errors: AtomicU64,
+    /// Writes failed with `ENOSPC` by [`DiskFaults::enospc`].
+    pub enospc_errors: AtomicU64,
+    /// `fsync`s answered late by [`DiskFaults::fsync_delay_ms`].
+    pub fsyncs_delayed: AtomicU64,
+    /// Pages half written by torn power cuts.
+    pub pages_torn: AtomicU64,
 }
 
 impl Stats {
@@ -90,6 +114,11 @@ impl Stats {
             "power_cuts": g(&self.power_cuts),
             "pages_dropped": g(&self.pages_dropped),
             "files_dropped": g(&self.files_dropped),
+            "fsync_errors": g(&self.fsync_errors),
+            "pages_dropped_by_fsync_errors": g(&self.pages_dropped_by_fsync_errors),
+            "enospc_errors": g(&self.enospc_errors),
+            "fsyncs_delayed": g(&self.fsyncs_delayed),
+            "pages_torn": g(&self.pages_torn),
         })
     }
 }
@@ -101,7 +130,23 @@ pub struct Cut {
     pub pages_dropped: u64,
     /// Files they belonged to.
     pub files_dropped: u64,
+    /// Pages half written instead (a torn cut: 0 or 1).
+    pub pages_torn: u64,
 }
+
+/// Disk faults in force on the layer (see the module's documentation). The default is none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DiskFaults {
+    /// `fsync` fails with `EIO` and the file's unsynced pages are thrown away.
+    pub fsync_eio: bool,
+    /// A write that would extend a file fails with `ENOSPC`.
+    pub enospc: bool,
+    /// Every `fsync` is answered this much later.
+    pub fsync_delay_ms: u64,
+}
+
+/// The bytes of a page a torn cut writes: the first four 512-byte sectors.
+const TORN_BYTES: u64 = PAGE / 2;
 
 /// A mounted layer. Dropping it unmounts (the processes using the mount must be gone).
 pub struct LazyFs {
@@ -164,15 +209,33 @@ impl LazyFs {
         Ok(())
     }
 
+    /// The disk faults in force from now on (replacing the previous ones).
+    pub fn set_faults(&self, faults: DiskFaults) {
+        lock(&self.state).faults = faults;
+    }
+
+    /// The disk faults in force.
+    pub fn faults(&self) -> DiskFaults {
+        lock(&self.state).faults
+    }
+
     /// The power cut: throws away every unsynced write, unmounts (the kernel forgets its
     /// page cache of the mount) and mounts again on what the backing directory holds.
     /// Every process using the mount must already be dead. Blocking.
     pub fn power_cut(&mut self) -> anyhow::Result<Cut> {
+        self.power_cut_with(false)
+    }
+
+    /// [`LazyFs::power_cut`]; with `torn`, the last page written and not synced is first
+    /// half written to the backing file (a write the cut caught half done).
+    pub fn power_cut_with(&mut self, torn: bool) -> anyhow::Result<Cut> {
         let cut = {
             let mut st = lock(&self.state);
+            let pages_torn = if torn { st.tear_last_page()? } else { 0 };
             let cut = Cut {
-                pages_dropped: st.cached_pages as u64,
+                pages_dropped: st.cached_pages as u64 - pages_torn,
                 files_dropped: st.caches.len() as u64,
+                pages_torn,
             };
             st.caches.clear();
             st.cached_pages = 0;
@@ -186,6 +249,9 @@ impl LazyFs {
         self.stats
             .files_dropped
             .fetch_add(cut.files_dropped, Ordering::Relaxed);
+        self.stats
+            .pages_torn
+            .fetch_add(cut.pages_torn, Ordering::Relaxed);
         self.unmount()?;
         self.state = Arc::new(Mutex::new(State::new(&self.backing, self.stats.clone())?));
         self.spawn_session()?;
@@ -276,6 +342,8 @@ struct FileCache {
     pages: BTreeMap<u64, Box<[u8]>>,
     /// The file's size as its users see it (cached writes may extend the backing file).
     size: u64,
+    /// The last write into this cache: (the layer's write count then, its last page).
+    last: (u64, u64),
 }
 
 struct State {
@@ -289,6 +357,10 @@ struct State {
     caches: HashMap<u64, FileCache>,
     cached_pages: usize,
     stats: Arc<Stats>,
+    /// The disk faults in force.
+    faults: DiskFaults,
+    /// Writes into the cache so far (orders [`FileCache::last`]).
+    write_count: u64,
 }
 
 fn errno(e: &std::io::Error) -> Errno {
@@ -316,7 +388,44 @@ impl State {
             caches: HashMap::new(),
             cached_pages: 0,
             stats,
+            faults: DiskFaults::default(),
+            write_count: 0,
         })
+    }
+
+    /// A torn cut: the first [`TORN_BYTES`] of the last page written among those still
+    /// unsynced reach the backing file. Returns the pages torn (0 when none is unsynced).
+    fn tear_last_page(&mut self) -> std::io::Result<u64> {
+        let Some(c) = self.caches.values().max_by_key(|c| c.last.0) else {
+            return Ok(0);
+        };
+        let pno = c.last.1;
+        let Some(page) = c.pages.get(&pno) else {
+            return Ok(0);
+        };
+        let start = pno * PAGE;
+        let n = c.size.saturating_sub(start).min(TORN_BYTES) as usize;
+        if n == 0 {
+            return Ok(0);
+        }
+        c.file.write_all_at(&page[..n], start)?;
+        Ok(1)
+    }
+
+    /// `fsync` of one file under the disk faults: `EIO` (the unsynced pages thrown away)
+    /// under [`DiskFaults::fsync_eio`], else the pages written to the backing file.
+    fn sync_file(&mut self, ino: u64) -> std::io::Result<()> {
+        if self.faults.fsync_eio {
+            self.stats.fsync_errors.fetch_add(1, Ordering::Relaxed);
+            if let Some(c) = self.caches.remove(&ino) {
+                self.cached_pages -= c.pages.len();
+                self.stats
+                    .pages_dropped_by_fsync_errors
+                    .fetch_add(c.pages.len() as u64, Ordering::Relaxed);
+            }
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.flush(ino)
     }
 
     /// FUSE inode numbers are the backing inode numbers, with the root's swapped with 1.
@@ -450,6 +559,7 @@ impl State {
                     file: file.clone(),
                     pages: BTreeMap::new(),
                     size,
+                    last: (0, 0),
                 })
             }
         })
@@ -462,10 +572,20 @@ impl State {
         offset: u64,
         data: &[u8],
     ) -> std::io::Result<()> {
+        let end = offset + data.len() as u64;
+        if self.faults.enospc {
+            let size = match self.caches.get(&ino) {
+                Some(c) => c.size,
+                None => file.metadata()?.len(),
+            };
+            if end > size {
+                self.stats.enospc_errors.fetch_add(1, Ordering::Relaxed);
+                return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+            }
+        }
         let mut added = 0;
         {
             let c = self.cache(ino, file)?;
-            let end = offset + data.len() as u64;
             let mut pos = offset;
             while pos < end {
                 let pno = pos / PAGE;
@@ -490,6 +610,13 @@ impl State {
                 pos += n as u64;
             }
             c.size = c.size.max(end);
+        }
+        self.write_count += 1;
+        if !data.is_empty() {
+            let count = self.write_count;
+            if let Some(c) = self.caches.get_mut(&ino) {
+                c.last = (count, (end - 1) / PAGE);
+            }
         }
         self.cached_pages += added;
         self.stats.writes.fetch_add(1, Ordering::Relaxed);
@@ -929,7 +1056,7 @@ impl Filesystem for Fs {
         };
         let r = st.write(ino.0, &file, offset, data).and_then(|()| {
             if sync {
-                st.flush(ino.0)
+                st.sync_file(ino.0)
             } else {
                 Ok(())
             }
@@ -980,10 +1107,27 @@ impl Filesystem for Fs {
     ) {
         let mut st = self.st();
         st.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
-        match st.flush(ino.0) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
+        let delay = Duration::from_millis(st.faults.fsync_delay_ms);
+        if delay.is_zero() {
+            match st.sync_file(ino.0) {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(&e)),
+            }
+            return;
         }
+        // A slow disk: answered later, from a thread of its own, so the session goes on
+        // serving reads and writes meanwhile (writes in between are synced too: more
+        // durable than asked, never less).
+        st.stats.fsyncs_delayed.fetch_add(1, Ordering::Relaxed);
+        drop(st);
+        let state = self.state.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            match lock(&state).sync_file(ino.0) {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
     }
 
     fn readdir(
@@ -1174,5 +1318,102 @@ mod tests {
         assert_eq!(seen.len(), 204);
         assert!(seen[..100].iter().all(|b| *b == 1));
         assert!(seen[100..200].iter().all(|b| *b == 0));
+    }
+
+    fn open_rw(path: &Path) -> Arc<File> {
+        Arc::new(
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)
+                .unwrap(),
+        )
+    }
+
+    /// Issue 21, fsyncgate: under `fsync_eio` the sync fails with EIO and the file's
+    /// unsynced pages are gone (a retried sync succeeds and writes nothing of them); the
+    /// backing file keeps what it had.
+    #[test]
+    fn a_failed_fsync_throws_the_unsynced_pages_away() {
+        let (d, mut st) = state();
+        let path = d.path().join("wal");
+        std::fs::write(&path, vec![b'a'; 8192]).unwrap();
+        let file = open_rw(&path);
+        st.write(5, &file, 0, b"commit").unwrap();
+        st.faults.fsync_eio = true;
+        let e = st.sync_file(5).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO));
+        assert_eq!(st.cached_pages, 0);
+        assert_eq!(
+            st.stats
+                .pages_dropped_by_fsync_errors
+                .load(Ordering::Relaxed),
+            1
+        );
+        st.faults.fsync_eio = false;
+        st.sync_file(5).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), vec![b'a'; 8192]);
+        assert_eq!(st.read(5, &file, 0, 6).unwrap(), b"aaaaaa");
+    }
+
+    /// Issue 21, a full disk: a write that would extend the file fails with ENOSPC and
+    /// changes nothing; a write inside its size succeeds; once space is back, it extends.
+    #[test]
+    fn a_full_disk_refuses_what_would_grow_a_file() {
+        let (d, mut st) = state();
+        let path = d.path().join("rel");
+        std::fs::write(&path, vec![0u8; 100]).unwrap();
+        let file = open_rw(&path);
+        st.faults.enospc = true;
+        let e = st.write(9, &file, 98, b"grow").unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
+        assert_eq!(st.cached_pages, 0);
+        st.write(9, &file, 10, b"in place").unwrap();
+        assert_eq!(st.caches[&9].size, 100);
+        let e = st.write(9, &file, 100, b"x").unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
+        assert_eq!(st.stats.enospc_errors.load(Ordering::Relaxed), 2);
+        st.faults.enospc = false;
+        st.write(9, &file, 98, b"grow").unwrap();
+        assert_eq!(st.caches[&9].size, 102);
+    }
+
+    /// Issue 21, a torn write: the cut writes the first half of the last page written and
+    /// not synced, nothing of the others; a page synced since is not torn.
+    #[test]
+    fn a_torn_cut_half_writes_the_last_unsynced_page() {
+        let (d, mut st) = state();
+        let path = d.path().join("seg");
+        std::fs::write(&path, vec![b'o'; 3 * PAGE as usize]).unwrap();
+        let file = open_rw(&path);
+        st.write(4, &file, 0, &[b'n'; PAGE as usize]).unwrap();
+        st.write(4, &file, 2 * PAGE, &[b'N'; PAGE as usize])
+            .unwrap();
+        assert_eq!(st.tear_last_page().unwrap(), 1);
+        let disk = std::fs::read(&path).unwrap();
+        let p = PAGE as usize;
+        assert!(
+            disk[..p].iter().all(|b| *b == b'o'),
+            "an earlier page is not torn"
+        );
+        assert!(disk[2 * p..2 * p + p / 2].iter().all(|b| *b == b'N'));
+        assert!(disk[2 * p + p / 2..].iter().all(|b| *b == b'o'));
+        // Synced since: the last unsynced page of another file is the victim, or none.
+        st.flush(4).unwrap();
+        assert_eq!(
+            st.tear_last_page().unwrap(),
+            0,
+            "nothing unsynced: nothing to tear"
+        );
+        let other = d.path().join("rel");
+        std::fs::write(&other, vec![b'o'; PAGE as usize]).unwrap();
+        let of = open_rw(&other);
+        st.write(6, &of, 0, &[b'r'; PAGE as usize]).unwrap();
+        st.write(4, &file, 0, &[b'w'; 16]).unwrap();
+        st.sync_file(4).unwrap();
+        assert_eq!(st.tear_last_page().unwrap(), 1);
+        let disk = std::fs::read(&other).unwrap();
+        assert!(disk[..p / 2].iter().all(|b| *b == b'r'));
+        assert!(disk[p / 2..].iter().all(|b| *b == b'o'));
     }
 }

@@ -776,6 +776,12 @@ impl Cluster {
     /// `postmaster.pid` is removed (as a boot would; with `fsync=off` its contents never
     /// reached the disk). [`Cluster::restart`] then runs crash recovery on what remains.
     pub async fn power_cut(&mut self) -> anyhow::Result<lazyfs::Cut> {
+        self.power_cut_with(false).await
+    }
+
+    /// [`Cluster::power_cut`]; with `torn`, the last page written and not synced is half
+    /// written first ([`LazyFs::power_cut_with`]).
+    pub async fn power_cut_with(&mut self, torn: bool) -> anyhow::Result<lazyfs::Cut> {
         let Some(mut lazy) = self.lazy.take() else {
             bail!(
                 "power cut: the cluster on port {} has no lazyfs layer",
@@ -787,7 +793,7 @@ impl Cluster {
             return Err(e);
         }
         let (lazy, cut) = tokio::task::spawn_blocking(move || {
-            let cut = lazy.power_cut();
+            let cut = lazy.power_cut_with(torn);
             (lazy, cut)
         })
         .await
@@ -810,6 +816,18 @@ impl Cluster {
         if let Some(lazy) = &self.lazy {
             lazy.settle()?;
         }
+        Ok(())
+    }
+
+    /// The disk faults in force on the layer from now on (issue 21); an error without it.
+    pub fn set_disk_faults(&self, faults: lazyfs::DiskFaults) -> anyhow::Result<()> {
+        let Some(lazy) = &self.lazy else {
+            bail!(
+                "disk faults: the cluster on port {} has no lazyfs layer",
+                self.port
+            );
+        };
+        lazy.set_faults(faults);
         Ok(())
     }
 

@@ -743,6 +743,30 @@ pub const IM06_CHECKS: &[CheckInfo] = &[
         what: "Several senders run on a cluster whose data directory is a FUSE layer that forgets unsynced writes; after 200+ acknowledged messages the power is cut: every acknowledged message survives exactly once.",
     },
     CheckInfo {
+        id: "06-power-loss-torn-write",
+        test: "im06_power_loss_torn_write",
+        invariants: &["D6", "D2", "P1"],
+        what: "The power cut half writes the last page written and not synced (a torn write) before it forgets the rest: every acknowledged message survives exactly once.",
+    },
+    CheckInfo {
+        id: "06-disk-fsync-eio",
+        test: "im06_disk_fsync_eio",
+        invariants: &["D6", "D2", "P1"],
+        what: "Under load, fsync fails with EIO and the unsynced pages are thrown away (fsyncgate): the gateway answers UNAVAILABLE, never INTERNAL, recovers by itself once the disk works, and a power cut afterwards keeps every acknowledged message exactly once.",
+    },
+    CheckInfo {
+        id: "06-disk-full",
+        test: "im06_disk_full",
+        invariants: &["D6", "D2", "P1"],
+        what: "Under load, the disk is full (writes that extend a file fail with ENOSPC): the gateway answers UNAVAILABLE, never INTERNAL, recovers by itself once there is space, and a power cut afterwards keeps every acknowledged message exactly once.",
+    },
+    CheckInfo {
+        id: "06-disk-slow-fsync",
+        test: "im06_disk_slow_fsync",
+        invariants: &["D6", "D2", "P1"],
+        what: "Under load, every fsync takes 200 ms: sends slow down (p50 at least the delay) without failing, speed up again after, and a power cut afterwards keeps every acknowledged message exactly once.",
+    },
+    CheckInfo {
         id: "06-failover-u2-async",
         test: "im06_failover_u2_async",
         invariants: &["D6", "D2", "P1"],

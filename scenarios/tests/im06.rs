@@ -2371,3 +2371,411 @@ async fn cmid_rows(w: &World, cmid: &str) -> anyhow::Result<i64> {
             .await?,
     )
 }
+
+/// Issue 21: which disk fault a disk check puts under the database.
+#[derive(Clone, Copy, Debug)]
+enum Disk {
+    /// `fsync` fails with EIO, the unsynced pages thrown away (fsyncgate).
+    FsyncEio,
+    /// Writes that would extend a file fail with ENOSPC.
+    Full,
+    /// Every `fsync` answered 200 ms late.
+    SlowFsync,
+}
+
+/// The shortest a disk fault is held, ms.
+const DISK_FAULT_MIN_MS: f64 = 2000.0;
+
+/// Each `fsync` of [`Disk::SlowFsync`], ms.
+const SLOW_FSYNC_MS: u64 = 200;
+
+/// Four senders that keep sending through a fault: each cmid is sent again (after 50 ms)
+/// until it is acknowledged, every answer recorded with its time, until `stop`.
+#[derive(Default)]
+struct Through {
+    /// (cmid, seq, ms since the load began, send latency ms).
+    acked: std::sync::Mutex<Vec<(String, i64, f64, f64)>>,
+    /// (error: the code, `timeout` or `disconnected`; ms since the load began).
+    errors: std::sync::Mutex<Vec<(String, f64)>>,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Through {
+    async fn run(&self, senders: &[Client], t0: Instant) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let runs = senders.iter().enumerate().map(|(i, s)| async move {
+            let mut n = 0;
+            while !self.stop.load(SeqCst) {
+                let cmid = format!("s{i}-{n}");
+                let t = Instant::now();
+                match s.send("c1", &cmid, "keep me", Duration::from_secs(3)).await {
+                    Ok(r) => {
+                        n += 1;
+                        self.acked.lock().unwrap().push((
+                            cmid,
+                            r["seq"].as_i64().unwrap_or(-1),
+                            ms(t0.elapsed()),
+                            ms(t.elapsed()),
+                        ));
+                    }
+                    Err(e) => {
+                        let what = match &e {
+                            ClientError::Timeout => "timeout".to_string(),
+                            ClientError::Disconnected => "disconnected".to_string(),
+                            e => e.code().unwrap_or("other").to_string(),
+                        };
+                        self.errors.lock().unwrap().push((what, ms(t0.elapsed())));
+                        if e.is_terminal_for_send() || matches!(e, ClientError::Disconnected) {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
+        join_all(runs).await;
+    }
+
+    fn acked_since(&self, from_ms: f64) -> usize {
+        self.acked
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|a| a.2 >= from_ms)
+            .count()
+    }
+
+    fn errors_between(&self, what: &str, from_ms: f64, to_ms: f64) -> usize {
+        self.errors
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(w, t)| w == what && *t >= from_ms && *t <= to_ms)
+            .count()
+    }
+}
+
+/// A cluster on the LazyFS layer, a gateway with a 1 s database deadline, `c1` and four
+/// connected senders, the set-up settled on disk; or `None` (the record says NOT_RUN) when
+/// this machine cannot mount the layer.
+async fn lazy_world(c: &mut Check) -> anyhow::Result<Option<(World, Vec<Client>)>> {
+    if let Err(why) = harness::lazyfs::LazyFs::available() {
+        c.not_run(format!("no FUSE here: {why}"));
+        return Ok(None);
+    }
+    let started = World::start_with(
+        WorldOpts {
+            cluster: ClusterOpts {
+                lazyfs: true,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        GatewayOpts {
+            db_timeout_ms: Some(1000),
+            ..Default::default()
+        },
+    )
+    .await;
+    let w = match started {
+        Ok(w) => w,
+        Err(e) if format!("{e:#}").contains("mount the lazyfs layer") => {
+            c.not_run(format!("the FUSE mount is not available here: {e:#}"));
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    };
+    c.set_postgres(postgres_facts(&w.pool().await?).await?);
+    c.durability(&durability_settings(&w).await?);
+    let (a, _b) = alice_and_bob(&w).await?;
+    drop(a);
+    let senders = four_senders(&w).await?;
+    w.pg.settle().await?;
+    Ok(Some((w, senders)))
+}
+
+/// Issue 21, disk faults through the FUSE layer: four senders keep sending (each message
+/// sent again until acknowledged); after 100 acknowledgements the fault is put under the
+/// database and held until it has shown (the layer counted it; for a failing disk the
+/// gateway answered UNAVAILABLE), then lifted. The gateway must answer only UNAVAILABLE
+/// (never INTERNAL) while the database cannot commit, and recover by itself: 50 more
+/// acknowledgements after the fault, nothing restarted by the harness unless PostgreSQL
+/// itself gave up (recorded). Then the power is cut (plain): every acknowledged message,
+/// before, during and after the fault, survives exactly once with its seq (D6, D2).
+async fn disk_check(id: &str, disk: Disk) {
+    let what = match disk {
+        Disk::FsyncEio => {
+            "fsync fails with EIO (the unsynced pages thrown away) for 2 s and until it shows"
+        }
+        Disk::Full => {
+            "the disk is full (writes that extend a file fail with ENOSPC) for 2 s and until it shows"
+        }
+        Disk::SlowFsync => "every fsync answered 200 ms late for 2 s and until 20 were",
+    };
+    let mut c = Check::new(id, "crash", Some(what));
+    let r = async {
+        let Some((mut w, senders)) = lazy_world(&mut c).await? else {
+            return Ok(());
+        };
+        let load = Through::default();
+        let t0 = Instant::now();
+        let drive = async {
+            let wait_acked = |n: usize, from_ms: f64, within: Duration| {
+                let load = &load;
+                async move {
+                    wait_until(&format!("{n} acknowledged"), within, async || {
+                        let k = load.acked_since(from_ms);
+                        poll(k >= n, k).await
+                    })
+                    .await
+                }
+            };
+            wait_acked(100, 0.0, Duration::from_secs(30)).await?;
+            let faults = match disk {
+                Disk::FsyncEio => harness::lazyfs::DiskFaults {
+                    fsync_eio: true,
+                    ..Default::default()
+                },
+                Disk::Full => harness::lazyfs::DiskFaults {
+                    enospc: true,
+                    ..Default::default()
+                },
+                Disk::SlowFsync => harness::lazyfs::DiskFaults {
+                    fsync_delay_ms: SLOW_FSYNC_MS,
+                    ..Default::default()
+                },
+            };
+            let fault_ms = ms(t0.elapsed());
+            let period = w.start_disk_faults(faults)?;
+            let stats = |k: &str| w.pg.lazyfs_stats()[k].as_u64().unwrap_or(0);
+            // Held until it has shown (the layer failed or slowed a call, and a failing
+            // disk reached a client as an answer) and for at least DISK_FAULT_MIN_MS: a
+            // period while the database cannot commit, not one failed call.
+            let shown = wait_until(
+                "the disk fault to show",
+                Duration::from_secs(20),
+                async || {
+                    let now = ms(t0.elapsed());
+                    if now < fault_ms + DISK_FAULT_MIN_MS {
+                        return Err(serde_json::Value::Null);
+                    }
+                    let hit = match disk {
+                        Disk::FsyncEio => {
+                            stats("fsync_errors") >= 1
+                                && load.errors_between("UNAVAILABLE", fault_ms, now) >= 1
+                        }
+                        Disk::Full => {
+                            stats("enospc_errors") >= 1
+                                && load.errors_between("UNAVAILABLE", fault_ms, now) >= 1
+                        }
+                        Disk::SlowFsync => stats("fsyncs_delayed") >= 20,
+                    };
+                    let answers = load.errors.lock().unwrap().clone();
+                    let seen = json!({"layer": w.pg.lazyfs_stats(), "answers": answers.len(),
+                    "last_answer": answers.last()});
+                    poll(hit, seen).await
+                },
+            )
+            .await;
+            let clear_ms = ms(t0.elapsed());
+            w.end_disk_faults(period)?;
+            shown?;
+            // PostgreSQL may have given up (a crash recovery that failed on the same disk
+            // ends the postmaster): as its service manager would, the harness starts it
+            // again, and says so.
+            let restarted = wait_until(
+                "50 acknowledged after the fault, or the postmaster gone",
+                Duration::from_secs(60),
+                async || {
+                    let k = load.acked_since(clear_ms);
+                    if k >= 50 {
+                        return Ok(false);
+                    }
+                    if !w.pg.is_running() {
+                        return Ok(true);
+                    }
+                    Err(k)
+                },
+            )
+            .await?;
+            if restarted {
+                w.restart_pg().await?;
+                wait_acked(50, clear_ms, Duration::from_secs(60)).await?;
+            }
+            anyhow::Ok((fault_ms, clear_ms, restarted))
+        };
+        // The load stops when the phases end, whether they succeeded or not.
+        let drive = async {
+            let r = drive.await;
+            load.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            r
+        };
+        let (_, phases) = tokio::join!(load.run(&senders, t0), drive);
+        let (fault_ms, clear_ms, restarted) = phases?;
+        let acked: Vec<(String, i64, f64, f64)> = load.acked.lock().unwrap().clone();
+        let errors: Vec<(String, f64)> = load.errors.lock().unwrap().clone();
+        let first_after = acked
+            .iter()
+            .map(|a| a.2)
+            .filter(|t| *t >= clear_ms)
+            .fold(f64::INFINITY, f64::min);
+        let mut by_kind = std::collections::BTreeMap::<&str, usize>::new();
+        for (e, _) in &errors {
+            *by_kind.entry(e.as_str()).or_default() += 1;
+        }
+        c.observe("fault_held_ms", (clear_ms - fault_ms).round());
+        c.observe("errors_by_answer", &by_kind);
+        c.expect(
+            "internal_answers",
+            0,
+            by_kind.get("INTERNAL").copied().unwrap_or(0),
+        );
+        let during: Vec<f64> = acked
+            .iter()
+            .filter(|a| a.2 >= fault_ms && a.2 < clear_ms)
+            .map(|a| a.3)
+            .collect();
+        c.observe("acknowledged_during_fault", during.len());
+        match disk {
+            Disk::FsyncEio | Disk::Full => {
+                c.expect_ge(
+                    "unavailable_answers_during_fault",
+                    1,
+                    load.errors_between("UNAVAILABLE", fault_ms, clear_ms),
+                );
+            }
+            Disk::SlowFsync => {
+                // Each commit waits for its WAL fsync: the fault must show in what the
+                // senders saw, and nothing needs to fail.
+                c.expect_ge(
+                    "send_ms_p50_during_fault",
+                    SLOW_FSYNC_MS as f64 * 0.9,
+                    quantile(&during, 0.5),
+                );
+                c.expect(
+                    "unavailable_answers_during_fault",
+                    0,
+                    load.errors_between("UNAVAILABLE", fault_ms, clear_ms),
+                );
+            }
+        }
+        c.observe(
+            "recovered_first_ack_after_fault_ms",
+            (first_after - clear_ms).round(),
+        );
+        c.expect_ge("acknowledged_after_fault", 50, load.acked_since(clear_ms));
+        c.observe("postgres_restarted_by_harness", restarted);
+        let log = std::fs::read_to_string(w.pg.log_dir().join("postgres.log")).unwrap_or_default();
+        c.observe("postgres_panics", log.matches("PANIC:").count());
+        c.observe(
+            "postgres_panic_sample",
+            log.lines().find(|l| l.contains("PANIC:")),
+        );
+        c.observe("lazyfs_stats", w.pg.lazyfs_stats());
+        // What was acknowledged is on disk: the power cut keeps all of it.
+        let cut = w.power_cut_pg().await?;
+        c.observe("pages_dropped_by_cut", cut.pages_dropped);
+        w.restart_pg().await?;
+        let acked: Vec<(String, i64)> = acked.into_iter().map(|a| (a.0, a.1)).collect();
+        let after = acked_after(&w, &acked).await?;
+        c.expect_ge("acknowledged", 150, acked.len());
+        c.expect(
+            "acknowledged_missing_after_recovery",
+            0,
+            after.missing.len(),
+        );
+        c.observe(
+            "acknowledged_missing_sample",
+            &after.missing[..after.missing.len().min(10)],
+        );
+        c.expect("acknowledged_found_twice", 0, after.twice);
+        c.expect("acknowledged_with_other_seq", 0, after.other_seq);
+        let pending: usize = senders.iter().map(|s| s.outbox().len()).sum();
+        replay_all(&senders).await?;
+        c.observe("in_flight_replayed", pending);
+        c.expect(
+            "rows_after_replay",
+            acked.len() as i64 + pending as i64,
+            w.count_events("c1").await?,
+        );
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}
+
+#[tokio::test]
+async fn im06_disk_fsync_eio() {
+    disk_check("06-disk-fsync-eio", Disk::FsyncEio).await;
+}
+
+#[tokio::test]
+async fn im06_disk_full() {
+    disk_check("06-disk-full", Disk::Full).await;
+}
+
+#[tokio::test]
+async fn im06_disk_slow_fsync() {
+    disk_check("06-disk-slow-fsync", Disk::SlowFsync).await;
+}
+
+/// Issue 21, a torn write at the power cut: as `06-power-loss-keeps-acked`, but the cut
+/// first writes half of the last page written and not synced (four of its eight 512-byte
+/// sectors). Recovery must stop at the torn record (WAL checksums) or repair a torn data
+/// page (full-page writes): every acknowledged message survives exactly once.
+#[tokio::test]
+async fn im06_power_loss_torn_write() {
+    let mut c = Check::new(
+        "06-power-loss-torn-write",
+        "crash",
+        Some("power cut that half writes the last unsynced page (torn write)"),
+    );
+    let r = async {
+        let Some((mut w, senders)) = lazy_world(&mut c).await? else {
+            return Ok(());
+        };
+        let load = Load::new();
+        let cut_at = async {
+            load.wait_acked(200).await;
+            let cut = w.power_cut_pg_torn().await;
+            load.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            cut
+        };
+        let (_, cut) = tokio::join!(load.run(&senders), cut_at);
+        let cut = cut?;
+        let acked = load.acked();
+        c.expect("pages_torn_by_cut", 1, cut.pages_torn);
+        c.observe("pages_dropped_by_cut", cut.pages_dropped);
+        w.restart_pg().await?;
+        let after = acked_after(&w, &acked).await?;
+        c.expect_ge("acknowledged_before_cut", 200, acked.len());
+        c.expect(
+            "acknowledged_missing_after_recovery",
+            0,
+            after.missing.len(),
+        );
+        c.expect("acknowledged_found_twice", 0, after.twice);
+        c.expect("acknowledged_with_other_seq", 0, after.other_seq);
+        let pending: usize = senders.iter().map(|s| s.outbox().len()).sum();
+        replay_all(&senders).await?;
+        c.expect(
+            "rows_after_replay",
+            acked.len() as i64 + pending as i64,
+            w.count_events("c1").await?,
+        );
+        let log = std::fs::read_to_string(w.pg.log_dir().join("postgres.log")).unwrap_or_default();
+        c.observe(
+            "recovery_log",
+            log.lines()
+                .filter(|l| {
+                    l.contains("redo") || l.contains("invalid record") || l.contains("incorrect")
+                })
+                .map(str::to_string)
+                .collect::<Vec<_>>(),
+        );
+        c.observe("lazyfs_stats", w.pg.lazyfs_stats());
+        invariants(&mut c, &w).await
+    }
+    .await;
+    c.finish(r);
+}

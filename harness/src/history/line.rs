@@ -639,6 +639,11 @@ pub enum Action {
         pid: i32,
         terminated: bool,
     },
+    /// Disk faults on the database's LazyFS layer (issue 21): a period, its start and end
+    /// carrying the same faults.
+    DiskFault {
+        faults: crate::lazyfs::DiskFaults,
+    },
     /// A fault of a nemesis schedule (start and end carry the same fault; `healed`: ended
     /// by the heal, not by its schedule).
     Fault {
@@ -700,6 +705,7 @@ impl Action {
             Action::ReplicationLinkCut {} => "replication-link-cut",
             Action::DbAddressSwitch { .. } => "db-address-switch",
             Action::PgTerminateBackend { .. } => "pg-terminate-backend",
+            Action::DiskFault { .. } => "disk-fault",
             Action::Fault { .. } => "fault",
             Action::GwFault { .. } => "gw-fault",
             Action::Membership { .. } => "membership",

@@ -135,6 +135,14 @@ pub struct ArmedFault {
     armed: Action,
 }
 
+/// Disk faults in force on the database's layer ([`World::start_disk_faults`]).
+#[derive(Debug)]
+pub struct DiskFaultPeriod {
+    /// Its history period.
+    id: u64,
+    faults: crate::lazyfs::DiskFaults,
+}
+
 /// What [`World::judge`] found.
 pub struct Judgement {
     pub report: Report,

@@ -20,6 +20,37 @@ impl World {
         r
     }
 
+    /// A power cut ([`World::power_cut_pg`]) that first half writes the last page written
+    /// and not synced (a torn write).
+    pub async fn power_cut_pg_torn(&mut self) -> anyhow::Result<crate::lazyfs::Cut> {
+        let id = self
+            .hist
+            .nemesis_start(Action::PgPowerCut(Outcome::default()));
+        let r = self.pg.power_cut_with(true).await;
+        self.hist
+            .nemesis_end(id, Action::PgPowerCut(Outcome::of(&r, |cut| *cut)));
+        r
+    }
+
+    /// Puts `faults` in force on the database's LazyFS layer (issue 21), recorded as a
+    /// `disk-fault` period that [`World::end_disk_faults`] ends.
+    pub fn start_disk_faults(
+        &self,
+        faults: crate::lazyfs::DiskFaults,
+    ) -> anyhow::Result<DiskFaultPeriod> {
+        self.pg.set_disk_faults(faults)?;
+        let id = self.hist.nemesis_start(Action::DiskFault { faults });
+        Ok(DiskFaultPeriod { id, faults })
+    }
+
+    /// Ends what [`World::start_disk_faults`] started: the layer has no fault from now on.
+    pub fn end_disk_faults(&self, p: DiskFaultPeriod) -> anyhow::Result<()> {
+        let r = self.pg.set_disk_faults(Default::default());
+        self.hist
+            .nemesis_end(p.id, Action::DiskFault { faults: p.faults });
+        r
+    }
+
     /// Failover (U2): the primary's machine dies (its replication link cut, every process
     /// SIGKILLed at once), the
     /// standby is promoted, and the database address (the proxy) moves to it, closing every
