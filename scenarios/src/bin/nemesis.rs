@@ -56,7 +56,8 @@ struct Args {
     faults: Option<u32>,
     /// Only these fault kinds (comma-separated; default all): gw-kill, gw-crash-point,
     /// gw-pause, gw-fault, pg-crash, pg-pause, pg-power-cut, pg-terminate-listen,
-    /// pg-terminate-pool, net-db, net-client, net-db-reset, net-client-reset, client-crash.
+    /// pg-terminate-pool, net-db, net-client, net-db-reset, net-client-reset, client-crash,
+    /// disk-eio, disk-enospc, disk-slow-fsync, disk-torn-power-cut.
     #[arg(long, value_delimiter = ',')]
     kinds: Vec<String>,
     /// Gateways (1–3). With 2 or 3 they run behind HAProxy (Debian's `haproxy`, started by

@@ -1,5 +1,5 @@
 //! The nemesis's fault packages (issue 20), in the manner of Jepsen's nemesis packages:
-//! one file per family ([`process`], [`database`], [`network`], [`client`]), each declaring
+//! one file per family ([`process`], [`database`], [`network`], [`client`], [`disk`]), each declaring
 //! its kinds, how the generator draws them, what each holds and needs, how to start and end
 //! it, and what the checker must know about it (the [`Package`] trait and the `start`/`end`
 //! methods the registry calls).
@@ -16,6 +16,7 @@
 
 pub mod client;
 pub mod database;
+pub mod disk;
 pub mod network;
 pub mod process;
 
@@ -224,6 +225,7 @@ registry! {
         Database(database::DatabaseFault),
         Network(network::NetworkFault),
         Client(client::ClientFault),
+        Disk(disk::DiskFault),
     }
 }
 

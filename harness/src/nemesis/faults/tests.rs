@@ -71,7 +71,7 @@ mod made_up {
 /// run here: they need a live world, and the runner runs the nemesis's own registry.
 mod extended {
     #![allow(dead_code)]
-    use super::super::{client, database, network, process};
+    use super::super::{client, database, disk, network, process};
     use super::made_up;
 
     registry! {
@@ -80,7 +80,8 @@ mod extended {
             Database(database::DatabaseFault),
             Network(network::NetworkFault),
             Client(client::ClientFault),
-            Disk(made_up::DiskFault),
+            Disk(disk::DiskFault),
+            MadeUp(made_up::DiskFault),
         }
     }
 }
@@ -144,7 +145,7 @@ fn a_made_up_kind_is_one_package_and_one_registry_line() {
         at_ms: 10,
         end_ms: 20,
         target: "postgres".into(),
-        kind: Extended::Disk(made_up::DiskFault::DiskFull { percent: 95 }),
+        kind: Extended::MadeUp(made_up::DiskFault::DiskFull { percent: 95 }),
     };
     let text = serde_json::to_string(&f).unwrap();
     assert_eq!(
@@ -153,7 +154,7 @@ fn a_made_up_kind_is_one_package_and_one_registry_line() {
     );
     assert_eq!(serde_json::from_str::<Fault<Extended>>(&text).unwrap(), f);
     let bad = Fault {
-        kind: Extended::Disk(made_up::DiskFault::DiskFull { percent: 101 }),
+        kind: Extended::MadeUp(made_up::DiskFault::DiskFull { percent: 101 }),
         ..f.clone()
     };
     let e = validate_faults(&[bad], 100).unwrap_err();
@@ -198,7 +199,11 @@ fn every_kind_is_written_under_its_name_and_reads_back() {
             assert_eq!(v["kind"], name, "{v}");
             assert_eq!(serde_json::from_value::<FaultKind>(v).unwrap(), d.kind);
             // What each package declares beyond its draw.
-            assert_eq!(d.kind.needs_lazyfs(), name == "pg-power-cut", "{name}");
+            assert_eq!(
+                d.kind.needs_lazyfs(),
+                name == "pg-power-cut" || name.starts_with("disk-"),
+                "{name}"
+            );
             let spec = d.kind.im_fault();
             match &d.kind {
                 FaultKind::Process(process::ProcessFault::GwCrashPoint { point, skip }) => {
