@@ -23,7 +23,7 @@ fn code_of(file: &str) -> Vec<&'static str> {
             "scenarios/src/lib.rs",
             "scenarios/src/bin/evidence.rs",
         ],
-        "nemesis/result.json" => &["scenarios/src/bin/nemesis.rs"],
+        "nemesis/result.json" | "nemesis/gateways-3.json" => &["scenarios/src/bin/nemesis.rs"],
         "controls/result.json" => &[
             "scenarios/tests",
             "scenarios/src/lib.rs",

@@ -16,35 +16,56 @@ use std::fmt::Write as _;
 use std::path::Path;
 use svg::esc;
 
-/// One part of the evidence: its name, its page, and its file below `evidence/`.
+/// One part of the evidence: its name, its page, its file below `evidence/`, and which
+/// format that file has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PartName {
     pub title: &'static str,
     pub page: &'static str,
     pub file: &'static str,
+    pub kind: Kind,
+}
+
+/// A part's format (evidence/README.md), which says how it is judged and drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Checks,
+    Nemesis,
+    Controls,
+    Bench,
 }
 
 /// The parts, in the index's order.
-pub const PARTS: [PartName; 4] = [
+pub const PARTS: [PartName; 5] = [
     PartName {
         title: "im-06 checks",
         page: "checks.html",
         file: "im-06/result.json",
+        kind: Kind::Checks,
     },
     PartName {
         title: "Nemesis",
         page: "nemesis.html",
         file: "nemesis/result.json",
+        kind: Kind::Nemesis,
     },
     PartName {
         title: "Controls",
         page: "controls.html",
         file: "controls/result.json",
+        kind: Kind::Controls,
     },
     PartName {
         title: "Bench",
         page: "bench.html",
         file: "bench/result.json",
+        kind: Kind::Bench,
+    },
+    PartName {
+        title: "Nemesis, 3 gateways",
+        page: "nemesis-3-gateways.html",
+        file: "nemesis/gateways-3.json",
+        kind: Kind::Nemesis,
     },
 ];
 
@@ -79,11 +100,11 @@ pub fn render(parts: &[Loaded], prov: &[Provenance]) -> Vec<(String, String)> {
     let mut out = vec![("index.html".to_string(), index(parts, prov))];
     for (i, p) in PARTS.iter().enumerate() {
         let body = match parts.get(i) {
-            Some(Ok(v)) => match i {
-                0 => pages::checks(v),
-                1 => pages::nemesis(v),
-                2 => pages::controls(v),
-                _ => bench::page(v),
+            Some(Ok(v)) => match p.kind {
+                Kind::Checks => pages::checks(v),
+                Kind::Nemesis => pages::nemesis(v),
+                Kind::Controls => pages::controls(v),
+                Kind::Bench => bench::page(v),
             },
             Some(Err(why)) => format!("<p class=\"FAIL\">Not readable: {}</p>", esc(why)),
             None => "<p>Not given.</p>".into(),
@@ -180,10 +201,10 @@ fn generated_at(v: &Value) -> String {
 }
 
 /// A part's verdict and one line saying why.
-fn part_verdict(i: usize, v: &Value) -> (String, String) {
+fn part_verdict(kind: Kind, v: &Value) -> (String, String) {
     let n = |p: &str| v.pointer(p).and_then(Value::as_u64).unwrap_or(0);
-    match i {
-        0 => {
+    match kind {
+        Kind::Checks => {
             let (pass, fail, not_run) = (
                 n("/summary/pass"),
                 n("/summary/fail"),
@@ -201,7 +222,7 @@ fn part_verdict(i: usize, v: &Value) -> (String, String) {
                 format!("{pass} PASS, {fail} FAIL, {not_run} NOT_RUN"),
             )
         }
-        1 => (
+        Kind::Nemesis => (
             text(&v["verdict"]),
             format!(
                 "{} seeds: {} PASS, {} FAIL, {} ERROR (generator {})",
@@ -212,7 +233,7 @@ fn part_verdict(i: usize, v: &Value) -> (String, String) {
                 text(&v["generator"])
             ),
         ),
-        2 => {
+        Kind::Controls => {
             let (bugs, caught) = (n("/summary/bugs"), n("/summary/caught"));
             let clean_ok = v["clean"]["failed"].as_array().is_some_and(Vec::is_empty)
                 && n("/clean/anomalies") == 0;
@@ -230,7 +251,7 @@ fn part_verdict(i: usize, v: &Value) -> (String, String) {
                 ),
             )
         }
-        _ => (
+        Kind::Bench => (
             text(&v["data_integrity"]),
             format!(
                 "data integrity {}, targets {} ({} missed)",
@@ -254,7 +275,7 @@ fn index(parts: &[Loaded], prov: &[Provenance]) -> String {
         let pr = prov.get(i).unwrap_or(&none);
         let (word, why, when) = match parts.get(i) {
             Some(Ok(v)) => {
-                let (w, why) = part_verdict(i, v);
+                let (w, why) = part_verdict(p.kind, v);
                 (w, why, generated_at(v))
             }
             Some(Err(e)) => ("ERROR".to_string(), e.clone(), "-".into()),

@@ -17,6 +17,7 @@ fn prov() -> Vec<Provenance> {
         },
         Provenance::default(),
         Provenance::default(),
+        Provenance::default(),
     ]
 }
 
@@ -31,12 +32,13 @@ fn the_index_gives_each_part_its_verdict_provenance_and_staleness() {
             "checks.html",
             "nemesis.html",
             "controls.html",
-            "bench.html"
+            "bench.html",
+            "nemesis-3-gateways.html"
         ]
     );
     let index = &site[0].1;
     let rows: Vec<&str> = index.split("<tr>").skip(2).collect();
-    assert_eq!(rows.len(), 4, "{index}");
+    assert_eq!(rows.len(), 5, "{index}");
     assert!(
         rows[0].contains("class=\"FAIL\"") && rows[0].contains("STALE"),
         "{}",
@@ -46,6 +48,11 @@ fn the_index_gives_each_part_its_verdict_provenance_and_staleness() {
     assert!(rows[1].contains("class=\"FAIL\"") && !rows[1].contains("STALE"));
     assert!(rows[2].contains("class=\"PASS\""), "{}", rows[2]);
     assert!(rows[3].contains("class=\"PASS\"") && rows[3].contains("targets FAIL"));
+    assert!(rows[4].contains("class=\"PASS\""), "{}", rows[4]);
+    assert!(
+        site[5].1.contains("&quot;gateways&quot;:3") && site[5].1.contains("Nemesis, 3 gateways"),
+        "the three-gateway series is its own page"
+    );
     // The two questions a reader brings, answered on the index.
     assert!(
         index.contains("only the nemesis caught: sneaky-bug"),
