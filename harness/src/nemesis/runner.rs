@@ -124,8 +124,18 @@ async fn run_inner(
             .map_err(|why| anyhow::anyhow!("--gateways {}: {why}", gateways.len()))?;
     }
     if schedule.needs_lazyfs() {
-        crate::lazyfs::LazyFs::available()
-            .map_err(|why| anyhow::anyhow!("a pg-power-cut fault needs the LazyFS layer: {why}"))?;
+        crate::lazyfs::LazyFs::available().map_err(|why| {
+            let kinds: std::collections::BTreeSet<&str> = schedule
+                .faults
+                .iter()
+                .filter(|f| f.kind.needs_lazyfs())
+                .map(|f| f.kind.name())
+                .collect();
+            anyhow::anyhow!(
+                "the schedule's {} fault(s) need the LazyFS layer: {why}",
+                kinds.into_iter().collect::<Vec<_>>().join(", ")
+            )
+        })?;
     }
     let mut w = World::start_with(
         WorldOpts {
