@@ -1465,52 +1465,45 @@ async fn commit_bench(pool: &sqlx::PgPool) -> anyhow::Result<Value> {
 /// commit latency through it against a plain data directory.
 #[tokio::test]
 async fn im06_power_loss_keeps_acked() {
+    power_cut_check("06-power-loss-keeps-acked", false).await;
+}
+
+/// Issue 21, a torn write at the power cut: as `06-power-loss-keeps-acked`, but the cut
+/// first writes half of the last page written and not synced (four of its eight 512-byte
+/// sectors). Recovery must stop at the torn record (WAL checksums) or repair a torn data
+/// page (full-page writes): every acknowledged message survives exactly once.
+#[tokio::test]
+async fn im06_power_loss_torn_write() {
+    power_cut_check("06-power-loss-torn-write", true).await;
+}
+
+/// A power cut under load (`torn`: one that half writes the last unsynced page first).
+async fn power_cut_check(id: &str, torn: bool) {
     let mut c = Check::new(
-        "06-power-loss-keeps-acked",
+        id,
         "crash",
-        Some("power cut: every postgres process SIGKILLed, unsynced writes dropped (LazyFS)"),
+        Some(if torn {
+            "power cut that half writes the last unsynced page (torn write), every postgres \
+             process SIGKILLed, the other unsynced writes dropped (LazyFS)"
+        } else {
+            "power cut: every postgres process SIGKILLed, unsynced writes dropped (LazyFS)"
+        }),
     );
-    if let Err(why) = harness::lazyfs::LazyFs::available() {
-        c.not_run(format!("no FUSE here: {why}"));
-        c.finish(Ok(()));
-        return;
-    }
     let r = async {
-        let started = World::start_with(
-            WorldOpts {
-                cluster: ClusterOpts {
-                    lazyfs: true,
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-            GatewayOpts {
-                db_timeout_ms: Some(1000),
-                ..Default::default()
-            },
-        )
-        .await;
-        let mut w = match started {
-            Ok(w) => w,
-            Err(e) if format!("{e:#}").contains("mount the lazyfs layer") => {
-                c.not_run(format!("the FUSE mount is not available here: {e:#}"));
-                return Ok(());
-            }
-            Err(e) => return Err(e),
-        };
-        c.set_postgres(postgres_facts(&w.pool().await?).await?);
-        c.durability(&durability_settings(&w).await?);
-        let (a, _b) = alice_and_bob(&w).await?;
-        drop(a);
-        let senders = four_senders(&w).await?;
         // The set-up is on disk; what the run writes is on disk only once synced.
-        w.pg.settle().await?;
+        let Some((mut w, senders)) = lazy_world(&mut c).await? else {
+            return Ok(());
+        };
         let load = Load::new();
         let cut_at = async {
             let rate = load.wait_acked(200).await;
             let rows: i64 = w.count_events("c1").await.unwrap_or(-1);
             let unsynced = w.pg.lazyfs_stats();
-            let cut = w.power_cut_pg().await;
+            let cut = if torn {
+                w.power_cut_pg_torn().await
+            } else {
+                w.power_cut_pg().await
+            };
             load.stop.store(true, std::sync::atomic::Ordering::SeqCst);
             cut.map(|cut| (rate, rows, cut, unsynced))
         };
@@ -1521,30 +1514,36 @@ async fn im06_power_loss_keeps_acked() {
         c.observe("pages_dropped_by_cut", cut.pages_dropped);
         c.observe("files_dropped_by_cut", cut.files_dropped);
         c.observe("lazyfs_before_cut", stats_before);
-        w.restart_pg().await?;
-        let after = acked_after(&w, &acked).await?;
-        c.expect_ge("acknowledged_before_cut", 200, acked.len());
-        c.expect(
-            "acknowledged_missing_after_recovery",
-            0,
-            after.missing.len(),
-        );
-        c.observe(
-            "acknowledged_missing_sample",
-            &after.missing[..after.missing.len().min(10)],
-        );
-        c.expect("acknowledged_found_twice", 0, after.twice);
-        c.expect("acknowledged_with_other_seq", 0, after.other_seq);
         c.observe("rows_before_cut", rows_before);
-        c.observe("rows_after_recovery", w.count_events("c1").await?);
-        let pending: usize = senders.iter().map(|s| s.outbox().len()).sum();
-        replay_all(&senders).await?;
-        c.observe("in_flight_replayed", pending);
-        c.expect(
-            "rows_after_replay",
-            acked.len() as i64 + pending as i64,
-            w.count_events("c1").await?,
-        );
+        if torn {
+            c.expect("pages_torn_by_cut", 1, cut.pages_torn);
+        }
+        acked_survive_the_cut(
+            &mut c,
+            &mut w,
+            &senders,
+            &acked,
+            "acknowledged_before_cut",
+            200,
+        )
+        .await?;
+        if torn {
+            let log =
+                std::fs::read_to_string(w.pg.log_dir().join("postgres.log")).unwrap_or_default();
+            c.observe(
+                "recovery_log",
+                log.lines()
+                    .filter(|l| {
+                        l.contains("redo")
+                            || l.contains("invalid record")
+                            || l.contains("incorrect")
+                    })
+                    .map(str::to_string)
+                    .collect::<Vec<_>>(),
+            );
+            c.observe("lazyfs_stats", w.pg.lazyfs_stats());
+            return invariants(&mut c, &w).await;
+        }
         // The layer's cost: the same 200 commits through it and on a plain directory.
         let through = commit_bench(&w.pool().await?).await?;
         let plain_cluster = harness::pg::Cluster::start().await?;
@@ -2675,29 +2674,8 @@ async fn disk_check(id: &str, disk: Disk) {
         // What was acknowledged is on disk: the power cut keeps all of it.
         let cut = w.power_cut_pg().await?;
         c.observe("pages_dropped_by_cut", cut.pages_dropped);
-        w.restart_pg().await?;
         let acked: Vec<(String, i64)> = acked.into_iter().map(|a| (a.0, a.1)).collect();
-        let after = acked_after(&w, &acked).await?;
-        c.expect_ge("acknowledged", 150, acked.len());
-        c.expect(
-            "acknowledged_missing_after_recovery",
-            0,
-            after.missing.len(),
-        );
-        c.observe(
-            "acknowledged_missing_sample",
-            &after.missing[..after.missing.len().min(10)],
-        );
-        c.expect("acknowledged_found_twice", 0, after.twice);
-        c.expect("acknowledged_with_other_seq", 0, after.other_seq);
-        let pending: usize = senders.iter().map(|s| s.outbox().len()).sum();
-        replay_all(&senders).await?;
-        c.observe("in_flight_replayed", pending);
-        c.expect(
-            "rows_after_replay",
-            acked.len() as i64 + pending as i64,
-            w.count_events("c1").await?,
-        );
+        acked_survive_the_cut(&mut c, &mut w, &senders, &acked, "acknowledged", 150).await?;
         invariants(&mut c, &w).await
     }
     .await;
@@ -2719,63 +2697,40 @@ async fn im06_disk_slow_fsync() {
     disk_check("06-disk-slow-fsync", Disk::SlowFsync).await;
 }
 
-/// Issue 21, a torn write at the power cut: as `06-power-loss-keeps-acked`, but the cut
-/// first writes half of the last page written and not synced (four of its eight 512-byte
-/// sectors). Recovery must stop at the torn record (WAL checksums) or repair a torn data
-/// page (full-page writes): every acknowledged message survives exactly once.
-#[tokio::test]
-async fn im06_power_loss_torn_write() {
-    let mut c = Check::new(
-        "06-power-loss-torn-write",
-        "crash",
-        Some("power cut that half writes the last unsynced page (torn write)"),
+/// After a power cut: PostgreSQL recovers on what reached the disk, and every acknowledged
+/// message (`acked`, at least `min` of them, counted under `counted_as`) is there once with
+/// its seq (D6, D2); then the outboxes replay, and `c1` holds the acknowledged plus the
+/// replayed.
+async fn acked_survive_the_cut(
+    c: &mut Check,
+    w: &mut World,
+    senders: &[Client],
+    acked: &[(String, i64)],
+    counted_as: &str,
+    min: usize,
+) -> anyhow::Result<()> {
+    w.restart_pg().await?;
+    let after = acked_after(w, acked).await?;
+    c.expect_ge(counted_as, min, acked.len());
+    c.expect(
+        "acknowledged_missing_after_recovery",
+        0,
+        after.missing.len(),
     );
-    let r = async {
-        let Some((mut w, senders)) = lazy_world(&mut c).await? else {
-            return Ok(());
-        };
-        let load = Load::new();
-        let cut_at = async {
-            load.wait_acked(200).await;
-            let cut = w.power_cut_pg_torn().await;
-            load.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-            cut
-        };
-        let (_, cut) = tokio::join!(load.run(&senders), cut_at);
-        let cut = cut?;
-        let acked = load.acked();
-        c.expect("pages_torn_by_cut", 1, cut.pages_torn);
-        c.observe("pages_dropped_by_cut", cut.pages_dropped);
-        w.restart_pg().await?;
-        let after = acked_after(&w, &acked).await?;
-        c.expect_ge("acknowledged_before_cut", 200, acked.len());
-        c.expect(
-            "acknowledged_missing_after_recovery",
-            0,
-            after.missing.len(),
-        );
-        c.expect("acknowledged_found_twice", 0, after.twice);
-        c.expect("acknowledged_with_other_seq", 0, after.other_seq);
-        let pending: usize = senders.iter().map(|s| s.outbox().len()).sum();
-        replay_all(&senders).await?;
-        c.expect(
-            "rows_after_replay",
-            acked.len() as i64 + pending as i64,
-            w.count_events("c1").await?,
-        );
-        let log = std::fs::read_to_string(w.pg.log_dir().join("postgres.log")).unwrap_or_default();
-        c.observe(
-            "recovery_log",
-            log.lines()
-                .filter(|l| {
-                    l.contains("redo") || l.contains("invalid record") || l.contains("incorrect")
-                })
-                .map(str::to_string)
-                .collect::<Vec<_>>(),
-        );
-        c.observe("lazyfs_stats", w.pg.lazyfs_stats());
-        invariants(&mut c, &w).await
-    }
-    .await;
-    c.finish(r);
+    c.observe(
+        "acknowledged_missing_sample",
+        &after.missing[..after.missing.len().min(10)],
+    );
+    c.expect("acknowledged_found_twice", 0, after.twice);
+    c.expect("acknowledged_with_other_seq", 0, after.other_seq);
+    c.observe("rows_after_recovery", w.count_events("c1").await?);
+    let pending: usize = senders.iter().map(|s| s.outbox().len()).sum();
+    replay_all(senders).await?;
+    c.observe("in_flight_replayed", pending);
+    c.expect(
+        "rows_after_replay",
+        acked.len() as i64 + pending as i64,
+        w.count_events("c1").await?,
+    );
+    Ok(())
 }

@@ -31,16 +31,12 @@ fn smoke_seed(o: &Options) -> (u64, Schedule) {
         .expect("a seed with a control-socket fault and a database fault")
 }
 
-/// D1–D6, P1, S1 under a random schedule: one seed's workload under its faults, healed and
-/// judged by the checker over the whole history, shows no anomaly; every fault was carried
-/// out (the control socket answered `ok`); the artefacts are written and `schedule.json`
-/// is byte for byte the schedule the seed generates.
-#[tokio::test]
-async fn nemesis_smoke_one_short_seed() {
-    let o = smoke_options();
-    let (seed, schedule) = smoke_seed(&o);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let out = run(&schedule, dir.path(), format!("smoke seed {seed}")).await;
+/// The run's directory when it passed; otherwise the test fails, its artefacts kept.
+fn passed_or_kept(
+    seed: u64,
+    out: &harness::nemesis::Outcome,
+    dir: tempfile::TempDir,
+) -> tempfile::TempDir {
     if !out.verdict.is_pass() {
         let kept = dir.keep();
         panic!(
@@ -52,6 +48,20 @@ async fn nemesis_smoke_one_short_seed() {
             kept.display()
         );
     }
+    dir
+}
+
+/// D1–D6, P1, S1 under a random schedule: one seed's workload under its faults, healed and
+/// judged by the checker over the whole history, shows no anomaly; every fault was carried
+/// out (the control socket answered `ok`); the artefacts are written and `schedule.json`
+/// is byte for byte the schedule the seed generates.
+#[tokio::test]
+async fn nemesis_smoke_one_short_seed() {
+    let o = smoke_options();
+    let (seed, schedule) = smoke_seed(&o);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = run(&schedule, dir.path(), format!("smoke seed {seed}")).await;
+    let dir = passed_or_kept(seed, &out, dir);
     for name in [
         "schedule.json",
         "history.jsonl",
@@ -124,17 +134,7 @@ async fn nemesis_on_three_gateways_behind_haproxy() {
         format!("three gateways, seed {seed}"),
     )
     .await;
-    if !out.verdict.is_pass() {
-        let kept = dir.keep();
-        panic!(
-            "seed {seed}: {} {:?} {:?}; first anomalies: {:#?}; artefacts kept in {}",
-            out.verdict,
-            out.error,
-            out.anomalies,
-            out.first_anomalies,
-            kept.display()
-        );
-    }
+    let dir = passed_or_kept(seed, &out, dir);
     for (f, l) in schedule.faults.iter().zip(&out.fault_log) {
         assert!(
             l["start"].get("error").is_none(),
