@@ -153,6 +153,9 @@ struct Summary {
     verdict: Verdict,
     generated_at: String,
     command: String,
+    /// The commit the series ran at, and whether code differed from it (evidence/ aside).
+    git_commit: Option<String>,
+    git_dirty: Option<bool>,
     /// The deliberate bug of this process (`IM_BUG`), if any.
     bug: Option<String>,
     /// The schedule generator's version: which schedule each seed gave.
@@ -685,6 +688,9 @@ fn write_summary(
         verdict: Verdict::of(pass == lines.len() as u64),
         generated_at: harness::util::rfc3339_now(),
         command: std::env::args().collect::<Vec<_>>().join(" "),
+        git_commit: scenarios::git(&["rev-parse", "HEAD"]),
+        git_dirty: scenarios::git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"])
+            .map(|s| !s.is_empty()),
         bug: std::env::var("IM_BUG")
             .ok()
             .filter(|b| !b.trim().is_empty()),
