@@ -58,6 +58,9 @@ pub struct Config {
     /// `IM_BATCH_SLOTS`: batches of sends (and, apart, of acks) running at once; while one
     /// commits, the next gathers.
     pub batch_slots: usize,
+    /// `IM_SYNCHRONOUS_COMMIT`: `synchronous_commit` of every pool session (D6 holds with
+    /// `on` and stronger; issue 21's durability matrix measures what each loses).
+    pub synchronous_commit: SyncCommit,
     /// `IM_HELLO_TIMEOUT_MS`: a connection that has not said a good `hello` by then is closed.
     pub hello_timeout_ms: u64,
     /// `IM_HELLO_FAILS_PER_ADDR_PER_MIN`: failed hellos one source address may make per
@@ -123,6 +126,7 @@ pub const ENV: &[EnvVar] = &[
     v("IM_FANOUT_BATCH_MAX", "256", "most notifications one fan-out read covers (one query)"),
     v("IM_SEND_BATCH_MAX", "64", "most sends (and acks) one group commit takes; 1: one transaction per send"),
     v("IM_BATCH_SLOTS", "2", "batches of sends (and of acks) running at once"),
+    v("IM_SYNCHRONOUS_COMMIT", "on", "synchronous_commit of every database session: on, remote_apply, remote_write, local or off (anything but on or remote_apply is logged as a warning: D6 then rests on it)"),
     v("IM_HELLO_TIMEOUT_MS", "10000", "a connection without a good hello by then is closed"),
     v("IM_HELLO_FAILS_PER_ADDR_PER_MIN", "30", "failed hellos one source address may make per minute"),
     v("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", "10", "failed hellos per device id per minute"),
@@ -202,6 +206,64 @@ where
     Ok(v)
 }
 
+/// PostgreSQL's `synchronous_commit`, as the gateway sets it on every session: what a
+/// commit waits for before the gateway answers `sent` (D6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncCommit {
+    /// The WAL flushed locally and applied on the synchronous standbys (if any).
+    RemoteApply,
+    /// The WAL flushed locally and on the synchronous standbys (if any): D6's default.
+    On,
+    /// The WAL flushed locally and written (not flushed) on the synchronous standbys.
+    RemoteWrite,
+    /// The WAL flushed locally only.
+    Local,
+    /// Nothing: the reply may leave before the WAL is on any disk (breaks D6).
+    Off,
+}
+
+impl SyncCommit {
+    pub const ALL: [SyncCommit; 5] = [
+        SyncCommit::Off,
+        SyncCommit::Local,
+        SyncCommit::RemoteWrite,
+        SyncCommit::On,
+        SyncCommit::RemoteApply,
+    ];
+
+    /// PostgreSQL's name of the setting's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SyncCommit::RemoteApply => "remote_apply",
+            SyncCommit::On => "on",
+            SyncCommit::RemoteWrite => "remote_write",
+            SyncCommit::Local => "local",
+            SyncCommit::Off => "off",
+        }
+    }
+
+    /// Whether a commit is flushed to the primary's disk and to each synchronous standby's
+    /// before the reply (D6 in any deployment): `on` and `remote_apply`.
+    pub fn keeps_d6(self) -> bool {
+        matches!(self, SyncCommit::On | SyncCommit::RemoteApply)
+    }
+
+    /// `IM_SYNCHRONOUS_COMMIT` (default `on`); another value is refused by name.
+    pub fn from_env() -> anyhow::Result<SyncCommit> {
+        let v = var("IM_SYNCHRONOUS_COMMIT")
+            .unwrap_or_else(|| default_of("IM_SYNCHRONOUS_COMMIT").to_string());
+        SyncCommit::ALL
+            .into_iter()
+            .find(|s| s.as_str() == v.trim())
+            .with_context(|| {
+                format!(
+                    "IM_SYNCHRONOUS_COMMIT={v} is not one of {}",
+                    SyncCommit::ALL.map(SyncCommit::as_str).join(", ")
+                )
+            })
+    }
+}
+
 /// `IM_DATABASE_URL`, required by every command.
 pub fn database_url() -> anyhow::Result<String> {
     var("IM_DATABASE_URL").context("IM_DATABASE_URL is not set (e.g. postgres://user@host:5432/db)")
@@ -236,6 +298,7 @@ impl Config {
             fanout_inflight_max: num("IM_FANOUT_BATCH_MAX", 1, 65_536)?,
             send_batch_max: num("IM_SEND_BATCH_MAX", 1, 1024)?,
             batch_slots: num("IM_BATCH_SLOTS", 1, 64)?,
+            synchronous_commit: SyncCommit::from_env()?,
             hello_timeout_ms: num("IM_HELLO_TIMEOUT_MS", 10, 3_600_000)?,
             hello_fails_per_addr_per_min: num("IM_HELLO_FAILS_PER_ADDR_PER_MIN", 1, 1_000_000)?,
             hello_fails_per_device_per_min: num("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", 1, 1_000_000)?,

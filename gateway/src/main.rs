@@ -7,6 +7,7 @@
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use im_gateway::bugs::{self, Bug};
+use im_gateway::config::SyncCommit;
 use im_gateway::{admin, config, dbconnect, fanout, faults, migrate, server, store};
 use std::io::Write;
 use std::process::ExitCode;
@@ -232,7 +233,7 @@ async fn run(cmd: Cmd) -> anyhow::Result<()> {
             let url = config::database_url()?;
             let timeout = config::db_timeout()?;
             dbconnect::probe(&url, timeout).await?;
-            let pool = store::connect(&url, 2, timeout, None).await?;
+            let pool = store::connect(&url, 2, timeout, None, SyncCommit::On).await?;
             let applied = migrate::run(&pool).await?;
             eprintln!("im-gateway: migrations applied: {applied:?} (none means up to date)");
             Ok(())
@@ -241,7 +242,7 @@ async fn run(cmd: Cmd) -> anyhow::Result<()> {
             let url = config::database_url()?;
             let timeout = config::db_timeout()?;
             dbconnect::probe(&url, timeout).await?;
-            let pool = store::connect(&url, 2, timeout, None).await?;
+            let pool = store::connect(&url, 2, timeout, None, SyncCommit::On).await?;
             migrate::check(&pool).await?;
             if let Some(out) = admin::run(&pool, &command).await? {
                 println!("{out}");
@@ -262,6 +263,7 @@ async fn serve() -> anyhow::Result<()> {
         cfg.db_pool_max + 1,
         cfg.db_work_deadline(),
         Some(cfg.db_timeout()),
+        cfg.synchronous_commit,
     )
     .await?;
     migrate::check(&pool).await?;
@@ -272,6 +274,14 @@ async fn serve() -> anyhow::Result<()> {
         %full_page_writes,
         "database session durability"
     );
+    if !cfg.synchronous_commit.keeps_d6() {
+        tracing::warn!(
+            synchronous_commit = cfg.synchronous_commit.as_str(),
+            "IM_SYNCHRONOUS_COMMIT is weaker than on: a reply may leave before its commit is \
+             on every disk D6 counts on (the durability matrix in the README says what each \
+             setting loses under which fault)"
+        );
+    }
     if bugs::active(Bug::NoDedup) {
         store::drop_dedup_constraint(&pool).await?;
     }

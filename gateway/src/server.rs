@@ -73,6 +73,7 @@ pub async fn serve(
         FANOUT_POOL_MAX,
         cfg.db_timeout(),
         Some(cfg.db_timeout()),
+        cfg.synchronous_commit,
     )
     .await?;
     let (notifier, notifier_rx) = store::Notifier::new();

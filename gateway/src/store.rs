@@ -3,6 +3,7 @@
 //! database detail themselves; they know nothing of sockets or frames.
 
 use crate::bugs::{self, Bug};
+use crate::config::SyncCommit;
 use crate::error::{from_db, WireError};
 use crate::faults::{self, points};
 use crate::protocol::{ConvHead, Event, Reply};
@@ -92,37 +93,34 @@ pub async fn notify(pool: &PgPool, payloads: &[String]) -> Result<(), sqlx::Erro
 /// (migration 0002) whenever an install epoch changes or a device is removed.
 pub const ADMIN_CHANNEL: &str = "im_admin";
 
-/// Set on every pool connection (`$1`: the statement timeout in ms).
-const CONNECT_SQL: &str = "SELECT set_config('synchronous_commit', 'on', false),
-                            set_config('statement_timeout', $1, false)";
-
-/// What the `async-commit` bug changes in [`CONNECT_SQL`].
-const ASYNC_COMMIT_EDITS: &[(&str, &str)] =
-    &[("'synchronous_commit', 'on'", "'synchronous_commit', 'off'")];
+/// Set on every pool connection (`$1`: the statement timeout in ms, `$2`:
+/// `IM_SYNCHRONOUS_COMMIT`).
+const CONNECT_SQL: &str = "SELECT set_config('statement_timeout', $1, false),
+                            set_config('synchronous_commit', $2, false)";
 
 /// A pool connection idle this long is pinged before it is handed out ([`connect`]).
 const IDLE_PING: Duration = Duration::from_secs(1);
 
-/// Opens a pool. Every connection gets `synchronous_commit = on` (D6 must not depend on a
-/// server or role default), and, with `statement_timeout`, that timeout, so statements left
-/// running after a request's deadline (see `state::State::db`) cannot pin connections.
+/// Opens a pool. Every connection gets `synchronous_commit` = `sync` (`on` by default: D6
+/// must not depend on a server or role default), and, with `statement_timeout`, that
+/// timeout, so statements left running after a request's deadline (see `state::State::db`)
+/// cannot pin connections.
 pub async fn connect(
     url: &str,
     max: u32,
     acquire_timeout: Duration,
     statement_timeout: Option<Duration>,
+    sync: SyncCommit,
 ) -> anyhow::Result<PgPool> {
     use anyhow::Context;
     // 0 = no timeout (PostgreSQL's default).
     let timeout_ms = statement_timeout
         .map_or(0, |t| t.as_millis().max(1))
         .to_string();
-    let connect_sql: &'static str = if bugs::active(Bug::AsyncCommit) {
-        // Leaked once per pool: only in the controls build.
-        let sql = bugs::rewrite(CONNECT_SQL, ASYNC_COMMIT_EDITS);
-        Box::leak(sql.into_boxed_str())
+    let sync = if bugs::active(Bug::AsyncCommit) {
+        SyncCommit::Off
     } else {
-        CONNECT_SQL
+        sync
     };
     PgPoolOptions::new()
         .max_connections(max)
@@ -143,8 +141,9 @@ pub async fn connect(
         .after_connect(move |conn, _meta| {
             let timeout_ms = timeout_ms.clone();
             Box::pin(async move {
-                sqlx::query(connect_sql)
+                sqlx::query(CONNECT_SQL)
                     .bind(timeout_ms)
+                    .bind(sync.as_str())
                     .execute(&mut *conn)
                     .await?;
                 Ok(())
@@ -1500,11 +1499,6 @@ mod tests {
     /// once), in both builds, so an edit of the SQL cannot silently disarm a bug.
     #[test]
     fn bug_rewrites_apply() {
-        let s = bugs::rewrite(CONNECT_SQL, ASYNC_COMMIT_EDITS);
-        assert!(
-            s.contains("'synchronous_commit', 'off'") && !s.contains("'on'"),
-            "{s}"
-        );
         let s = bugs::rewrite(SEND_INSERT_SQL, NO_DEDUP_EDITS);
         assert!(!s.contains("ON CONFLICT"), "{s}");
         let s = bugs::rewrite(ACK_SQL, CURSOR_OVERWRITE_EDITS);

@@ -179,6 +179,28 @@ fn wrong_database_port_is_one_line_naming_host_port_and_cause() {
     }
 }
 
+/// Issue 21: a `synchronous_commit` the gateway does not know is refused before anything
+/// starts, naming the values it takes.
+#[test]
+fn an_unknown_synchronous_commit_is_refused_by_name() {
+    let (out, _) = run(
+        &gateway(),
+        &["serve"],
+        &[
+            ("IM_DATABASE_URL", "postgres://im@127.0.0.1:1/imdb"),
+            ("IM_LISTEN", "127.0.0.1:0"),
+            ("IM_SYNCHRONOUS_COMMIT", "sometimes"),
+        ],
+        Duration::from_secs(10),
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("IM_SYNCHRONOUS_COMMIT=sometimes is not one of off, local, remote_write, on, remote_apply"),
+        "{stderr}"
+    );
+}
+
 /// `im-gateway faults` lists every point (what it does, where) and every action.
 #[cfg(feature = "faults")]
 #[test]
