@@ -5,7 +5,7 @@ TARGET   := $(or $(CARGO_TARGET_DIR),target)
 # The harness runs target/debug/im-gateway, which must carry the fault points.
 FEATURES := --features im-gateway/faults
 
-.PHONY: setup build test test-containers evidence controls nemesis mutants fuzz up lint repro bench bench-quick clean report screenshots
+.PHONY: setup build test test-containers evidence controls nemesis mutants fuzz up lint repro bench bench-quick clean report screenshots durability
 
 setup:
 	@./scripts/setup.sh
@@ -35,6 +35,15 @@ test-containers: build
 
 evidence: build
 	$(TARGET)/debug/evidence
+
+# make durability [DURABILITY_RUNS=3] [ONLY_SETTINGS=off,on] [ONLY_TOPOLOGIES=…] [ONLY_FAULTS=…]: the
+# durability-contract matrix (issue 21): synchronous_commit (off, local, remote_write, on,
+# remote_apply) x topology (standalone, async-standby, sync-standby) x fault (pg-crash,
+# power-cut, failover), DURABILITY_RUNS runs per cell under load; writes evidence/durability/result.json
+# and prints the README's table. The only target that weakens durability on purpose.
+DURABILITY_RUNS ?= 3
+durability: build
+	$(TARGET)/debug/durability --runs $(DURABILITY_RUNS) $(if $(ONLY_SETTINGS),--settings $(ONLY_SETTINGS)) $(if $(ONLY_TOPOLOGIES),--topologies $(ONLY_TOPOLOGIES)) $(if $(ONLY_FAULTS),--faults $(ONLY_FAULTS))
 
 # make report: the committed evidence as a static site in target/report/ (index.html and a
 # page per part: checks, nemesis, controls, bench; plots as inline SVG, no script, no
