@@ -46,9 +46,21 @@ struct Args {
     out: Option<PathBuf>,
 }
 
-fn provenance(file: &str) -> Provenance {
+/// The commit a part ran at: the one its file records (`environment.git_commit`, or
+/// `git_commit` at the top), when this repository has it; else the commit that last wrote
+/// the file (a file committed after code changed may still have run before the change).
+fn provenance(file: &str, loaded: &site::Loaded) -> Provenance {
     let path = format!("evidence/{file}");
-    let commit = git(&["log", "-1", "--format=%H", "--", &path]).filter(|c| !c.is_empty());
+    let recorded = loaded.as_ref().ok().and_then(|v| {
+        v.pointer("/environment/git_commit")
+            .or_else(|| v.get("git_commit"))
+            .and_then(|c| c.as_str())
+            .map(str::to_string)
+    });
+    let known = |c: &String| git(&["cat-file", "-e", &format!("{c}^{{commit}}")]).is_some();
+    let commit = recorded
+        .filter(known)
+        .or_else(|| git(&["log", "-1", "--format=%H", "--", &path]).filter(|c| !c.is_empty()));
     let newer_code = commit.as_ref().and_then(|c| {
         let mut args = vec!["log", "-1", "--format=%H"];
         let range = format!("{c}..HEAD");
@@ -71,7 +83,11 @@ fn main() -> anyhow::Result<()> {
     let evidence = a.evidence.unwrap_or_else(|| workspace().join("evidence"));
     let out = a.out.unwrap_or_else(|| target_dir().join("report"));
     let parts = site::load(&evidence);
-    let prov: Vec<Provenance> = PARTS.iter().map(|p| provenance(p.file)).collect();
+    let prov: Vec<Provenance> = PARTS
+        .iter()
+        .zip(&parts)
+        .map(|(p, loaded)| provenance(p.file, loaded))
+        .collect();
     let pages = site::render(&parts, &prov);
     site::write(&out, &pages)?;
     // Timelines of the failing nemesis runs whose artefacts are still here.
