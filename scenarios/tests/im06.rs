@@ -2518,91 +2518,7 @@ async fn disk_check(id: &str, disk: Disk) {
         };
         let load = Through::default();
         let t0 = Instant::now();
-        let drive = async {
-            let wait_acked = |n: usize, from_ms: f64, within: Duration| {
-                let load = &load;
-                async move {
-                    wait_until(&format!("{n} acknowledged"), within, async || {
-                        let k = load.acked_since(from_ms);
-                        poll(k >= n, k).await
-                    })
-                    .await
-                }
-            };
-            wait_acked(100, 0.0, Duration::from_secs(30)).await?;
-            let faults = match disk {
-                Disk::FsyncEio => harness::lazyfs::DiskFaults {
-                    fsync_eio: true,
-                    ..Default::default()
-                },
-                Disk::Full => harness::lazyfs::DiskFaults {
-                    enospc: true,
-                    ..Default::default()
-                },
-                Disk::SlowFsync => harness::lazyfs::DiskFaults {
-                    fsync_delay_ms: SLOW_FSYNC_MS,
-                    ..Default::default()
-                },
-            };
-            let fault_ms = ms(t0.elapsed());
-            let period = w.start_disk_faults(faults)?;
-            let stats = |k: &str| w.pg.lazyfs_stats()[k].as_u64().unwrap_or(0);
-            // Held until it has shown (the layer failed or slowed a call, and a failing
-            // disk reached a client as an answer) and for at least DISK_FAULT_MIN_MS: a
-            // period while the database cannot commit, not one failed call.
-            let shown = wait_until(
-                "the disk fault to show",
-                Duration::from_secs(20),
-                async || {
-                    let now = ms(t0.elapsed());
-                    if now < fault_ms + DISK_FAULT_MIN_MS {
-                        return Err(serde_json::Value::Null);
-                    }
-                    let hit = match disk {
-                        Disk::FsyncEio => {
-                            stats("fsync_errors") >= 1
-                                && load.errors_between("UNAVAILABLE", fault_ms, now) >= 1
-                        }
-                        Disk::Full => {
-                            stats("enospc_errors") >= 1
-                                && load.errors_between("UNAVAILABLE", fault_ms, now) >= 1
-                        }
-                        Disk::SlowFsync => stats("fsyncs_delayed") >= 20,
-                    };
-                    let answers = load.errors.lock().unwrap().clone();
-                    let seen = json!({"layer": w.pg.lazyfs_stats(), "answers": answers.len(),
-                    "last_answer": answers.last()});
-                    poll(hit, seen).await
-                },
-            )
-            .await;
-            let clear_ms = ms(t0.elapsed());
-            w.end_disk_faults(period)?;
-            shown?;
-            // PostgreSQL may have given up (a crash recovery that failed on the same disk
-            // ends the postmaster): as its service manager would, the harness starts it
-            // again, and says so.
-            let restarted = wait_until(
-                "50 acknowledged after the fault, or the postmaster gone",
-                Duration::from_secs(60),
-                async || {
-                    let k = load.acked_since(clear_ms);
-                    if k >= 50 {
-                        return Ok(false);
-                    }
-                    if !w.pg.is_running() {
-                        return Ok(true);
-                    }
-                    Err(k)
-                },
-            )
-            .await?;
-            if restarted {
-                w.restart_pg().await?;
-                wait_acked(50, clear_ms, Duration::from_secs(60)).await?;
-            }
-            anyhow::Ok((fault_ms, clear_ms, restarted))
-        };
+        let drive = disk_phases(&mut w, disk, &load, t0);
         // The load stops when the phases end, whether they succeeded or not.
         let drive = async {
             let r = drive.await;
@@ -2611,75 +2527,182 @@ async fn disk_check(id: &str, disk: Disk) {
         };
         let (_, phases) = tokio::join!(load.run(&senders, t0), drive);
         let (fault_ms, clear_ms, restarted) = phases?;
-        let acked: Vec<(String, i64, f64, f64)> = load.acked.lock().unwrap().clone();
-        let errors: Vec<(String, f64)> = load.errors.lock().unwrap().clone();
-        let first_after = acked
-            .iter()
-            .map(|a| a.2)
-            .filter(|t| *t >= clear_ms)
-            .fold(f64::INFINITY, f64::min);
-        let mut by_kind = std::collections::BTreeMap::<&str, usize>::new();
-        for (e, _) in &errors {
-            *by_kind.entry(e.as_str()).or_default() += 1;
-        }
-        c.observe("fault_held_ms", (clear_ms - fault_ms).round());
-        c.observe("errors_by_answer", &by_kind);
-        c.expect(
-            "internal_answers",
-            0,
-            by_kind.get("INTERNAL").copied().unwrap_or(0),
-        );
-        let during: Vec<f64> = acked
-            .iter()
-            .filter(|a| a.2 >= fault_ms && a.2 < clear_ms)
-            .map(|a| a.3)
-            .collect();
-        c.observe("acknowledged_during_fault", during.len());
-        match disk {
-            Disk::FsyncEio | Disk::Full => {
-                c.expect_ge(
-                    "unavailable_answers_during_fault",
-                    1,
-                    load.errors_between("UNAVAILABLE", fault_ms, clear_ms),
-                );
-            }
-            Disk::SlowFsync => {
-                // Each commit waits for its WAL fsync: the fault must show in what the
-                // senders saw, and nothing needs to fail.
-                c.expect_ge(
-                    "send_ms_p50_during_fault",
-                    SLOW_FSYNC_MS as f64 * 0.9,
-                    quantile(&during, 0.5),
-                );
-                c.expect(
-                    "unavailable_answers_during_fault",
-                    0,
-                    load.errors_between("UNAVAILABLE", fault_ms, clear_ms),
-                );
-            }
-        }
-        c.observe(
-            "recovered_first_ack_after_fault_ms",
-            (first_after - clear_ms).round(),
-        );
-        c.expect_ge("acknowledged_after_fault", 50, load.acked_since(clear_ms));
-        c.observe("postgres_restarted_by_harness", restarted);
-        let log = std::fs::read_to_string(w.pg.log_dir().join("postgres.log")).unwrap_or_default();
-        c.observe("postgres_panics", log.matches("PANIC:").count());
-        c.observe(
-            "postgres_panic_sample",
-            log.lines().find(|l| l.contains("PANIC:")),
-        );
-        c.observe("lazyfs_stats", w.pg.lazyfs_stats());
+        let acked = observe_disk_run(&mut c, &w, disk, &load, (fault_ms, clear_ms, restarted));
         // What was acknowledged is on disk: the power cut keeps all of it.
         let cut = w.power_cut_pg().await?;
         c.observe("pages_dropped_by_cut", cut.pages_dropped);
-        let acked: Vec<(String, i64)> = acked.into_iter().map(|a| (a.0, a.1)).collect();
         acked_survive_the_cut(&mut c, &mut w, &senders, &acked, "acknowledged", 150).await?;
         invariants(&mut c, &w).await
     }
     .await;
     c.finish(r);
+}
+
+/// The disk check's phases, while the load runs: 100 acknowledged, the fault held until it
+/// has shown (and at least [`DISK_FAULT_MIN_MS`]), lifted, and 50 acknowledged after it
+/// (PostgreSQL started again first if it gave up). Returns when the fault began and ended
+/// (ms since `t0`) and whether PostgreSQL had to be started again.
+async fn disk_phases(
+    w: &mut World,
+    disk: Disk,
+    load: &Through,
+    t0: Instant,
+) -> anyhow::Result<(f64, f64, bool)> {
+    let wait_acked = |n: usize, from_ms: f64, within: Duration| {
+        let load = &load;
+        async move {
+            wait_until(&format!("{n} acknowledged"), within, async || {
+                let k = load.acked_since(from_ms);
+                poll(k >= n, k).await
+            })
+            .await
+        }
+    };
+    wait_acked(100, 0.0, Duration::from_secs(30)).await?;
+    let faults = match disk {
+        Disk::FsyncEio => harness::lazyfs::DiskFaults {
+            fsync_eio: true,
+            ..Default::default()
+        },
+        Disk::Full => harness::lazyfs::DiskFaults {
+            enospc: true,
+            ..Default::default()
+        },
+        Disk::SlowFsync => harness::lazyfs::DiskFaults {
+            fsync_delay_ms: SLOW_FSYNC_MS,
+            ..Default::default()
+        },
+    };
+    let fault_ms = ms(t0.elapsed());
+    let period = w.start_disk_faults(faults)?;
+    let stats = |k: &str| w.pg.lazyfs_stats()[k].as_u64().unwrap_or(0);
+    // Held until it has shown (the layer failed or slowed a call, and a failing
+    // disk reached a client as an answer) and for at least DISK_FAULT_MIN_MS: a
+    // period while the database cannot commit, not one failed call.
+    let shown = wait_until(
+        "the disk fault to show",
+        Duration::from_secs(20),
+        async || {
+            let now = ms(t0.elapsed());
+            if now < fault_ms + DISK_FAULT_MIN_MS {
+                return Err(serde_json::Value::Null);
+            }
+            let hit = match disk {
+                Disk::FsyncEio => {
+                    stats("fsync_errors") >= 1
+                        && load.errors_between("UNAVAILABLE", fault_ms, now) >= 1
+                }
+                Disk::Full => {
+                    stats("enospc_errors") >= 1
+                        && load.errors_between("UNAVAILABLE", fault_ms, now) >= 1
+                }
+                Disk::SlowFsync => stats("fsyncs_delayed") >= 20,
+            };
+            let answers = load.errors.lock().unwrap().clone();
+            let seen = json!({"layer": w.pg.lazyfs_stats(), "answers": answers.len(),
+            "last_answer": answers.last()});
+            poll(hit, seen).await
+        },
+    )
+    .await;
+    let clear_ms = ms(t0.elapsed());
+    w.end_disk_faults(period)?;
+    shown?;
+    // PostgreSQL may have given up (a crash recovery that failed on the same disk
+    // ends the postmaster): as its service manager would, the harness starts it
+    // again, and says so.
+    let restarted = wait_until(
+        "50 acknowledged after the fault, or the postmaster gone",
+        Duration::from_secs(60),
+        async || {
+            let k = load.acked_since(clear_ms);
+            if k >= 50 {
+                return Ok(false);
+            }
+            if !w.pg.is_running() {
+                return Ok(true);
+            }
+            Err(k)
+        },
+    )
+    .await?;
+    if restarted {
+        w.restart_pg().await?;
+        wait_acked(50, clear_ms, Duration::from_secs(60)).await?;
+    }
+    Ok((fault_ms, clear_ms, restarted))
+}
+
+/// What a disk check's load saw around the fault (`fault_ms`..`clear_ms`), recorded and
+/// judged; returns the acknowledged sends (cmid, seq).
+fn observe_disk_run(
+    c: &mut Check,
+    w: &World,
+    disk: Disk,
+    load: &Through,
+    (fault_ms, clear_ms, restarted): (f64, f64, bool),
+) -> Vec<(String, i64)> {
+    let acked: Vec<(String, i64, f64, f64)> = load.acked.lock().unwrap().clone();
+    let errors: Vec<(String, f64)> = load.errors.lock().unwrap().clone();
+    let first_after = acked
+        .iter()
+        .map(|a| a.2)
+        .filter(|t| *t >= clear_ms)
+        .fold(f64::INFINITY, f64::min);
+    let mut by_kind = std::collections::BTreeMap::<&str, usize>::new();
+    for (e, _) in &errors {
+        *by_kind.entry(e.as_str()).or_default() += 1;
+    }
+    c.observe("fault_held_ms", (clear_ms - fault_ms).round());
+    c.observe("errors_by_answer", &by_kind);
+    c.expect(
+        "internal_answers",
+        0,
+        by_kind.get("INTERNAL").copied().unwrap_or(0),
+    );
+    let during: Vec<f64> = acked
+        .iter()
+        .filter(|a| a.2 >= fault_ms && a.2 < clear_ms)
+        .map(|a| a.3)
+        .collect();
+    c.observe("acknowledged_during_fault", during.len());
+    match disk {
+        Disk::FsyncEio | Disk::Full => {
+            c.expect_ge(
+                "unavailable_answers_during_fault",
+                1,
+                load.errors_between("UNAVAILABLE", fault_ms, clear_ms),
+            );
+        }
+        Disk::SlowFsync => {
+            // Each commit waits for its WAL fsync: the fault must show in what the
+            // senders saw, and nothing needs to fail.
+            c.expect_ge(
+                "send_ms_p50_during_fault",
+                SLOW_FSYNC_MS as f64 * 0.9,
+                quantile(&during, 0.5),
+            );
+            c.expect(
+                "unavailable_answers_during_fault",
+                0,
+                load.errors_between("UNAVAILABLE", fault_ms, clear_ms),
+            );
+        }
+    }
+    c.observe(
+        "recovered_first_ack_after_fault_ms",
+        (first_after - clear_ms).round(),
+    );
+    c.expect_ge("acknowledged_after_fault", 50, load.acked_since(clear_ms));
+    c.observe("postgres_restarted_by_harness", restarted);
+    let log = std::fs::read_to_string(w.pg.log_dir().join("postgres.log")).unwrap_or_default();
+    c.observe("postgres_panics", log.matches("PANIC:").count());
+    c.observe(
+        "postgres_panic_sample",
+        log.lines().find(|l| l.contains("PANIC:")),
+    );
+    c.observe("lazyfs_stats", w.pg.lazyfs_stats());
+    acked.into_iter().map(|a| (a.0, a.1)).collect()
 }
 
 #[tokio::test]

@@ -17,7 +17,7 @@
 //! setting promises ([`Cell::promises_no_loss`]).
 
 use anyhow::Context;
-use harness::client::ClientError;
+use harness::client::{Client, ClientError};
 use harness::gateway::GatewayOpts;
 use harness::pg::ClusterOpts;
 use harness::verdict::Verdict;
@@ -344,6 +344,54 @@ fn table(doc: &Value) -> String {
 
 /// One run of `cell`: the world, the load, the fault, the recovery, the measurements.
 async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
+    let mut w = start(cell).await?;
+    let mut r = Run {
+        durability: durability_settings(&w).await?,
+        ..Default::default()
+    };
+    let (senders, receivers) = provision(&w).await?;
+    w.pg.settle().await?;
+    let (acked, timings) = load_through_the_fault(&mut w, cell, &senders, acked_before).await?;
+    r.fault_ms = timings;
+    let recovered = Instant::now();
+    // The in-flight sends replay under their cmids (not counted as acknowledged before).
+    for s in &senders {
+        let _ = harness::util::wait_until(
+            "the outbox to replay",
+            Duration::from_secs(20),
+            async || {
+                let rs = s.replay_outbox(T).await;
+                if rs.iter().all(|r| r.is_ok()) {
+                    Ok(())
+                } else {
+                    Err(rs.len())
+                }
+            },
+        )
+        .await;
+    }
+    let db = events_of_c1(&w).await?;
+    count_acknowledged(&mut r, &acked, &db);
+    receivers_against_the_database(&mut r, &receivers, &db, recovered).await;
+    let judged = w.judge().await?;
+    r.anomalies = judged
+        .report
+        .counts
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(k, n)| (k.as_str().to_string(), *n))
+        .collect();
+    r.repair_ms = serde_json::to_value(&judged.report.stats.repair_ms)?;
+    for c in senders.into_iter().chain(receivers) {
+        c.close().await;
+    }
+    Ok(r)
+}
+
+/// The cell's world: its topology (a standby through a 50 ms link, or a synchronous one
+/// through 10 ms), LazyFS under the primary for a power cut, and a gateway whose sessions
+/// run under the cell's `synchronous_commit`.
+async fn start(cell: Cell) -> anyhow::Result<World> {
     let replication = match cell.topology {
         "standalone" => None,
         t => Some(Replication {
@@ -351,7 +399,7 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
             link_delay: Duration::from_millis(if t == "sync-standby" { 10 } else { 50 }),
         }),
     };
-    let mut w = World::start_with(
+    World::start_with(
         WorldOpts {
             cluster: ClusterOpts {
                 lazyfs: cell.fault == "power-cut",
@@ -369,11 +417,11 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
             ..Default::default()
         },
     )
-    .await?;
-    let mut r = Run {
-        durability: durability_settings(&w).await?,
-        ..Default::default()
-    };
+    .await
+}
+
+/// Four senders and two receivers in `c1`, connected and subscribed.
+async fn provision(w: &World) -> anyhow::Result<(Vec<Client>, Vec<Client>)> {
     let members: Vec<String> = (0..4)
         .map(|i| format!("s{i}"))
         .chain((0..2).map(|i| format!("r{i}")))
@@ -383,12 +431,11 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
     }
     let refs: Vec<&str> = members.iter().map(String::as_str).collect();
     w.add_conv("c1", &refs).await?;
-    let mut senders = Vec::new();
-    let mut receivers = Vec::new();
+    let (mut senders, mut receivers) = (Vec::new(), Vec::new());
     for m in &members {
         let dev = format!("{m}d");
         let token = w.add_device(&dev, m).await?;
-        let c = connect(&w, &dev, &token).await?;
+        let c = connect(w, &dev, &token).await?;
         c.sub()
             .await
             .map_err(|e| anyhow::anyhow!("sub {dev}: {e}"))?;
@@ -398,7 +445,18 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
             receivers.push(c);
         }
     }
-    w.pg.settle().await?;
+    Ok((senders, receivers))
+}
+
+/// The senders send (each message again under its cmid until acknowledged) until
+/// `acked_before` are acknowledged; then the cell's fault, and the database back (restarted,
+/// or the standby promoted). Returns the acknowledged (cmid, seq) and the fault's timings.
+async fn load_through_the_fault(
+    w: &mut World,
+    cell: Cell,
+    senders: &[Client],
+    acked_before: u64,
+) -> anyhow::Result<(Vec<(String, i64)>, Value)> {
     let acked: Mutex<Vec<(String, i64)>> = Mutex::new(Vec::new());
     let stop = AtomicBool::new(false);
     let load = futures_util::future::join_all(senders.iter().enumerate().map(|(i, s)| {
@@ -426,74 +484,78 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
         }
     }));
     let fault = async {
-        harness::util::wait_until(
-            &format!("{acked_before} acknowledged"),
-            Duration::from_secs(60),
-            async || {
-                let k = acked.lock().unwrap().len() as u64;
-                harness::util::poll(k >= acked_before, k).await
-            },
-        )
-        .await?;
-        let t = Instant::now();
-        let timings = match cell.fault {
-            "pg-crash" => {
-                w.crash_pg().await?;
-                stop.store(true, Ordering::SeqCst);
-                w.restart_pg().await?;
-                json!({"restarted_ms": t.elapsed().as_millis() as u64})
-            }
-            "power-cut" => {
-                let cut = w.power_cut_pg().await?;
-                stop.store(true, Ordering::SeqCst);
-                w.restart_pg().await?;
-                json!({"pages_dropped": cut.pages_dropped, "restarted_ms": t.elapsed().as_millis() as u64})
-            }
-            _ => {
-                let f = w.failover().await?;
-                stop.store(true, Ordering::SeqCst);
-                f
-            }
-        };
-        anyhow::Ok(timings)
+        let r = fault_under_load(w, cell, &acked, &stop, acked_before).await;
+        stop.store(true, Ordering::SeqCst);
+        r
     };
     let (_, timings) = tokio::join!(load, fault);
-    stop.store(true, Ordering::SeqCst);
-    r.fault_ms = timings?;
-    let recovered = Instant::now();
-    // The in-flight sends replay under their cmids (not counted as acknowledged before).
-    for s in &senders {
-        let _ = harness::util::wait_until(
-            "the outbox to replay",
-            Duration::from_secs(20),
-            async || {
-                let rs = s.replay_outbox(T).await;
-                if rs.iter().all(|r| r.is_ok()) {
-                    Ok(())
-                } else {
-                    Err(rs.len())
-                }
-            },
-        )
-        .await;
-    }
-    let acked = acked.into_inner().unwrap();
+    Ok((acked.into_inner().unwrap(), timings?))
+}
+
+/// Once `acked_before` are acknowledged: the fault (new sends stop with it), and the
+/// database back.
+async fn fault_under_load(
+    w: &mut World,
+    cell: Cell,
+    acked: &Mutex<Vec<(String, i64)>>,
+    stop: &AtomicBool,
+    acked_before: u64,
+) -> anyhow::Result<Value> {
+    harness::util::wait_until(
+        &format!("{acked_before} acknowledged"),
+        Duration::from_secs(60),
+        async || {
+            let k = acked.lock().unwrap().len() as u64;
+            harness::util::poll(k >= acked_before, k).await
+        },
+    )
+    .await?;
+    let t = Instant::now();
+    Ok(match cell.fault {
+        "pg-crash" => {
+            w.crash_pg().await?;
+            stop.store(true, Ordering::SeqCst);
+            w.restart_pg().await?;
+            json!({"restarted_ms": t.elapsed().as_millis() as u64})
+        }
+        "power-cut" => {
+            let cut = w.power_cut_pg().await?;
+            stop.store(true, Ordering::SeqCst);
+            w.restart_pg().await?;
+            json!({"pages_dropped": cut.pages_dropped, "restarted_ms": t.elapsed().as_millis() as u64})
+        }
+        _ => {
+            let f = w.failover().await?;
+            stop.store(true, Ordering::SeqCst);
+            f
+        }
+    })
+}
+
+/// `c1`'s events after recovery: seq -> (mid, cmid).
+async fn events_of_c1(w: &World) -> anyhow::Result<BTreeMap<i64, (String, Option<String>)>> {
+    Ok(sqlx::query_as::<_, (i64, String, Option<String>)>(
+        "SELECT seq, mid, cmid FROM events WHERE conv_id = 'c1'",
+    )
+    .fetch_all(&w.pool().await?)
+    .await?
+    .into_iter()
+    .map(|(seq, mid, cmid)| (seq, (mid, cmid)))
+    .collect())
+}
+
+/// Each acknowledged send: its row, at the seq its reply said, or lost.
+fn count_acknowledged(
+    r: &mut Run,
+    acked: &[(String, i64)],
+    db: &BTreeMap<i64, (String, Option<String>)>,
+) {
     r.acknowledged = acked.len();
-    let pool = w.pool().await?;
-    let db: BTreeMap<i64, (String, Option<String>)> =
-        sqlx::query_as::<_, (i64, String, Option<String>)>(
-            "SELECT seq, mid, cmid FROM events WHERE conv_id = 'c1'",
-        )
-        .fetch_all(&pool)
-        .await?
-        .into_iter()
-        .map(|(seq, mid, cmid)| (seq, (mid, cmid)))
-        .collect();
     let by_cmid: BTreeMap<&str, i64> = db
         .iter()
         .filter_map(|(seq, (_, c))| c.as_deref().map(|c| (c, *seq)))
         .collect();
-    for (cmid, seq) in &acked {
+    for (cmid, seq) in acked {
         match by_cmid.get(cmid.as_str()) {
             None => {
                 r.acknowledged_lost += 1;
@@ -505,8 +567,16 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
             Some(_) => {}
         }
     }
-    // The receivers catch up with the database's head (by push, hint or sync), then what
-    // they hold is compared with what the database has at each seq.
+}
+
+/// The receivers catch up with the database's head (by push, hint or sync; how long since
+/// `recovered`), then what they hold is compared with what the database has at each seq.
+async fn receivers_against_the_database(
+    r: &mut Run,
+    receivers: &[Client],
+    db: &BTreeMap<i64, (String, Option<String>)>,
+    recovered: Instant,
+) {
     let head = db.keys().max().copied().unwrap_or(0);
     let caught_up = harness::util::wait_until(
         "the receivers to hold the head",
@@ -528,7 +598,7 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
     if caught_up.is_ok() {
         r.converged_ms = Some(recovered.elapsed().as_secs_f64() * 1000.0);
     }
-    for c in &receivers {
+    for c in receivers {
         let mut wrong = 0;
         for ev in c.stored("c1") {
             let (Some(seq), Some(mid)) = (ev["seq"].as_i64(), ev["mid"].as_str()) else {
@@ -541,19 +611,6 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
         r.receivers_holding_what_the_database_lost += wrong;
         r.receivers_wrong += usize::from(wrong > 0);
     }
-    let judged = w.judge().await?;
-    r.anomalies = judged
-        .report
-        .counts
-        .iter()
-        .filter(|(_, n)| **n > 0)
-        .map(|(k, n)| (k.as_str().to_string(), *n))
-        .collect();
-    r.repair_ms = serde_json::to_value(&judged.report.stats.repair_ms)?;
-    for c in senders.into_iter().chain(receivers) {
-        c.close().await;
-    }
-    Ok(r)
 }
 
 #[cfg(test)]
