@@ -891,3 +891,85 @@ mod tests {
         assert_eq!(super::quantile(&[], 0.5), None);
     }
 }
+
+/// Four senders that keep sending through a fault: each cmid is sent again (after 50 ms)
+/// until it is acknowledged, every answer recorded with its time, until `stop`.
+#[derive(Default)]
+pub struct Through {
+    /// (cmid, seq, ms since the load began, send latency ms).
+    pub acked: std::sync::Mutex<Vec<(String, i64, f64, f64)>>,
+    /// (error: the code, `timeout` or `disconnected`; ms since the load began).
+    pub errors: std::sync::Mutex<Vec<(String, f64)>>,
+    pub stop: std::sync::atomic::AtomicBool,
+}
+
+impl Through {
+    /// Sends until `stop` (or a sender's terminal answer), each sender's cmids `s<i>-<n>`
+    /// in `c1`; times are ms since `t0`.
+    pub async fn run(&self, senders: &[harness::client::Client], t0: std::time::Instant) {
+        use harness::client::ClientError;
+        use std::sync::atomic::Ordering::SeqCst;
+        use std::time::Duration;
+        let runs = senders.iter().enumerate().map(|(i, s)| async move {
+            let mut n = 0;
+            while !self.stop.load(SeqCst) {
+                let cmid = format!("s{i}-{n}");
+                let t = Instant::now();
+                match s.send("c1", &cmid, "keep me", Duration::from_secs(3)).await {
+                    Ok(r) => {
+                        n += 1;
+                        self.acked.lock().unwrap().push((
+                            cmid,
+                            r["seq"].as_i64().unwrap_or(-1),
+                            ms(t0.elapsed()),
+                            ms(t.elapsed()),
+                        ));
+                    }
+                    Err(e) => {
+                        let what = match &e {
+                            ClientError::Timeout => "timeout".to_string(),
+                            ClientError::Disconnected => "disconnected".to_string(),
+                            e => e.code().unwrap_or("other").to_string(),
+                        };
+                        self.errors.lock().unwrap().push((what, ms(t0.elapsed())));
+                        if e.is_terminal_for_send() || matches!(e, ClientError::Disconnected) {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
+        futures_util::future::join_all(runs).await;
+    }
+
+    /// The acknowledged sends so far: (cmid, seq).
+    pub fn acked_pairs(&self) -> Vec<(String, i64)> {
+        self.acked
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|a| (a.0.clone(), a.1))
+            .collect()
+    }
+
+    /// Sends acknowledged at or after `from_ms`.
+    pub fn acked_since(&self, from_ms: f64) -> usize {
+        self.acked
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|a| a.2 >= from_ms)
+            .count()
+    }
+
+    /// Failed sends answered `what` between `from_ms` and `to_ms`.
+    pub fn errors_between(&self, what: &str, from_ms: f64, to_ms: f64) -> usize {
+        self.errors
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(w, t)| w == what && *t >= from_ms && *t <= to_ms)
+            .count()
+    }
+}

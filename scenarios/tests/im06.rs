@@ -11,7 +11,7 @@ use harness::util::{poll, wait_until};
 use harness::world::{Replication, World, WorldOpts};
 use scenarios::{
     alice_and_bob, connect, durability_settings, judge, judge_measure, ms, postgres_facts,
-    provision_alice_and_bob, quantile, Check,
+    provision_alice_and_bob, quantile, Check, Through,
 };
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -2388,72 +2388,6 @@ const DISK_FAULT_MIN_MS: f64 = 2000.0;
 /// Each `fsync` of [`Disk::SlowFsync`], ms.
 const SLOW_FSYNC_MS: u64 = 200;
 
-/// Four senders that keep sending through a fault: each cmid is sent again (after 50 ms)
-/// until it is acknowledged, every answer recorded with its time, until `stop`.
-#[derive(Default)]
-struct Through {
-    /// (cmid, seq, ms since the load began, send latency ms).
-    acked: std::sync::Mutex<Vec<(String, i64, f64, f64)>>,
-    /// (error: the code, `timeout` or `disconnected`; ms since the load began).
-    errors: std::sync::Mutex<Vec<(String, f64)>>,
-    stop: std::sync::atomic::AtomicBool,
-}
-
-impl Through {
-    async fn run(&self, senders: &[Client], t0: Instant) {
-        use std::sync::atomic::Ordering::SeqCst;
-        let runs = senders.iter().enumerate().map(|(i, s)| async move {
-            let mut n = 0;
-            while !self.stop.load(SeqCst) {
-                let cmid = format!("s{i}-{n}");
-                let t = Instant::now();
-                match s.send("c1", &cmid, "keep me", Duration::from_secs(3)).await {
-                    Ok(r) => {
-                        n += 1;
-                        self.acked.lock().unwrap().push((
-                            cmid,
-                            r["seq"].as_i64().unwrap_or(-1),
-                            ms(t0.elapsed()),
-                            ms(t.elapsed()),
-                        ));
-                    }
-                    Err(e) => {
-                        let what = match &e {
-                            ClientError::Timeout => "timeout".to_string(),
-                            ClientError::Disconnected => "disconnected".to_string(),
-                            e => e.code().unwrap_or("other").to_string(),
-                        };
-                        self.errors.lock().unwrap().push((what, ms(t0.elapsed())));
-                        if e.is_terminal_for_send() || matches!(e, ClientError::Disconnected) {
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                }
-            }
-        });
-        join_all(runs).await;
-    }
-
-    fn acked_since(&self, from_ms: f64) -> usize {
-        self.acked
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|a| a.2 >= from_ms)
-            .count()
-    }
-
-    fn errors_between(&self, what: &str, from_ms: f64, to_ms: f64) -> usize {
-        self.errors
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(w, t)| w == what && *t >= from_ms && *t <= to_ms)
-            .count()
-    }
-}
-
 /// A cluster on the LazyFS layer, a gateway with a 1 s database deadline, `c1` and four
 /// connected senders, the set-up settled on disk; or `None` (the record says NOT_RUN) when
 /// this machine cannot mount the layer.
@@ -2548,15 +2482,12 @@ async fn disk_phases(
     load: &Through,
     t0: Instant,
 ) -> anyhow::Result<(f64, f64, bool)> {
-    let wait_acked = |n: usize, from_ms: f64, within: Duration| {
-        let load = &load;
-        async move {
-            wait_until(&format!("{n} acknowledged"), within, async || {
-                let k = load.acked_since(from_ms);
-                poll(k >= n, k).await
-            })
-            .await
-        }
+    let wait_acked = |n: usize, from_ms: f64, within: Duration| async move {
+        wait_until(&format!("{n} acknowledged"), within, async || {
+            let k = load.acked_since(from_ms);
+            poll(k >= n, k).await
+        })
+        .await
     };
     wait_acked(100, 0.0, Duration::from_secs(30)).await?;
     let faults = match disk {

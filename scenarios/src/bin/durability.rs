@@ -17,18 +17,17 @@
 //! setting promises ([`Cell::promises_no_loss`]).
 
 use anyhow::Context;
-use harness::client::{Client, ClientError};
+use harness::client::Client;
 use harness::gateway::GatewayOpts;
 use harness::pg::ClusterOpts;
 use harness::verdict::Verdict;
 use harness::world::{Replication, World, WorldOpts};
-use scenarios::{connect, durability_settings, git, workspace};
+use scenarios::{connect, durability_settings, git, workspace, Through};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const SETTINGS: [&str; 5] = ["off", "local", "remote_write", "on", "remote_apply"];
@@ -242,7 +241,7 @@ fn cell_row(cell: Cell, runs: &[Run]) -> Value {
             "runs_with_loss": runs.iter().filter(|r| r.acknowledged_lost + r.acknowledged_other_seq > 0).count(),
             "receivers_holding_what_the_database_lost": sum(&|r| r.receivers_holding_what_the_database_lost),
             "receivers_holding_what_the_database_lost_with_epoch": Value::Null,
-            "converged_ms_max": converged.iter().copied().fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x)))),
+            "converged_ms_max": converged.iter().copied().reduce(f64::max),
         },
         "runs": runs,
     })
@@ -448,48 +447,24 @@ async fn provision(w: &World) -> anyhow::Result<(Vec<Client>, Vec<Client>)> {
     Ok((senders, receivers))
 }
 
-/// The senders send (each message again under its cmid until acknowledged) until
-/// `acked_before` are acknowledged; then the cell's fault, and the database back (restarted,
-/// or the standby promoted). Returns the acknowledged (cmid, seq) and the fault's timings.
+/// The senders send (each message again under its cmid until acknowledged: [`Through`])
+/// until `acked_before` are acknowledged; then the cell's fault, and the database back
+/// (restarted, or the standby promoted). Returns the acknowledged (cmid, seq) and the
+/// fault's timings.
 async fn load_through_the_fault(
     w: &mut World,
     cell: Cell,
     senders: &[Client],
     acked_before: u64,
 ) -> anyhow::Result<(Vec<(String, i64)>, Value)> {
-    let acked: Mutex<Vec<(String, i64)>> = Mutex::new(Vec::new());
-    let stop = AtomicBool::new(false);
-    let load = futures_util::future::join_all(senders.iter().enumerate().map(|(i, s)| {
-        let (acked, stop) = (&acked, &stop);
-        async move {
-            let mut n = 0;
-            while !stop.load(Ordering::SeqCst) {
-                let cmid = format!("s{i}-{n}");
-                match s.send("c1", &cmid, "keep me", T).await {
-                    Ok(v) => {
-                        n += 1;
-                        acked
-                            .lock()
-                            .unwrap()
-                            .push((cmid, v["seq"].as_i64().unwrap_or(-1)));
-                    }
-                    Err(e)
-                        if e.is_terminal_for_send() || matches!(e, ClientError::Disconnected) =>
-                    {
-                        break
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-                }
-            }
-        }
-    }));
+    let load = Through::default();
     let fault = async {
-        let r = fault_under_load(w, cell, &acked, &stop, acked_before).await;
-        stop.store(true, Ordering::SeqCst);
+        let r = fault_under_load(w, cell, &load, acked_before).await;
+        load.stop.store(true, Ordering::SeqCst);
         r
     };
-    let (_, timings) = tokio::join!(load, fault);
-    Ok((acked.into_inner().unwrap(), timings?))
+    let (_, timings) = tokio::join!(load.run(senders, Instant::now()), fault);
+    Ok((load.acked_pairs(), timings?))
 }
 
 /// Once `acked_before` are acknowledged: the fault (new sends stop with it), and the
@@ -497,19 +472,19 @@ async fn load_through_the_fault(
 async fn fault_under_load(
     w: &mut World,
     cell: Cell,
-    acked: &Mutex<Vec<(String, i64)>>,
-    stop: &AtomicBool,
+    load: &Through,
     acked_before: u64,
 ) -> anyhow::Result<Value> {
     harness::util::wait_until(
         &format!("{acked_before} acknowledged"),
         Duration::from_secs(60),
         async || {
-            let k = acked.lock().unwrap().len() as u64;
+            let k = load.acked_since(0.0) as u64;
             harness::util::poll(k >= acked_before, k).await
         },
     )
     .await?;
+    let stop = &load.stop;
     let t = Instant::now();
     Ok(match cell.fault {
         "pg-crash" => {
