@@ -66,6 +66,12 @@ impl Package for DatabaseFault {
         })
     }
 
+    /// The LISTEN connection cut: what is committed until the gateway listens again reaches
+    /// its devices only through the regain pass.
+    fn tail_kinds() -> Vec<&'static str> {
+        vec!["pg-terminate-listen"]
+    }
+
     fn name(&self) -> &'static str {
         match self {
             DatabaseFault::PgCrash => "pg-crash",

@@ -38,6 +38,18 @@ pub trait Package:
     /// The parameters of one fault of kind `name` and what it acts on (among `on`), drawn
     /// from `r`; `None` (and nothing drawn) when `name` is not one of [`Package::kinds`].
     fn draw(name: &str, r: &mut Rng, on: &Targets) -> Option<Drawn<Self>>;
+    /// The kinds a schedule's tail fault may be (the last fault of half the schedules, from
+    /// the last 15% of the traffic to its end, `draw_faults`): those that silently lose
+    /// something only a repair path brings back, since no later message will reveal it.
+    /// None by default.
+    fn tail_kinds() -> Vec<&'static str> {
+        Vec::new()
+    }
+    /// A tail fault of kind `name` (one of [`Package::tail_kinds`]), its parameters drawn
+    /// among those that lose something: by default as [`Package::draw`] draws them.
+    fn draw_tail(name: &str, r: &mut Rng, on: &Targets) -> Option<Drawn<Self>> {
+        Self::draw(name, r, on)
+    }
     /// Its name in [`Package::kinds`].
     fn name(&self) -> &'static str;
     /// Faults that may not overlap share a resource (the gateway process, the database
@@ -133,6 +145,22 @@ macro_rules! registry {
             ) -> Option<$crate::nemesis::faults::Drawn<Self>> {
                 $(if let Some(d) = <$pkg as $crate::nemesis::faults::Package>::draw(name, r, on) {
                     return Some(d.map($name::$var));
+                })+
+                None
+            }
+            fn tail_kinds() -> Vec<&'static str> {
+                let mut all = Vec::new();
+                $(all.extend(<$pkg as $crate::nemesis::faults::Package>::tail_kinds());)+
+                all
+            }
+            fn draw_tail(
+                name: &str,
+                r: &mut $crate::nemesis::rng::Rng,
+                on: &$crate::nemesis::faults::Targets,
+            ) -> Option<$crate::nemesis::faults::Drawn<Self>> {
+                $(if <$pkg as $crate::nemesis::faults::Package>::kinds().contains(&name) {
+                    return <$pkg as $crate::nemesis::faults::Package>::draw_tail(name, r, on)
+                        .map(|d| d.map($name::$var));
                 })+
                 None
             }

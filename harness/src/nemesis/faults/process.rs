@@ -54,6 +54,27 @@ pub enum ProcessFault {
 
 const KINDS: &[&str] = &["gw-kill", "gw-crash-point", "gw-pause", "gw-fault"];
 
+/// Points a tail fault is armed at: the notification after a commit (a NOTIFY that never
+/// happens: only the commit feed and the local handoff bring the message to connected
+/// devices) and the push (only the sweep brings it again).
+pub const TAIL_POINTS: &[FaultPoint] =
+    &[FaultPoint::SendAfterCommitBeforeNotify, FaultPoint::GwPush];
+
+/// The gateway a fault acts on, drawn after the kind's parameters and only with several
+/// gateways: one gateway's schedules keep every draw they had.
+fn on_a_gateway(kind: ProcessFault, r: &mut Rng, on: &Targets) -> Drawn<ProcessFault> {
+    let i = if on.gateways > 1 {
+        r.range(0, u64::from(on.gateways) - 1) as u32
+    } else {
+        0
+    };
+    Drawn {
+        kind,
+        target: gateway_target(i, on.gateways),
+        instant: false,
+    }
+}
+
 /// The target naming gateway `i` of `gateways`: `gateway` when there is one (the schedules
 /// of one gateway are those of generator 2, byte for byte), `gateway-I` when there are more.
 pub fn gateway_target(i: u32, gateways: u32) -> String {
@@ -108,18 +129,28 @@ impl Package for ProcessFault {
             }
             _ => return None,
         };
-        // Drawn after the kind's parameters, and only with several gateways: one gateway's
-        // schedules keep every draw they had.
-        let i = if on.gateways > 1 {
-            r.range(0, u64::from(on.gateways) - 1) as u32
-        } else {
-            0
+        Some(on_a_gateway(kind, r, on))
+    }
+
+    /// A crash just after a commit, before its notification, on one of its first hits; a
+    /// notification or a push dropped or failed.
+    fn tail_kinds() -> Vec<&'static str> {
+        vec!["gw-crash-point", "gw-fault"]
+    }
+
+    fn draw_tail(name: &str, r: &mut Rng, on: &Targets) -> Option<Drawn<Self>> {
+        let kind = match name {
+            "gw-crash-point" => ProcessFault::GwCrashPoint {
+                point: FaultPoint::SendAfterCommitBeforeNotify,
+                skip: r.range(0, 2),
+            },
+            "gw-fault" => ProcessFault::GwFault {
+                point: *r.pick(TAIL_POINTS),
+                action: r.pick(&["drop", "error"]).to_string(),
+            },
+            _ => return None,
         };
-        Some(Drawn {
-            kind,
-            target: gateway_target(i, on.gateways),
-            instant: false,
-        })
+        Some(on_a_gateway(kind, r, on))
     }
 
     fn name(&self) -> &'static str {
