@@ -892,6 +892,7 @@ pub async fn ceiling_server(body_bytes: usize) -> anyhow::Result<()> {
                                 conv: conv.clone(),
                                 head: 0,
                                 delivered: 0,
+                                epoch: 1,
                             }],
                         };
                         if sink
@@ -920,6 +921,7 @@ pub async fn ceiling_server(body_bytes: usize) -> anyhow::Result<()> {
                     cmid: format!("f0-{seq}"),
                     body: body.to_string(),
                     at_ms: now_us() / 1000,
+                    epoch: 1,
                 };
                 let frame = im_protocol::wire::event_frame(&ev);
                 if sink.send(Message::text(frame)).await.is_err() {

@@ -144,6 +144,12 @@ bugs! {
     /// connection is lost they get nothing until a pass. Breaks the hand-off's promise.
     NoLocalHandoff = "no-local-handoff",
         "fan-out: the notifier hands nothing to its own gateway's devices (NOTIFY only)";
+    /// New connections do not check the database's lineage (issue 21): after a failover to a
+    /// standby that lost history, no conversation's epoch moves and no connection is closed.
+    /// Breaks the epoch's promise: devices keep, silently, messages the database no longer
+    /// has, and get another message at the same seq.
+    NoEpoch = "no-epoch",
+        "epochs: a new lineage (a promoted standby) moves no epoch; devices stay silently wrong";
 }
 
 impl fmt::Display for Bug {
@@ -313,10 +319,11 @@ mod tests {
                 "{n}"
             );
         }
-        assert_eq!(Bug::ALL.len(), 22);
+        assert_eq!(Bug::ALL.len(), 23);
         assert_eq!(Bug::ALL[0].name(), "reply-before-commit");
         assert_eq!(Bug::S1Leak.name(), "s1-leak");
         assert_eq!(Bug::NoLocalHandoff.name(), "no-local-handoff");
+        assert_eq!(Bug::NoEpoch.name(), "no-epoch");
     }
 
     #[test]

@@ -854,6 +854,7 @@ mod tests {
                         cmid: ctl(CMID_MAX_BYTES),
                         body: ctl(body_max),
                         at_ms: i64::MIN,
+                        epoch: i64::MIN,
                     };
                     let len = ev.to_json().to_string().len();
                     let mut events = Vec::new();

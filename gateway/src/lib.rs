@@ -33,6 +33,7 @@ pub mod faults;
 pub mod hub;
 pub mod invariant;
 pub mod limits;
+pub mod lineage;
 pub mod migrate;
 pub mod observer;
 pub mod protocol;

@@ -233,7 +233,7 @@ async fn run(cmd: Cmd) -> anyhow::Result<()> {
             let url = config::database_url()?;
             let timeout = config::db_timeout()?;
             dbconnect::probe(&url, timeout).await?;
-            let pool = store::connect(&url, 2, timeout, None, SyncCommit::On).await?;
+            let pool = store::connect(&url, 2, timeout, None, SyncCommit::On, None).await?;
             let applied = migrate::run(&pool).await?;
             eprintln!("im-gateway: migrations applied: {applied:?} (none means up to date)");
             Ok(())
@@ -242,7 +242,7 @@ async fn run(cmd: Cmd) -> anyhow::Result<()> {
             let url = config::database_url()?;
             let timeout = config::db_timeout()?;
             dbconnect::probe(&url, timeout).await?;
-            let pool = store::connect(&url, 2, timeout, None, SyncCommit::On).await?;
+            let pool = store::connect(&url, 2, timeout, None, SyncCommit::On, None).await?;
             migrate::check(&pool).await?;
             if let Some(out) = admin::run(&pool, &command).await? {
                 println!("{out}");
@@ -257,6 +257,7 @@ async fn run(cmd: Cmd) -> anyhow::Result<()> {
 async fn serve() -> anyhow::Result<()> {
     let cfg = config::Config::from_env()?;
     dbconnect::probe(&cfg.database_url, cfg.db_timeout()).await?;
+    let lineage = std::sync::Arc::new(im_gateway::lineage::Lineage::default());
     // One more than IM_DB_POOL_MAX: the LISTEN connection is taken from the pool.
     let pool = store::connect(
         &cfg.database_url,
@@ -264,6 +265,7 @@ async fn serve() -> anyhow::Result<()> {
         cfg.db_work_deadline(),
         Some(cfg.db_timeout()),
         cfg.synchronous_commit,
+        Some(lineage.clone()),
     )
     .await?;
     migrate::check(&pool).await?;
@@ -316,7 +318,7 @@ async fn serve() -> anyhow::Result<()> {
         out.flush().context("flush the readiness line")?;
     }
     tracing::info!(%addr, sweep_ms = cfg.sweep_interval_ms, "serving");
-    server::serve(listener, cfg, pool, pg_listener, cancel).await
+    server::serve(listener, cfg, pool, pg_listener, lineage, cancel).await
 }
 
 #[cfg(test)]

@@ -160,6 +160,7 @@ mod tests {
             cmid: "x".into(),
             body: "hi".into(),
             at_ms: 0,
+            epoch: 1,
         };
         (sent, ev)
     }

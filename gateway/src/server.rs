@@ -13,6 +13,7 @@
 use crate::config::Config;
 use crate::hub::Hub;
 use crate::limits::{AddrCounts, HelloThrottle};
+use crate::lineage::{self, Lineage};
 use crate::observer::Observer;
 use crate::state::{State, FANOUT_POOL_MAX};
 use crate::{batch, conn, fanout, store, sweep};
@@ -66,6 +67,7 @@ pub async fn serve(
     cfg: Config,
     pool: PgPool,
     pg_listener: fanout::Listening,
+    lineage: Arc<Lineage>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let fanout_pool = store::connect(
@@ -74,6 +76,7 @@ pub async fn serve(
         cfg.db_timeout(),
         Some(cfg.db_timeout()),
         cfg.synchronous_commit,
+        Some(lineage.clone()),
     )
     .await?;
     let (notifier, notifier_rx) = store::Notifier::new();
@@ -96,6 +99,7 @@ pub async fn serve(
         tracker: TaskTracker::new(),
         cancel: cancel.clone(),
         sweep_now: Notify::new(),
+        lineage,
         changes: Default::default(),
         hello_throttle: HelloThrottle::new(
             cfg.hello_fails_per_addr_per_min,
@@ -107,6 +111,7 @@ pub async fn serve(
         .tracker
         .spawn(fanout::run(state.clone(), pg_listener, notifier_rx));
     state.tracker.spawn(sweep::run(state.clone()));
+    state.tracker.spawn(lineage::watch(state.clone()));
 
     let slots = Arc::new(Semaphore::new(state.cfg.connections_max));
     let handshakes = Arc::new(Semaphore::new(state.cfg.handshakes_max));

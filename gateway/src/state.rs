@@ -26,6 +26,8 @@ pub struct State {
     pub pool: PgPool,
     /// Who is connected, authenticated and subscribed.
     pub hub: Arc<Hub>,
+    /// The database lineage this gateway serves from (issue 21, [`crate::lineage`]).
+    pub lineage: Arc<crate::lineage::Lineage>,
     /// Every task of the gateway, waited for (bounded) at shutdown.
     pub tracker: TaskTracker,
     /// The root token: cancelled on SIGTERM/SIGINT.

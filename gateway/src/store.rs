@@ -6,6 +6,7 @@ use crate::bugs::{self, Bug};
 use crate::config::SyncCommit;
 use crate::error::{from_db, WireError};
 use crate::faults::{self, points};
+use crate::lineage::Lineage;
 use crate::protocol::{ConvHead, Event, Reply};
 use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
@@ -13,6 +14,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Row;
 use std::borrow::Cow;
 use std::ops::ControlFlow;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The authenticated side of a connection, fixed by `hello`.
@@ -104,13 +106,16 @@ const IDLE_PING: Duration = Duration::from_secs(1);
 /// Opens a pool. Every connection gets `synchronous_commit` = `sync` (`on` by default: D6
 /// must not depend on a server or role default), and, with `statement_timeout`, that
 /// timeout, so statements left running after a request's deadline (see `state::State::db`)
-/// cannot pin connections.
+/// cannot pin connections. With `lineage` (the serving gateway's pools), every new
+/// connection checks the database's lineage before it serves anything and moves every
+/// conversation's epoch if it changed ([`crate::lineage`], migration 0006).
 pub async fn connect(
     url: &str,
     max: u32,
     acquire_timeout: Duration,
     statement_timeout: Option<Duration>,
     sync: SyncCommit,
+    lineage: Option<Arc<Lineage>>,
 ) -> anyhow::Result<PgPool> {
     use anyhow::Context;
     // 0 = no timeout (PostgreSQL's default).
@@ -140,18 +145,44 @@ pub async fn connect(
         })
         .after_connect(move |conn, _meta| {
             let timeout_ms = timeout_ms.clone();
+            let lineage = lineage.clone();
             Box::pin(async move {
                 sqlx::query(CONNECT_SQL)
                     .bind(timeout_ms)
                     .bind(sync.as_str())
                     .execute(&mut *conn)
                     .await?;
+                if let Some(l) = lineage {
+                    check_lineage(conn, &l).await?;
+                }
                 Ok(())
             })
         })
         .connect(url)
         .await
         .context("connect to PostgreSQL (IM_DATABASE_URL)")
+}
+
+/// Issue 21, item 3: `im_check_lineage()` on a new connection (it moves every
+/// conversation's epoch when the database's lineage changed), and what it found told to
+/// `lineage`. A schema without the function (not migrated: `serve` refuses it with a
+/// message right after) is not checked. The `no-epoch` bug skips the check.
+async fn check_lineage(conn: &mut sqlx::PgConnection, lineage: &Lineage) -> sqlx::Result<()> {
+    if bugs::active(Bug::NoEpoch) {
+        return Ok(());
+    }
+    let r: Result<(String, i32, bool), _> =
+        sqlx::query_as("SELECT system_identifier, timeline, moved FROM im_check_lineage()")
+            .fetch_one(&mut *conn)
+            .await;
+    match r {
+        Ok((system, timeline, moved)) => {
+            lineage.observe((system, timeline), moved);
+            Ok(())
+        }
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42883") => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// The durability settings a pool connection runs under, as the server reports them to
@@ -650,7 +681,7 @@ async fn show_uncommitted(
     .fetch_one(tx)
     .await
     .map_err(db("send.uncommitted"))?;
-    observer.uncommitted(sent, &event_from(&row), &row.get::<Vec<String>, _>(8));
+    observer.uncommitted(sent, &event_from(&row), &row.get::<Vec<String>, _>(9));
     Ok(())
 }
 
@@ -971,8 +1002,10 @@ pub async fn conv_states(
 ) -> Result<Vec<ConvHead>, WireError> {
     check_install(pool, who).await?;
     let rows = sqlx::query(
-        "SELECT m.conv_id, im_visible_head(m.conv_id, $1), COALESCE(dc.delivered_seq, 0)
+        "SELECT m.conv_id, im_visible_head(m.conv_id, $1), COALESCE(dc.delivered_seq, 0),
+                c.epoch::bigint
          FROM (SELECT DISTINCT conv_id FROM memberships WHERE user_id = $1) m
+         JOIN conversations c ON c.conv_id = m.conv_id
          LEFT JOIN device_cursors dc ON dc.device_id = $2 AND dc.conv_id = m.conv_id
          ORDER BY m.conv_id LIMIT $3",
     )
@@ -988,12 +1021,16 @@ pub async fn conv_states(
             conv: r.get(0),
             head: r.get(1),
             delivered: r.get(2),
+            epoch: r.get(3),
         })
         .collect())
 }
 
+/// An event's columns as [`event_from`] reads them: the row, and its conversation's epoch
+/// as this statement reads it (issue 21).
 const EVENT_COLUMNS: &str = "e.conv_id, e.seq, e.kind, e.mid, e.sender_user, e.cmid, e.body,
-     (extract(epoch FROM e.at) * 1000)::bigint";
+     (extract(epoch FROM e.at) * 1000)::bigint,
+     (SELECT c.epoch::bigint FROM conversations c WHERE c.conv_id = e.conv_id)";
 
 fn event_from(r: &sqlx::postgres::PgRow) -> Event {
     Event {
@@ -1005,6 +1042,7 @@ fn event_from(r: &sqlx::postgres::PgRow) -> Event {
         cmid: r.get(5),
         body: r.get(6),
         at_ms: r.get(7),
+        epoch: r.get(8),
     }
 }
 
@@ -1200,8 +1238,8 @@ pub async fn events_with_audience(
         .iter()
         .map(|r| {
             let audience = Audience {
-                users: r.get::<Vec<String>, _>(8),
-                installs: r.get::<Vec<String>, _>(9).into_iter().collect(),
+                users: r.get::<Vec<String>, _>(9),
+                installs: r.get::<Vec<String>, _>(10).into_iter().collect(),
             };
             (event_from(r), audience)
         })
@@ -1417,6 +1455,7 @@ mod tests {
                 cmid: String::new(),
                 body: String::new(),
                 at_ms: 0,
+                epoch: 1,
             })
             .collect()
     }

@@ -749,7 +749,7 @@ mod tests {
             sqlx::query_scalar("SELECT version FROM _sqlx_migrations ORDER BY version")
                 .fetch_all(&pool)
                 .await?;
-        assert_eq!(versions, vec![1, 2, 3, 4, 5]);
+        assert_eq!(versions, vec![1, 2, 3, 4, 5, 6]);
         sqlx::query("UPDATE _sqlx_migrations SET checksum = '\\x00'::bytea WHERE version = 2")
             .execute(&pool)
             .await?;

@@ -247,6 +247,7 @@ mod tests {
             cmid: "k\"1".into(),
             body: body.into(),
             at_ms: 1_700_000_000_123,
+            epoch: 1,
         }
     }
 
@@ -275,6 +276,7 @@ mod tests {
                     conv: "c1".into(),
                     head: 4,
                     delivered: 2,
+                    epoch: 1,
                 }],
             },
             Reply::Synced {

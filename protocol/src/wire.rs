@@ -217,6 +217,11 @@ pub struct Event {
     /// Commit-side timestamp, milliseconds since the Unix epoch.
     #[serde(rename = "at")]
     pub at_ms: i64,
+    /// The conversation's sequence epoch when the gateway read the event (issue 21): it
+    /// moves when the database may have lost history (a new lineage, migration 0006), and
+    /// a device that sees it move discards what it holds of the conversation and syncs
+    /// again.
+    pub epoch: i64,
 }
 
 impl Event {
@@ -226,6 +231,7 @@ impl Event {
         json!({
             "conv": self.conv, "seq": self.seq, "kind": self.kind, "mid": self.mid,
             "sender": self.sender, "cmid": self.cmid, "body": self.body, "at": self.at_ms,
+            "epoch": self.epoch,
         })
     }
 }
@@ -238,6 +244,8 @@ pub struct ConvHead {
     pub head: i64,
     /// The device's cursor (`delivered_seq`, 0 without a row).
     pub delivered: i64,
+    /// The conversation's sequence epoch (see [`Event::epoch`]).
+    pub epoch: i64,
 }
 
 /// A reply to one request (SPEC 2), typed until [`render`] turns it into JSON.
@@ -373,7 +381,10 @@ pub fn render(frame: &Frame) -> String {
                 Reply::Subbed { convs } => {
                     let convs: Vec<_> = convs
                         .iter()
-                        .map(|c| json!({"conv": c.conv, "head": c.head, "delivered": c.delivered}))
+                        .map(|c| {
+                            json!({"conv": c.conv, "head": c.head, "delivered": c.delivered,
+                                   "epoch": c.epoch})
+                        })
                         .collect();
                     json!({"t": "subbed", "convs": convs})
                 }
@@ -483,6 +494,7 @@ mod tests {
             cmid: "k\"1".into(),
             body: "hé \n \u{1}".into(),
             at_ms: 1_700_000_000_123,
+            epoch: 1,
         }
     }
 
@@ -534,9 +546,10 @@ mod tests {
                         conv: "c1".into(),
                         head: 4,
                         delivered: 2,
+                        epoch: 1,
                     }],
                 },
-                json!({"t": "subbed", "convs": [{"conv": "c1", "head": 4, "delivered": 2}]}),
+                json!({"t": "subbed", "convs": [{"conv": "c1", "head": 4, "delivered": 2, "epoch": 1}]}),
             ),
             (
                 Reply::Subbed { convs: vec![] },
@@ -569,7 +582,7 @@ mod tests {
         );
         assert_eq!(
             event_frame(&e),
-            r#"{"ev":{"at":1700000000123,"body":"hé \n \u0001","cmid":"k\"1","conv":"c1","kind":"msg","mid":"m-1","sender":"alice","seq":3},"t":"event"}"#
+            r#"{"ev":{"at":1700000000123,"body":"hé \n \u0001","cmid":"k\"1","conv":"c1","epoch":1,"kind":"msg","mid":"m-1","sender":"alice","seq":3},"t":"event"}"#
         );
         for why in [HintWhy::Sweep, HintWhy::Overflow] {
             let hint = Frame::Push(Push::Hint {

@@ -540,6 +540,37 @@ pub async fn connect(
     Ok(c)
 }
 
+/// Issue 21: the gateway closes every connection when it finds the database on a new
+/// lineage (a promoted standby; `gateway/src/lineage.rs`). Waits up to `within` for `c`'s
+/// connection to close, then connects it again, as a device does, and subscribes it when
+/// `sub` (its `subbed` names the moved epochs: the device reconciles). Returns whether the
+/// gateway closed it; asserts nothing, so a check judges what follows either way.
+pub async fn reconnect_after_lineage_move(
+    w: &harness::world::World,
+    c: &mut harness::client::Client,
+    sub: bool,
+    within: std::time::Duration,
+) -> anyhow::Result<bool> {
+    let closed = harness::util::wait_until(
+        "the gateway to close the connection",
+        std::time::Instant::now() + within,
+        async || if c.is_connected() { Err(()) } else { Ok(()) },
+    )
+    .await
+    .is_ok();
+    if closed {
+        c.connect(&w.ws_url())
+            .await
+            .map_err(|e| anyhow::anyhow!("reconnect {}: {e}", c.device()))?;
+        if sub {
+            c.sub()
+                .await
+                .map_err(|e| anyhow::anyhow!("sub {}: {e}", c.device()))?;
+        }
+    }
+    Ok(closed)
+}
+
 /// Provisions users `alice` (device `a1`) and `bob` (device `b1`) and conversation `c1`
 /// with both as members; returns the two device tokens.
 pub async fn provision_alice_and_bob(

@@ -11,7 +11,7 @@ use harness::util::{poll, wait_until};
 use harness::world::{Replication, World, WorldOpts};
 use scenarios::{
     alice_and_bob, connect, durability_settings, judge, judge_measure, ms, postgres_facts,
-    provision_alice_and_bob, quantile, Check, Through,
+    provision_alice_and_bob, quantile, reconnect_after_lineage_move, Check, Through,
 };
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -1428,6 +1428,25 @@ async fn replay_all(senders: &[Client]) -> anyhow::Result<Vec<(String, i64)>> {
     Ok(replayed)
 }
 
+/// Issue 21: after a promotion the gateway closes every connection once it finds the new
+/// lineage. Waits (up to 5 s) for the receiver's connection to close, then connects every
+/// client again (the receiver subscribed, so it learns the moved epochs and reconciles).
+/// Returns how many the gateway had closed.
+async fn reconnect_after_promotion(
+    w: &World,
+    receiver: &mut Client,
+    others: &mut [&mut Client],
+) -> anyhow::Result<usize> {
+    let mut closed =
+        usize::from(reconnect_after_lineage_move(w, receiver, true, Duration::from_secs(5)).await?);
+    for c in others.iter_mut() {
+        closed += usize::from(
+            reconnect_after_lineage_move(w, c, false, Duration::from_millis(200)).await?,
+        );
+    }
+    Ok(closed)
+}
+
 /// 200 sequential single-row commits (`synchronous_commit=on`) on `pool`: latency p50 and
 /// commits/s. The layer's cost is this on the LazyFS cluster against a plain one.
 async fn commit_bench(pool: &sqlx::PgPool) -> anyhow::Result<Value> {
@@ -1605,8 +1624,8 @@ async fn failover_check(id: &str, synchronous: bool) {
         .await?;
         c.set_postgres(postgres_facts(&w.pool().await?).await?);
         let mut settings = durability_settings(&w).await?;
-        let (a, b) = alice_and_bob(&w).await?;
-        let senders = four_senders(&w).await?;
+        let (mut a, mut b) = alice_and_bob(&w).await?;
+        let mut senders = four_senders(&w).await?;
         let load = Load::new();
         let fail_at = async {
             let rate = load.wait_acked(200).await;
@@ -1633,6 +1652,9 @@ async fn failover_check(id: &str, synchronous: bool) {
                    "synchronous_standby_names": if synchronous { "standby" } else { "" }}),
         );
         c.expect_ge("acknowledged_before_failover", 200, acked.len());
+        let mut others: Vec<&mut Client> = std::iter::once(&mut a).chain(senders.iter_mut()).collect();
+        let closed = reconnect_after_promotion(&w, &mut b, &mut others).await?;
+        c.observe("connections_closed_by_the_lineage_move", closed);
         // The gateway recovers on its own: the in-flight sends replay through it.
         let pending: Vec<String> = senders
             .iter()
@@ -1850,8 +1872,8 @@ async fn im06_failover_pg_auto_failover() {
         let mut settings = durability_settings(&w).await?;
         c.observe("pg_autoctl_version", formation.version().await);
         c.observe("pg_auto_failover_settings", formation.settings().await?);
-        let (a, b) = alice_and_bob(&w).await?;
-        let senders = four_senders(&w).await?;
+        let (mut a, mut b) = alice_and_bob(&w).await?;
+        let mut senders = four_senders(&w).await?;
         let replication = formation.replication().await?;
         let synchronous = replication["mode"] == "synchronous";
         c.observe("replication", &replication);
@@ -1888,6 +1910,11 @@ async fn im06_failover_pg_auto_failover() {
         let mut probe_tries = 0;
         let probe_ms = loop {
             probe_tries += 1;
+            // The gateway closes its connections when it finds the promoted node's lineage
+            // (issue 21): a client connects again.
+            if !a.is_connected() {
+                let _ = a.connect(&w.ws_url()).await;
+            }
             let r = a
                 .send(
                     "c1",
@@ -1939,6 +1966,10 @@ async fn im06_failover_pg_auto_failover() {
             formation.timeline(crash.at),
         );
         c.observe("follower", formation.follower_stats());
+        let mut others: Vec<&mut Client> =
+            std::iter::once(&mut a).chain(senders.iter_mut()).collect();
+        let closed = reconnect_after_promotion(&w, &mut b, &mut others).await?;
+        c.observe("connections_closed_by_the_lineage_move", closed);
         // The gateway recovered on its own: the in-flight sends replay through it.
         let pending: usize = senders.iter().map(|s| s.outbox().len()).sum();
         let t_recover = Instant::now();

@@ -23,7 +23,7 @@ use harness::client::{Client, ClientStats};
 use harness::gateway::GatewayOpts;
 use harness::util::wait_until;
 use harness::world::World;
-use scenarios::{db_invariant_violations, judge_test};
+use scenarios::{db_invariant_violations, judge_test, reconnect_after_lineage_move};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(10);
@@ -524,8 +524,8 @@ async fn repair_dropped_notify_after_a_promotion() {
     let ta = w.add_device("a1", "alice").await.unwrap();
     let tb = w.add_device("b1", "bob").await.unwrap();
     w.add_conv("c1", &["alice", "bob"]).await.unwrap();
-    let a = join(&w, 0, "a1", &ta, false).await.unwrap();
-    let b = join(&w, 0, "b1", &tb, true).await.unwrap();
+    let mut a = join(&w, 0, "a1", &ta, false).await.unwrap();
+    let mut b = join(&w, 0, "b1", &tb, true).await.unwrap();
     a.send("c1", "m1", "replicated", T).await.unwrap();
     b.wait_server_delivered("c1", 1, T).await.unwrap();
     // Everything so far reaches the standby; then its link is cut.
@@ -578,6 +578,11 @@ async fn repair_dropped_notify_after_a_promotion() {
     })
     .await
     .unwrap();
+    // The new lineage closed every connection (issue 21): the devices connect again, the
+    // receiver subscribed (its epoch moved: it discards m1 and syncs it again).
+    for (c, sub) in [(&mut b, true), (&mut a, false)] {
+        reconnect_after_lineage_move(&w, c, sub, T).await.unwrap();
+    }
     // Idle: the pass at the regained LISTEN is long over.
     tokio::time::sleep(Duration::from_millis(SWEEP_MS * IDLE_INTERVALS as u64)).await;
     let before = b.stats();

@@ -47,6 +47,10 @@ pub(super) fn d3_ack_beyond_store(cx: &Ctx, out: &mut Findings) {
                     .or_insert_with(|| persisted(device, conv));
                 p.seqs.extend(events.iter().map(|ev| ev.seq));
             }
+            // Issue 21: the device discarded what it held of the conversation.
+            Line::Store(Store::Epoch { conv, .. }) => {
+                st.insert((device, conv), persisted(device, conv));
+            }
             Line::Invoke(Invoke::Ack {
                 conv,
                 seq,
@@ -124,13 +128,33 @@ pub(super) fn d4_decrease(cx: &Ctx, out: &mut Findings) {
     // (device, conv) → (position of a completion, max delivered received up to and
     // including it, the line that brought that max), ascending by position.
     let mut seen: HashMap<Pair, Vec<(usize, i64, u64)>> = HashMap::new();
+    // Issue 21: the epoch each device last knew of each conversation. Across a move the
+    // database is another history (a promoted standby's), whose cursors may be lower: a
+    // `delivered` is compared only with those of the same epoch.
+    let mut epochs: HashMap<Pair, i64> = HashMap::new();
     for (p, e) in cx.h.iter().enumerate() {
         let got: Vec<(&str, i64)> = match &e.line {
             Line::Ok(Done::Ack { conv, delivered }) => vec![(conv, *delivered)],
-            Line::Ok(Done::Sub { convs }) => convs
-                .iter()
-                .map(|c| (c.conv.as_str(), c.delivered))
-                .collect(),
+            Line::Ok(Done::Sub { convs }) => {
+                for c in convs {
+                    let Some(epoch) = c.epoch else { continue };
+                    let key = (e.process.as_str(), c.conv.as_str());
+                    if epochs.insert(key, epoch).is_some_and(|was| was != epoch) {
+                        seen.remove(&key);
+                    }
+                }
+                convs
+                    .iter()
+                    .map(|c| (c.conv.as_str(), c.delivered))
+                    .collect()
+            }
+            Line::Store(Store::Epoch { conv, to, .. }) => {
+                let key = (e.process.as_str(), conv.as_str());
+                if epochs.insert(key, *to) != Some(*to) {
+                    seen.remove(&key);
+                }
+                continue;
+            }
             _ => continue,
         };
         let invoked = cx.invoke_pos(e);

@@ -140,7 +140,9 @@ pub(super) fn info_sends(cx: &Ctx) -> InfoSends {
 
 /// Rule 12, `store-mismatch` (D1/D6: what a client was given is what the database kept):
 /// every event in a client's state file at the end is a row with the same mid, and a
-/// device never receives (push or sync) two different mids for one (conv, seq).
+/// device never receives (push or sync) two different mids for one (conv, seq) within one
+/// epoch of the conversation (issue 21: after an `epoch` line of the device, another
+/// message at a seq it had is the point of the move).
 pub(super) fn store_mismatch(cx: &Ctx, out: &mut Findings) {
     let mut stored_at: HashMap<DevSeq, u64> = HashMap::new();
     let mut received: HashMap<DevSeq, Vec<(&str, u64)>> = HashMap::new();
@@ -149,8 +151,11 @@ pub(super) fn store_mismatch(cx: &Ctx, out: &mut Findings) {
         match &e.line {
             Line::Store(Store::Store { conv, events, .. }) => {
                 for ev in events {
-                    stored_at.entry((device, conv, ev.seq)).or_insert(e.i);
+                    stored_at.insert((device, conv, ev.seq), e.i);
                 }
+            }
+            Line::Store(Store::Epoch { conv, .. }) => {
+                received.retain(|k, _| !(k.0 == device && k.1 == conv));
             }
             Line::Recv(Recv::Push(_)) | Line::Ok(Done::Sync { .. }) => {
                 let evs: &[EventRef] = match &e.line {
@@ -199,6 +204,47 @@ pub(super) fn store_mismatch(cx: &Ctx, out: &mut Findings) {
                     line.into_iter().collect(),
                 ));
             }
+        }
+    }
+}
+
+/// Rule 13, `held-lost` (D1/D6, issue 21: epochs that mean something): a device that
+/// received an event (push or sync) the database does not have at that seq at the end
+/// (the row missing, or another mid) was told, by an epoch change of the conversation
+/// that reached it afterwards (an `epoch` line of that device). An asynchronous failover
+/// may lose acknowledged messages, as its configuration says; it must leave no device
+/// silently holding them.
+pub(super) fn held_lost(cx: &Ctx, out: &mut Findings) {
+    // The last epoch line of each device and conversation.
+    let mut told: HashMap<(&str, &str), u64> = HashMap::new();
+    for e in cx.h {
+        if let Line::Store(Store::Epoch { conv, .. }) = &e.line {
+            told.insert((e.process.as_str(), conv.as_str()), e.i);
+        }
+    }
+    let mut flagged: HashSet<(&str, &str, i64, &str)> = HashSet::new();
+    for e in cx.h {
+        let device = e.process.as_str();
+        let evs: &[EventRef] = match &e.line {
+            Line::Recv(Recv::Push(ev)) => std::slice::from_ref(ev),
+            Line::Ok(Done::Sync { events, .. }) => events,
+            _ => continue,
+        };
+        for ev in evs {
+            let (conv, seq, mid) = (ev.conv.as_str(), ev.seq, ev.mid.as_str());
+            let row = cx.rows.get(&(conv, seq));
+            if row.is_some_and(|r| r.mid == mid)
+                || told.get(&(device, conv)).is_some_and(|&t| t > e.i)
+                || !flagged.insert((device, conv, seq, mid))
+            {
+                continue;
+            }
+            let w = Witness::HeldNotKept {
+                device: device.to_string(),
+                held: named(conv, seq, mid, Some(e.i)),
+                row: row.map(|r| (*r).clone()),
+            };
+            out.push(Anomaly::new(Kind::HeldLost, w, vec![e.i]));
         }
     }
 }

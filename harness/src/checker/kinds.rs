@@ -58,7 +58,9 @@ kinds! {
     D5SweepLate = "d5-sweep-late", "D5",
         "for a device that stayed behind (no ack reaching the hinted head in between), consecutive sweep hints more than sweep + 1000 ms apart, or (3+ gaps) a median gap over 1.5 x sweep. A reconnect of the device, a gateway start, or a fault that took the database away (`pg-crash`, `pg-power-cut`, `pg-primary-kill`: the sweep is a query; hints are not judged until a `pg-restart` succeeded or the address moved to the promoted standby) starts a new series. Hints received while any other nemesis fault is in force are not judged, except during a `client-crash` or a `gw-fault` that drops or refuses frames at a point other than `gw.reply.ack` (these leave the sweep alone; a dropped ack reply does not: the ack took effect unseen)";
     StoreMismatch = "store-mismatch", "D1/D6",
-        "a stored event whose row is missing or has another mid; one device received two different mids for one `(conv, seq)`";
+        "a stored event whose row is missing or has another mid; one device received two different mids for one `(conv, seq)` within one epoch of the conversation (its `epoch` line starts another)";
+    HeldLost = "held-lost", "D1/D6",
+        "a device received (push or sync) an event whose row `(conv, seq)` is missing at the end or has another mid, and no later `epoch` line of that device moved that conversation's epoch (an epoch change excuses it only if it reached the device)";
     ReplyBeforeCommit = "reply-before-commit", "D1",
         "a probe after a `sent` reply did not find the event";
     PushBeforeCommit = "push-before-commit", "D1",

@@ -169,6 +169,12 @@ pub const RULES: &[Rule] = &[
         delivery::store_mismatch,
     ),
     rule(
+        "held_lost",
+        "delivery",
+        &[Kind::HeldLost],
+        delivery::held_lost,
+    ),
+    rule(
         "before_commit",
         "commit",
         &[Kind::ReplyBeforeCommit, Kind::PushBeforeCommit],

@@ -330,7 +330,7 @@ fn a_clean_realistic_history_passes_with_every_count_zero() {
     let r = check(&b.h, &f);
     assert_eq!(r.anomalies, vec![], "{}", r.summary());
     assert_eq!(r.verdict, Verdict::Pass);
-    assert_eq!(r.counts.len(), 13);
+    assert_eq!(r.counts.len(), 14);
     assert!(Kind::ALL.iter().all(|k| r.counts[k] == 0));
     let json = serde_json::to_value(&r).unwrap();
     for k in Kind::ALL {
@@ -1472,4 +1472,83 @@ fn a_history_of_twenty_thousand_lines_is_judged_quickly() {
     assert_eq!(r.verdict, Verdict::Pass, "{:?}", &r.anomalies[..1]);
     assert_eq!(r.stats.delivery_ms.n, n as u64);
     assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}
+
+impl B {
+    /// An `epoch` line: `dev` discarded what it held of `conv` (issue 21).
+    fn epoch(&mut self, dev: &str, conv: &str, from: i64, to: i64) -> u64 {
+        self.line(
+            dev,
+            1,
+            Type::Store,
+            "epoch",
+            None,
+            json!({"conv": conv, "from": from, "to": to, "dropped": 1}),
+        )
+    }
+}
+
+/// Issue 21: a device that received a message the database does not have at that seq is
+/// an anomaly (`held-lost`) unless an epoch change of the conversation reached it after
+/// the receipt; one before it does not excuse it.
+#[test]
+fn held_lost_unless_an_epoch_change_reached_the_device_afterwards() {
+    let mut b = B::new();
+    let p = b.push("b1", "c1", 2, "gone");
+    let s = b.sync("b1", "c1", 2, &[(3, "never")], 3);
+    let held = only(&b, &two_rows(), Kind::HeldLost);
+    assert_eq!(held.len(), 2, "{held:?}");
+    assert_eq!(held[0].entries, vec![p]);
+    assert_eq!(
+        held[0].msg,
+        format!(
+            "b1 received c1:2 = mid gone (line {p}) but the row has mid m2, and no epoch \
+             change of c1 reached it afterwards"
+        )
+    );
+    assert_eq!(held[1].entries, vec![s]);
+    // Told afterwards: excused. Another device, or another conversation, is not told.
+    b.epoch("b1", "c1", 1, 2);
+    assert!(only(&b, &two_rows(), Kind::HeldLost).is_empty());
+    b.push("b2", "c1", 2, "gone");
+    b.epoch("b2", "c2", 1, 2);
+    assert_eq!(only(&b, &two_rows(), Kind::HeldLost).len(), 1);
+    // Told before the receipt: not excused.
+    let mut b = B::new();
+    b.epoch("b1", "c1", 1, 2);
+    b.push("b1", "c1", 2, "gone");
+    assert_eq!(only(&b, &two_rows(), Kind::HeldLost).len(), 1);
+}
+
+/// Issue 21: across an epoch change a device may get another message at a seq it had, and
+/// a `delivered` below one it saw in the old epoch: neither is `store-mismatch` nor D4.
+/// Without the change both are.
+#[test]
+fn an_epoch_change_starts_the_seqs_and_cursors_of_a_device_afresh() {
+    let sub = |b: &mut B, epoch: i64| {
+        let id = b.invoke("b1", "sub", json!({}));
+        b.done(
+            "b1",
+            Type::Ok,
+            "sub",
+            id,
+            json!({"convs": [{"conv": "c1", "head": 2, "delivered": 0, "epoch": epoch}]}),
+        );
+    };
+    for moved in [false, true] {
+        let mut b = B::new();
+        sub(&mut b, 1);
+        b.push("b1", "c1", 2, "old");
+        b.ack("b1", "c1", 2, true, 2);
+        sub(&mut b, if moved { 2 } else { 1 });
+        if moved {
+            b.epoch("b1", "c1", 1, 2);
+        }
+        b.push("b1", "c1", 2, "m2");
+        let f = two_rows();
+        let n = usize::from(!moved);
+        assert_eq!(only(&b, &f, Kind::StoreMismatch).len(), n, "moved {moved}");
+        assert_eq!(only(&b, &f, Kind::D4Decrease).len(), n, "moved {moved}");
+        assert_eq!(only(&b, &f, Kind::HeldLost).len(), n, "moved {moved}");
+    }
 }

@@ -134,6 +134,14 @@ pub enum Witness {
         stored: Named,
         row: Option<FinalEvent>,
     },
+    /// `held-lost`: a device received a message the database does not have at that seq at
+    /// the end (`row` null: no row), and no epoch change of the conversation reached it
+    /// afterwards.
+    HeldNotKept {
+        device: String,
+        held: Named,
+        row: Option<FinalEvent>,
+    },
     /// `reply-before-commit` / `push-before-commit`: a probe right after the reply or push
     /// did not find the message.
     NotVisible {
@@ -337,6 +345,21 @@ impl Witness {
                 second.mid,
                 second.line.unwrap_or_default()
             ),
+            Witness::HeldNotKept { device, held, row } => {
+                let what = match row {
+                    Some(r) => format!("the row has mid {}", r.mid),
+                    None => "the final read has no such row".to_string(),
+                };
+                format!(
+                    "{device} received {}:{} = mid {} (line {}) but {what}, and no epoch \
+                     change of {} reached it afterwards",
+                    held.conv,
+                    held.seq,
+                    held.mid,
+                    held.line.unwrap_or_default(),
+                    held.conv
+                )
+            }
             Witness::StoredNotKept {
                 device,
                 stored,
@@ -381,6 +404,7 @@ impl Witness {
             Witness::SentNotKept { sent: n, .. }
             | Witness::TwoMessagesAtOneSeq { first: n, .. }
             | Witness::StoredNotKept { stored: n, .. }
+            | Witness::HeldNotKept { held: n, .. }
             | Witness::NotVisible { expected: n, .. } => Some(&n.conv),
             Witness::RowNeverSent { row } => Some(&row.conv),
             Witness::CursorUnexplained { write, .. } | Witness::CursorWrittenDown { write } => {
@@ -412,6 +436,7 @@ impl Witness {
             | Witness::SweepMedian { device, .. }
             | Witness::TwoMessagesAtOneSeq { device, .. }
             | Witness::StoredNotKept { device, .. }
+            | Witness::HeldNotKept { device, .. }
             | Witness::NotVisible { device, .. } => Some(device),
             Witness::CursorUnexplained { write, .. } | Witness::CursorWrittenDown { write } => {
                 Some(&write.device)

@@ -207,6 +207,13 @@ impl Delivery {
         t.acked = delivered.unwrap_or(0);
     }
 
+    /// Issue 21: the conversation's epoch moved (the database may have lost history): the
+    /// core forgets it (cursor 0, nothing stored, acked or on its way), as for a
+    /// conversation never seen.
+    pub fn forget(&mut self, conv: &str) {
+        self.convs.remove(conv);
+    }
+
     /// Highest seq through which every visible event is stored (0 if none).
     pub fn cursor(&self, conv: &str) -> i64 {
         self.convs.get(conv).map_or(0, |t| t.cursor)

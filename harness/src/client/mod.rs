@@ -580,21 +580,23 @@ impl Client {
             .inner
             .request(Request::Sub, opts.request_timeout)
             .await?;
-        let Some(Reply::Subbed { convs }) = reply.reply() else {
+        let Some(Reply::Subbed { convs: heads }) = reply.reply() else {
             self.inner.lock().stats.malformed_frames += 1;
             return Err(ClientError::Other(anyhow!(
                 "malformed subbed reply: {}",
                 reply.value
             )));
         };
-        let convs: Vec<(String, i64, i64)> = convs
-            .iter()
-            .map(|c| (c.conv.clone(), c.head, c.delivered))
-            .collect();
+        let mut convs: Vec<(String, i64, i64, bool)> = Vec::with_capacity(heads.len());
         {
             let mut st = self.inner.lock();
             st.subscribed = true;
-            for (conv, head, delivered) in &convs {
+            for c in heads {
+                let (conv, head, delivered) = (&c.conv, &c.head, &c.delivered);
+                // Issue 21: an epoch moved while this device was away (or connected: the
+                // gateway closed its connections): discard and sync again from 0.
+                let moved = self.inner.see_epoch(&mut st, conv, c.epoch) == pump::EpochSeen::Moved;
+                convs.push((conv.clone(), *head, *delivered, moved));
                 st.note_head(conv, *head);
                 st.record_delivered(conv, *delivered);
                 st.delivery.subscribed(conv, *delivered);
@@ -604,9 +606,13 @@ impl Client {
                 .context("persist subbed cursors")?;
         }
         self.inner.notify();
-        for (conv, head, delivered) in &convs {
-            if delivered < head {
-                let from = self.cursor(conv).min(*delivered);
+        for (conv, head, delivered, moved) in &convs {
+            if delivered < head || *moved {
+                let from = if *moved {
+                    0
+                } else {
+                    self.cursor(conv).min(*delivered)
+                };
                 self.inner.sync_until_complete(conv, from).await?;
             }
             if opts.auto_ack {

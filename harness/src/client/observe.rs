@@ -49,6 +49,11 @@ pub struct ClientStats {
     pub delivered_decreases: u64,
     /// State file writes that failed (no ack is sent while the file is behind).
     pub persist_errors: u64,
+    /// Issue 21: conversations discarded and synced again because their epoch moved.
+    pub epoch_moves: u64,
+    /// Frames of an epoch older than the one this device knows (read before the move),
+    /// ignored.
+    pub stale_epoch_frames: u64,
 }
 
 /// every other outcome without a success reply is `info` (it may have happened).

@@ -12,11 +12,63 @@ use tokio::task::JoinSet;
 
 use super::delivery::{Hinted, NextPage, Pushed};
 use super::{bugs, ClientError, CrashAt, Inner, SYNC_PAGES_MAX};
-use crate::history::{Invoke, Via};
+use crate::history::{Invoke, Line, Store, Via};
 use im_protocol::wire::{Event, HintWhy, Reply, Request};
 use im_protocol::ServerFrame;
 
+/// What a conversation's epoch in a frame means to this device (issue 21).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum EpochSeen {
+    /// The epoch it knows (or the first it hears of).
+    Same,
+    /// A newer one: what it held of the conversation is discarded; sync again from 0.
+    Moved,
+    /// An older one: the frame was read before the move; ignore what it carries.
+    Stale,
+}
+
 impl Inner {
+    /// Issue 21: the server named `epoch` for `conv`. When it moved from the one this device
+    /// knew, the database may have lost history the device holds, and another message may
+    /// now stand at a seq it has: it discards every event it holds of the conversation and
+    /// its cursor (the delivery core forgets it), records an `epoch` line, and the caller
+    /// syncs again from 0, so the device holds what the database has and its cursor
+    /// follows. Persisted by the caller's next write.
+    pub(super) fn see_epoch(&self, st: &mut super::State, conv: &str, epoch: i64) -> EpochSeen {
+        let c = st.file.convs.entry(conv.to_string()).or_default();
+        match c.epoch {
+            None => {
+                c.epoch = Some(epoch);
+                EpochSeen::Same
+            }
+            Some(known) if known == epoch => EpochSeen::Same,
+            Some(known) if epoch < known => {
+                st.stats.stale_epoch_frames += 1;
+                EpochSeen::Stale
+            }
+            Some(known) => {
+                let dropped = c.events.len();
+                c.events.clear();
+                c.cursor = 0;
+                c.server_delivered = None;
+                c.epoch = Some(epoch);
+                st.delivery.forget(conv);
+                st.heads.remove(conv);
+                st.stats.epoch_moves += 1;
+                self.rec(
+                    None,
+                    Line::Store(Store::Epoch {
+                        conv: conv.to_string(),
+                        from: known,
+                        to: epoch,
+                        dropped,
+                    }),
+                );
+                EpochSeen::Moved
+            }
+        }
+    }
+
     /// Sends an ack of the cursor before persisting `events` (the `ack-before-persist`
     /// client bug), then persists them, unless the crash point struck in between.
     pub(super) async fn ack_then_persist(&self, conv: &str, via: Via, events: Vec<(i64, Value)>) {
@@ -158,12 +210,22 @@ impl Inner {
                 st.stats.syncs_run += 1;
                 st.note_head(conv, head);
                 let mut page: Vec<(i64, &Event)> = Vec::with_capacity(events.len());
+                let mut seen = EpochSeen::Same;
                 for ev in events {
                     if ev.conv != conv {
                         st.stats.malformed_frames += 1;
                         continue;
                     }
-                    page.push((ev.seq, ev));
+                    match self.see_epoch(st, conv, ev.epoch) {
+                        EpochSeen::Same => page.push((ev.seq, ev)),
+                        s => seen = s,
+                    }
+                }
+                if seen != EpochSeen::Same {
+                    // The epoch moved (what was held is gone: start again from 0), or the
+                    // page was read before a move (ask again from the cursor).
+                    after = st.delivery.sync_begin(conv, 0);
+                    continue;
                 }
                 let seqs: Vec<i64> = page.iter().map(|(s, _)| *s).collect();
                 let c = st.file.convs.entry(conv.to_string()).or_default();
@@ -302,6 +364,9 @@ impl Inner {
             let mut st = self.lock();
             let st = &mut *st;
             st.stats.pushes_received += 1;
+            if self.see_epoch(st, &conv, ev.epoch) == EpochSeen::Stale {
+                return None;
+            }
             match st.delivery.push(&conv, seq) {
                 Pushed::Duplicate => {
                     st.stats.duplicates_ignored += 1;

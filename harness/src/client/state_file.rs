@@ -37,6 +37,10 @@ pub(super) struct ConvFile {
     pub(super) server_delivered: Option<i64>,
     /// Stored events (`ev` objects as received), by seq.
     pub(super) events: BTreeMap<i64, Value>,
+    /// The conversation's sequence epoch these events belong to (issue 21; `None` until
+    /// the server first named it).
+    #[serde(default)]
+    pub(super) epoch: Option<i64>,
 }
 
 /// The durable state file.

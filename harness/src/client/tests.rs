@@ -102,7 +102,7 @@ fn responder(other: impl Fn(&Value) -> Vec<Value> + Send + Sync + 'static) -> Re
 
 fn ev(conv: &str, seq: i64) -> Value {
     json!({"conv": conv, "seq": seq, "kind": "msg", "mid": format!("m{seq}"), "sender": "u2",
-           "cmid": format!("x{seq}"), "body": format!("b{seq}"), "at": 1_735_689_600_000_i64})
+           "cmid": format!("x{seq}"), "body": format!("b{seq}"), "at": 1_735_689_600_000_i64, "epoch": 1})
 }
 
 fn push_ev(conv: &str, seq: i64) -> Value {
@@ -313,7 +313,7 @@ async fn store_survives_restart_and_sub_dedupes() -> anyhow::Result<()> {
         Some("sub") => vec![reply(
             req,
             "subbed",
-            json!({"convs": [{"conv": "a", "head": 0, "delivered": 0}]}),
+            json!({"convs": [{"conv": "a", "head": 0, "delivered": 0, "epoch": 1}]}),
         )],
         _ => vec![],
     }))
@@ -347,7 +347,7 @@ async fn store_survives_restart_and_sub_dedupes() -> anyhow::Result<()> {
         Some("sub") => vec![reply(
             req,
             "subbed",
-            json!({"convs": [{"conv": "a", "head": 5, "delivered": 0}]}),
+            json!({"convs": [{"conv": "a", "head": 5, "delivered": 0, "epoch": 1}]}),
         )],
         Some("sync") => {
             let after = req.get("after").and_then(Value::as_i64).unwrap_or(0);
@@ -648,4 +648,56 @@ fn typed_requests_are_the_frames_and_invokes_of_before() {
         assert_eq!(sent, with_rid);
         assert_eq!(sent.to_string(), with_rid.to_string());
     }
+}
+
+/// Issue 21: a push whose conversation epoch moved makes the client discard what it held
+/// of the conversation (events and cursor), sync again from 0, hold only what the new
+/// epoch's server has (another message at a seq it had included), and ack it; a frame of
+/// an older epoch afterwards is ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_epoch_discards_the_conversation_and_syncs_from_zero() -> anyhow::Result<()> {
+    let dir = TestDir::new("epoch")?;
+    let moved = |seq: i64| {
+        let mut e = ev("a", seq);
+        e["epoch"] = json!(2);
+        e["mid"] = json!(format!("new{seq}"));
+        e
+    };
+    let mut s = fake(responder(move |req| match field_str(req, "t") {
+        Some("sync") => vec![reply(
+            req,
+            "synced",
+            json!({"conv": "a", "events": [moved(1), moved(2)], "head": 2, "complete": true}),
+        )],
+        _ => vec![],
+    }))
+    .await?;
+    let c = Client::create(&dir.state(), "d1", "t", 1, None)?;
+    let mut c = c;
+    c.connect(&s.url).await?;
+    for seq in 1..=3 {
+        s.push.send(push_ev("a", seq))?;
+    }
+    c.wait_cursor("a", 3, WAIT).await?;
+    // Seq 2 now holds another message and 3 is gone: the database lost history.
+    s.push.send(json!({"t": "event", "ev": moved(2)}))?;
+    let (_, sync) = expect(&mut s.got, WAIT, is("sync")).await?;
+    assert_eq!(sync["after"], json!(0));
+    let (_, ack) = expect(&mut s.got, WAIT, |v| is("ack")(v) && v["seq"] == json!(2)).await?;
+    assert_eq!(ack["conv"], json!("a"));
+    assert_eq!(c.cursor("a"), 2);
+    assert_eq!(c.stored_seqs("a"), vec![1, 2]);
+    assert_eq!(c.stored("a")[1]["mid"], json!("new2"));
+    // A push read before the move (epoch 1) is ignored.
+    s.push.send(push_ev("a", 3))?;
+    s.push.send(json!({"t": "event", "ev": moved(3)}))?;
+    c.wait_cursor("a", 3, WAIT).await?;
+    assert_eq!(c.stored("a")[2]["mid"], json!("new3"));
+    let st = c.stats();
+    assert_eq!((st.epoch_moves, st.stale_epoch_frames), (1, 1));
+    // The move is durable: a restarted client knows epoch 2.
+    c.crash().await;
+    let c2 = Client::load(&dir.state(), None)?;
+    assert_eq!(c2.stored_seqs("a"), vec![1, 2, 3]);
+    Ok(())
 }

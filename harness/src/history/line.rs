@@ -304,6 +304,7 @@ impl Done {
                         conv: c.conv.clone(),
                         head: c.head,
                         delivered: c.delivered,
+                        epoch: Some(c.epoch),
                     })
                     .collect(),
             },
@@ -343,6 +344,9 @@ pub struct SubConv {
     pub conv: String,
     pub head: i64,
     pub delivered: i64,
+    /// The conversation's sequence epoch (issue 21; absent in older histories).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<i64>,
 }
 
 /// An event as the history names it (pushes and sync pages): no body, no time.
@@ -471,6 +475,16 @@ pub enum Store {
         events: Vec<StoredRef>,
         /// The client's cursor after the store.
         cursor: i64,
+    },
+    /// Issue 21: the conversation's sequence epoch moved from the one this device knew (the
+    /// database may have lost history it holds): it discarded what it held of the
+    /// conversation (`dropped` events, its cursor) and syncs again from 0. The op is
+    /// `epoch`.
+    Epoch {
+        conv: String,
+        from: i64,
+        to: i64,
+        dropped: usize,
     },
 }
 

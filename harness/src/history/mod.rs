@@ -512,7 +512,7 @@ mod tests {
                           "dup": false, "epoch": 1});
         let synced = json!({"t": "synced", "conv": "c1", "head": 1, "complete": true,
             "events": [{"conv": "c1", "seq": 1, "mid": "m", "sender": "alice", "cmid": "k1",
-                        "kind": "msg", "body": "hé", "at": 5}]});
+                        "kind": "msg", "body": "hé", "at": 5, "epoch": 1}]});
         let of = |op: OpName, v: &serde_json::Value| {
             Done::of_frame(op, v, &im_protocol::ServerFrame::parse(&v.to_string()))
         };

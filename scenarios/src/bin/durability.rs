@@ -116,10 +116,17 @@ struct Run {
     acknowledged_lost: usize,
     acknowledged_other_seq: usize,
     acknowledged_lost_sample: Vec<String>,
-    /// Stored events of the receivers whose seq the database now holds with another
-    /// message, or not at all, after they caught up again.
+    /// Stored events of the receivers, as they held them when the fault was over, whose seq
+    /// the database now holds with another message, or not at all: what a device would
+    /// keep if nothing told it (without the epoch).
     receivers_holding_what_the_database_lost: usize,
+    /// The same, once the receivers caught up again: the epoch told them of a failover
+    /// (issue 21: the gateway moves every epoch on a new lineage and closes its
+    /// connections; the receivers connect again and reconcile). Must be 0 in every cell.
+    receivers_holding_what_the_database_lost_with_epoch: usize,
     receivers_wrong: usize,
+    /// Connections the gateway closed when it found the new lineage (failover).
+    connections_closed_by_the_lineage_move: usize,
     /// From the database answering again to every receiver holding its head, ms.
     converged_ms: Option<f64>,
     /// The checker's anomalies by kind (lossy cells: the loss, seen by the history).
@@ -217,9 +224,12 @@ fn cell_row(cell: Cell, runs: &[Run]) -> Value {
     let sum = |f: &dyn Fn(&Run) -> usize| runs.iter().map(f).sum::<usize>();
     let errors = runs.iter().filter(|r| r.error.is_some()).count();
     let lost = sum(&|r| r.acknowledged_lost + r.acknowledged_other_seq);
+    let wrong_with_epoch = sum(&|r| r.receivers_holding_what_the_database_lost_with_epoch);
     let verdict = if errors > 0 {
         Verdict::Error
-    } else if cell.promises_no_loss() && lost > 0 {
+    } else if (cell.promises_no_loss() && lost > 0) || wrong_with_epoch > 0 {
+        // A configuration may lose what it does not promise to keep; no device may be left
+        // silently holding it.
         Verdict::Fail
     } else {
         Verdict::Pass
@@ -240,7 +250,7 @@ fn cell_row(cell: Cell, runs: &[Run]) -> Value {
             "acknowledged_other_seq": sum(&|r| r.acknowledged_other_seq),
             "runs_with_loss": runs.iter().filter(|r| r.acknowledged_lost + r.acknowledged_other_seq > 0).count(),
             "receivers_holding_what_the_database_lost": sum(&|r| r.receivers_holding_what_the_database_lost),
-            "receivers_holding_what_the_database_lost_with_epoch": Value::Null,
+            "receivers_holding_what_the_database_lost_with_epoch": wrong_with_epoch,
             "converged_ms_max": converged.iter().copied().reduce(f64::max),
         },
         "runs": runs,
@@ -270,8 +280,10 @@ fn write(
         },
         "durability_deliberately_weakened": "this target alone runs the gateway with \
             IM_SYNCHRONOUS_COMMIT other than on; each run's `durability` says what it ran under",
-        "epochs": "NOT_RUN: epochs that tell a device its history was cut are not built yet \
-            (issue 21 item 3); receivers_holding_what_the_database_lost_with_epoch is null",
+        "epochs": "receivers_holding_what_the_database_lost counts what the receivers held when \
+            the fault was over (what a device keeps if nothing tells it); \
+            receivers_holding_what_the_database_lost_with_epoch what they held once caught up \
+            again, after the epoch told them of the failover (issue 21): a cell with any is FAIL",
         "summary": {
             "cells": rows.iter().filter(|r| r["applicable"] == true).count(),
             "pass": count(Verdict::Pass),
@@ -325,6 +337,12 @@ fn table(doc: &Value) -> String {
                     let mut t = format!("{lost} of {} lost", m["acknowledged"]);
                     if wrong > 0 {
                         t.push_str(&format!(", {wrong} held wrong"));
+                        // Issue 21: what they still held once the epoch told them.
+                        if let Some(after) =
+                            m["receivers_holding_what_the_database_lost_with_epoch"].as_u64()
+                        {
+                            t.push_str(&format!(" ({after} after the epoch)"));
+                        }
                     }
                     match c["verdict"].as_str() {
                         Some("FAIL") => t.push_str(" **FAIL**"),
@@ -348,11 +366,27 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
         durability: durability_settings(&w).await?,
         ..Default::default()
     };
-    let (senders, receivers) = provision(&w).await?;
+    let (mut senders, mut receivers) = provision(&w).await?;
     w.pg.settle().await?;
     let (acked, timings) = load_through_the_fault(&mut w, cell, &senders, acked_before).await?;
     r.fault_ms = timings;
     let recovered = Instant::now();
+    let held_at_the_fault: Vec<Vec<Value>> = receivers.iter().map(|c| c.stored("c1")).collect();
+    if cell.fault == "failover" {
+        // The new lineage closes every connection: every device connects again, the
+        // receivers subscribed (they learn the moved epoch and reconcile).
+        let waits = std::iter::once(Duration::from_secs(5))
+            .chain(std::iter::repeat(Duration::from_millis(200)));
+        for ((c, sub), within) in receivers
+            .iter_mut()
+            .map(|c| (c, true))
+            .chain(senders.iter_mut().map(|c| (c, false)))
+            .zip(waits)
+        {
+            r.connections_closed_by_the_lineage_move +=
+                usize::from(scenarios::reconnect_after_lineage_move(&w, c, sub, within).await?);
+        }
+    }
     // The in-flight sends replay under their cmids (not counted as acknowledged before).
     for s in &senders {
         let _ = harness::util::wait_until(
@@ -372,6 +406,10 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
     let db = events_of_c1(&w).await?;
     count_acknowledged(&mut r, &acked, &db);
     receivers_against_the_database(&mut r, &receivers, &db, recovered).await;
+    r.receivers_holding_what_the_database_lost = held_at_the_fault
+        .iter()
+        .map(|held| held_wrong(held, &db))
+        .sum();
     let judged = w.judge().await?;
     r.anomalies = judged
         .report
@@ -574,18 +612,20 @@ async fn receivers_against_the_database(
         r.converged_ms = Some(recovered.elapsed().as_secs_f64() * 1000.0);
     }
     for c in receivers {
-        let mut wrong = 0;
-        for ev in c.stored("c1") {
-            let (Some(seq), Some(mid)) = (ev["seq"].as_i64(), ev["mid"].as_str()) else {
-                continue;
-            };
-            if db.get(&seq).is_none_or(|(m, _)| m != mid) {
-                wrong += 1;
-            }
-        }
-        r.receivers_holding_what_the_database_lost += wrong;
+        let wrong = held_wrong(&c.stored("c1"), db);
+        r.receivers_holding_what_the_database_lost_with_epoch += wrong;
         r.receivers_wrong += usize::from(wrong > 0);
     }
+}
+
+/// How many of `held` (stored events) the database does not hold at their seq.
+fn held_wrong(held: &[Value], db: &BTreeMap<i64, (String, Option<String>)>) -> usize {
+    held.iter()
+        .filter(|ev| match (ev["seq"].as_i64(), ev["mid"].as_str()) {
+            (Some(seq), Some(mid)) => db.get(&seq).is_none_or(|(m, _)| m != mid),
+            _ => false,
+        })
+        .count()
 }
 
 #[cfg(test)]
@@ -672,9 +712,20 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.contains("| `on` | n/a | 3 of 200 lost, 2 held wrong **FAIL** |"),
+            t.contains("| `on` | n/a | 3 of 200 lost, 2 held wrong (0 after the epoch) **FAIL** |"),
             "{t}"
         );
+        // Issue 21: a receiver still wrong once the epoch told it fails any cell, lossy by
+        // contract or not.
+        let unreconciled = Run {
+            acknowledged: 200,
+            acknowledged_lost: 3,
+            receivers_holding_what_the_database_lost: 2,
+            receivers_holding_what_the_database_lost_with_epoch: 1,
+            ..Default::default()
+        };
+        let row = cell_row(cell("on", "async-standby", "failover"), &[unreconciled]);
+        assert_eq!(row["verdict"], json!("FAIL"));
         assert!(chosen(&SETTINGS, &["sometimes".into()], "setting").is_err());
     }
 }

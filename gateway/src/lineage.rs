@@ -1,0 +1,109 @@
+//! The database's lineage (issue 21, item 3; migration 0006): the server's system
+//! identifier and WAL timeline. A promoted standby starts a new timeline, a cluster rebuilt
+//! elsewhere has another identifier; either may have lost history devices already hold.
+//!
+//! Every new pool connection calls `im_check_lineage()` before it serves anything
+//! ([`crate::store::connect`]): the first connection on a new lineage moves every
+//! conversation's sequence epoch in the transaction that records the lineage (several
+//! gateways race: the row lock makes one of them do it), so no reply or push is ever read
+//! from a new lineage under the old epoch. This module remembers the lineage this gateway
+//! has served from; when a connection finds another one, it tells [`watch`]'s task, which
+//! closes every connection of the gateway (1012, service restart): each device reconnects,
+//! and its `subbed` names the new epochs, so an idle device learns of the change too.
+//!
+//! Owns: the lineage this process has seen, and the closing of connections when it moves.
+//! Must not: move epochs itself (the database function does, once per lineage).
+
+use crate::state::State;
+use std::sync::{Arc, Mutex};
+use tokio::sync::watch;
+
+/// A server's lineage: `(system identifier, timeline)`.
+pub type Id = (String, i32);
+
+/// The lineage this gateway has served from, and a count of the times it moved.
+#[derive(Debug)]
+pub struct Lineage {
+    seen: Mutex<Option<Id>>,
+    moves: watch::Sender<u64>,
+}
+
+impl Default for Lineage {
+    fn default() -> Self {
+        Lineage {
+            seen: Mutex::new(None),
+            moves: watch::channel(0).0,
+        }
+    }
+}
+
+impl Lineage {
+    /// A connection found the database on lineage `id` (`moved`: its own call moved the
+    /// epochs). Returns whether that is a change for this gateway.
+    pub fn observe(&self, id: Id, moved: bool) -> bool {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let changed = seen.as_ref().is_some_and(|s| *s != id);
+        if changed || moved {
+            tracing::warn!(
+                system_identifier = %id.0,
+                timeline = id.1,
+                before = ?*seen,
+                epochs_moved_here = moved,
+                "the database's lineage changed (a promoted standby or another cluster): \
+                 every conversation's epoch moved; closing every connection so devices \
+                 reconcile"
+            );
+        }
+        *seen = Some(id);
+        drop(seen);
+        if changed || moved {
+            self.moves.send_modify(|n| *n += 1);
+        }
+        changed || moved
+    }
+
+    /// How many times the lineage moved under this gateway.
+    pub fn moves(&self) -> u64 {
+        *self.moves.borrow()
+    }
+}
+
+/// Closes every connection of the gateway whenever the lineage moves (until shutdown).
+pub async fn watch(state: Arc<State>) {
+    let mut rx = state.lineage.moves.subscribe();
+    loop {
+        tokio::select! {
+            _ = state.cancel.cancelled() => return,
+            r = rx.changed() => if r.is_err() { return },
+        }
+        let conns = state.hub.all();
+        tracing::info!(
+            connections = conns.len(),
+            "lineage moved: closing connections"
+        );
+        for c in conns {
+            c.close(1012, None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first lineage seen is no change; another one is, once; a move made here is one
+    /// even on the first connection (the gateway started on a lineage it then recorded).
+    #[test]
+    fn a_change_is_counted_once() {
+        let l = Lineage::default();
+        assert!(!l.observe(("a".into(), 1), false));
+        assert!(!l.observe(("a".into(), 1), false));
+        assert_eq!(l.moves(), 0);
+        assert!(l.observe(("a".into(), 2), false));
+        assert!(!l.observe(("a".into(), 2), false));
+        assert_eq!(l.moves(), 1);
+        let fresh = Lineage::default();
+        assert!(fresh.observe(("b".into(), 1), true));
+        assert_eq!(fresh.moves(), 1);
+    }
+}
