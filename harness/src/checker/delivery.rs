@@ -146,6 +146,9 @@ pub(super) fn info_sends(cx: &Ctx) -> InfoSends {
 pub(super) fn store_mismatch(cx: &Ctx, out: &mut Findings) {
     let mut stored_at: HashMap<DevSeq, u64> = HashMap::new();
     let mut received: HashMap<DevSeq, Vec<(&str, u64)>> = HashMap::new();
+    // The newest epoch each device received of each conversation: an event of a newer one
+    // starts the conversation afresh for it, even before its client recorded the move.
+    let mut epochs: HashMap<(&str, &str), i64> = HashMap::new();
     for e in cx.h {
         let device = e.process.as_str();
         match &e.line {
@@ -165,6 +168,13 @@ pub(super) fn store_mismatch(cx: &Ctx, out: &mut Findings) {
                 };
                 for ev in evs {
                     let (conv, seq, mid) = (ev.conv.as_str(), ev.seq, ev.mid.as_str());
+                    if let Some(epoch) = ev.epoch {
+                        let known = epochs.entry((device, conv)).or_insert(epoch);
+                        if epoch > *known {
+                            *known = epoch;
+                            received.retain(|k, _| !(k.0 == device && k.1 == conv));
+                        }
+                    }
                     let mids = received.entry((device, conv, seq)).or_default();
                     if mids.iter().any(|(m, _)| *m == mid) {
                         continue;

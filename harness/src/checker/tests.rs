@@ -1552,3 +1552,27 @@ fn an_epoch_change_starts_the_seqs_and_cursors_of_a_device_afresh() {
         assert_eq!(only(&b, &f, Kind::HeldLost).len(), n, "moved {moved}");
     }
 }
+
+/// Issue 21: the transport records a push before the client applies it, so a push of a
+/// newer epoch can precede the client's `epoch` line: it starts the conversation's seqs
+/// afresh too. Two mids at one seq within one epoch stay a mismatch.
+#[test]
+fn a_push_of_a_newer_epoch_starts_the_seqs_afresh() {
+    for (second_epoch, mismatches) in [(2, 0), (1, 1)] {
+        let mut b = B::new();
+        for (mid, epoch) in [("old", 1), ("m2", second_epoch)] {
+            b.line(
+                "b1",
+                1,
+                Type::Recv,
+                "push",
+                None,
+                json!({"conv": "c1", "seq": 2, "mid": mid, "sender": "alice", "cmid": "x",
+                       "epoch": epoch}),
+            );
+        }
+        b.epoch("b1", "c1", 1, 2);
+        let sm = only(&b, &two_rows(), Kind::StoreMismatch);
+        assert_eq!(sm.len(), mismatches, "epoch {second_epoch}: {sm:?}");
+    }
+}

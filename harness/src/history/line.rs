@@ -358,12 +358,17 @@ pub struct EventRef {
     pub mid: String,
     pub sender: String,
     pub cmid: String,
+    /// The conversation's sequence epoch the gateway sent with it (issue 21; absent in
+    /// older histories).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<i64>,
 }
 
 impl EventRef {
     /// The history's name of an event.
     pub fn of(ev: &Event) -> EventRef {
         EventRef {
+            epoch: Some(ev.epoch),
             conv: ev.conv.clone(),
             seq: ev.seq,
             mid: ev.mid.clone(),
