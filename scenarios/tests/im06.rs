@@ -1795,9 +1795,9 @@ async fn failover_check(id: &str, synchronous: bool) {
         if let Some(f) = &w.failover {
             c.observe("proxy", f.proxy.stats());
             let standby_settings = [
-                ("fsync", f.standby.setting("fsync").await?),
-                ("synchronous_commit", f.standby.setting("synchronous_commit").await?),
-                ("full_page_writes", f.standby.setting("full_page_writes").await?),
+                ("fsync", w.pg.setting("fsync").await?),
+                ("synchronous_commit", w.pg.setting("synchronous_commit").await?),
+                ("full_page_writes", w.pg.setting("full_page_writes").await?),
             ];
             for (k, v) in standby_settings {
                 settings.insert(format!("new_primary.{k}"), v);

@@ -39,7 +39,7 @@ async fn assert_invariants(w: &World) {
     assert!(
         r.anomalies.is_empty(),
         "the history checker found anomalies (history in {}): {}",
-        w.pg.work_dir().display(),
+        w.work_dir().display(),
         serde_json::to_string_pretty(&r.anomalies).unwrap_or_default()
     );
 }

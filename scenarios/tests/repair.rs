@@ -130,7 +130,7 @@ impl Steady {
         anyhow::ensure!(
             r.anomalies.is_empty(),
             "the history checker found anomalies (history in {}): {}",
-            self.w.pg.work_dir().display(),
+            self.w.work_dir().display(),
             serde_json::to_string_pretty(&r.anomalies).unwrap_or_default()
         );
         Ok(())

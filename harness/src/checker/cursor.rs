@@ -38,9 +38,22 @@ pub(super) fn d3_ack_beyond_store(cx: &Ctx, out: &mut Findings) {
         through: 0,
         periods: cx.periods_of(device, conv),
     };
+    // Issue 21: the epoch each device last saw of each conversation. An ack made under an
+    // older one than the newest of the history acked a seq of a lost history: the final
+    // read's head (the new lineage's) cannot judge it.
+    let newest = newest_epochs(cx.h);
+    let mut seen_epoch: HashMap<Pair, i64> = HashMap::new();
     for e in cx.h {
         let device = e.process.as_str();
+        for (conv, x) in epochs_in(e) {
+            let k = seen_epoch.entry((device, conv)).or_insert(x);
+            *k = (*k).max(x);
+        }
         match &e.line {
+            Line::Invoke(Invoke::Ack { conv, .. })
+                if seen_epoch
+                    .get(&(device, conv.as_str()))
+                    .is_some_and(|x| newest.get(conv.as_str()).is_some_and(|n| x < n)) => {}
             Line::Store(Store::Store { conv, events, .. }) => {
                 let p = st
                     .entry((device, conv))
@@ -132,29 +145,30 @@ pub(super) fn d4_decrease(cx: &Ctx, out: &mut Findings) {
     // database is another history (a promoted standby's), whose cursors may be lower: a
     // `delivered` is compared only with those of the same epoch.
     let mut epochs: HashMap<Pair, i64> = HashMap::new();
+    // A newer epoch of a conversation, in anything the device got, starts it afresh.
+    fn note<'a, V>(
+        epochs: &mut HashMap<Pair<'a>, i64>,
+        seen: &mut HashMap<Pair<'a>, V>,
+        key: Pair<'a>,
+        epoch: i64,
+    ) {
+        let known = epochs.entry(key).or_insert(epoch);
+        if epoch > *known {
+            *known = epoch;
+            seen.remove(&key);
+        }
+    }
     for (p, e) in cx.h.iter().enumerate() {
+        let device = e.process.as_str();
+        for (conv, x) in epochs_in(e) {
+            note(&mut epochs, &mut seen, (device, conv), x);
+        }
         let got: Vec<(&str, i64)> = match &e.line {
             Line::Ok(Done::Ack { conv, delivered }) => vec![(conv, *delivered)],
-            Line::Ok(Done::Sub { convs }) => {
-                for c in convs {
-                    let Some(epoch) = c.epoch else { continue };
-                    let key = (e.process.as_str(), c.conv.as_str());
-                    if epochs.insert(key, epoch).is_some_and(|was| was != epoch) {
-                        seen.remove(&key);
-                    }
-                }
-                convs
-                    .iter()
-                    .map(|c| (c.conv.as_str(), c.delivered))
-                    .collect()
-            }
-            Line::Store(Store::Epoch { conv, to, .. }) => {
-                let key = (e.process.as_str(), conv.as_str());
-                if epochs.insert(key, *to) != Some(*to) {
-                    seen.remove(&key);
-                }
-                continue;
-            }
+            Line::Ok(Done::Sub { convs }) => convs
+                .iter()
+                .map(|c| (c.conv.as_str(), c.delivered))
+                .collect(),
             _ => continue,
         };
         let invoked = cx.invoke_pos(e);

@@ -38,7 +38,7 @@ macro_rules! kinds {
 
 kinds! {
     Lost = "lost", "D1/D6",
-        "a send answered `sent{seq, mid}` whose row `(conv, seq)` is missing or has another mid";
+        "a send answered `sent{seq, mid}` whose row `(conv, seq)` is missing or has another mid; one answered before an asynchronous standby's primary was killed (its replication link cut) is the failover's expected loss, reported in `expected_loss`, not an anomaly";
     Duplicated = "duplicated", "D2",
         "two rows for one `(sender_user, cmid)`, or one `(device, cmid)` answered with two different seqs or mids";
     Unexpected = "unexpected", "D2",
@@ -52,7 +52,7 @@ kinds! {
     D4Decrease = "d4-decrease", "D4",
         "a cursor write lowering the cursor; a `delivered` a device saw lower than one it had already received before that request was sent; a final cursor above its head";
     S1Outside = "s1-outside", "S1",
-        "a device received (push or sync) an event outside its user's membership periods";
+        "a device received (push or sync) an event outside its user's membership periods (an event of an older epoch than the newest its conversation had in the history is not judged: the periods the final read knows are another lineage's)";
     D5NotRepaired = "d5-not-repaired", "D5",
         "after the judge's wait, a live device still lacks an event visible to it";
     D5SweepLate = "d5-sweep-late", "D5",

@@ -7,12 +7,25 @@ use super::*;
 /// periods of the receiving device's user. A device the final read does not know has no
 /// periods.
 pub(super) fn s1_outside(cx: &Ctx, out: &mut Findings) {
+    // Issue 21: the newest epoch of each conversation the history saw. An event read under
+    // an older one belongs to a history the database lost (a failover): the periods the
+    // final read knows are the new lineage's, so it is not judged here (`held-lost` judges
+    // whether its device was told).
+    let newest = newest_epochs(cx.h);
+    let current = |ev: &EventRef| {
+        ev.epoch
+            .is_none_or(|e| newest.get(ev.conv.as_str()).is_none_or(|&n| e >= n))
+    };
     for e in cx.h {
         let (how, events): (&str, Vec<(&str, i64)>) = match &e.line {
-            Line::Recv(Recv::Push(ev)) => ("push", vec![(&ev.conv, ev.seq)]),
+            Line::Recv(Recv::Push(ev)) if current(ev) => ("push", vec![(&ev.conv, ev.seq)]),
             Line::Ok(Done::Sync { events, .. }) => (
                 "sync",
-                events.iter().map(|ev| (ev.conv.as_str(), ev.seq)).collect(),
+                events
+                    .iter()
+                    .filter(|ev| current(ev))
+                    .map(|ev| (ev.conv.as_str(), ev.seq))
+                    .collect(),
             ),
             _ => continue,
         };

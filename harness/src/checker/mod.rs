@@ -201,6 +201,8 @@ const fn rule(
 struct Findings {
     anomalies: Vec<Anomaly>,
     sweep_gaps: Vec<f64>,
+    /// Sends lost as their configuration allows (issue 21): not anomalies.
+    expected_loss: Vec<Witness>,
 }
 
 impl Findings {
@@ -244,6 +246,7 @@ pub fn check(history: &[Entry], fin: &Final) -> Report {
         anomalies: out,
         counts,
         stats,
+        expected_loss: found.expected_loss,
         error: None,
     }
 }
@@ -279,6 +282,43 @@ fn inside(periods: &[Period], seq: i64) -> bool {
 }
 
 /// A message as a witness names it.
+/// Issue 21: the conversations' sequence epochs a line shows its device (a `subbed`, a
+/// `sent`, a push, a sync page, the client's `epoch` line).
+fn epochs_in(e: &Entry) -> Vec<(&str, i64)> {
+    match &e.line {
+        Line::Ok(Done::Sub { convs }) => convs
+            .iter()
+            .filter_map(|c| c.epoch.map(|x| (c.conv.as_str(), x)))
+            .collect(),
+        Line::Ok(Done::Send { conv, epoch, .. }) => vec![(conv.as_str(), *epoch)],
+        Line::Recv(Recv::Push(ev)) => ev
+            .epoch
+            .map(|x| (ev.conv.as_str(), x))
+            .into_iter()
+            .collect(),
+        Line::Ok(Done::Sync { events, .. }) => events
+            .iter()
+            .filter_map(|ev| ev.epoch.map(|x| (ev.conv.as_str(), x)))
+            .collect(),
+        Line::Store(Store::Epoch { conv, to, .. }) => vec![(conv.as_str(), *to)],
+        _ => Vec::new(),
+    }
+}
+
+/// The newest epoch of each conversation anything in the history showed: what came under
+/// an older one belongs to a history the database lost (a failover), and the final read
+/// (heads, periods) is the new lineage's.
+fn newest_epochs(h: &[Entry]) -> HashMap<&str, i64> {
+    let mut newest: HashMap<&str, i64> = HashMap::new();
+    for e in h {
+        for (conv, x) in epochs_in(e) {
+            let n = newest.entry(conv).or_insert(x);
+            *n = (*n).max(x);
+        }
+    }
+    newest
+}
+
 fn named(conv: &str, seq: i64, mid: &str, line: Option<u64>) -> Named {
     Named {
         conv: conv.to_string(),

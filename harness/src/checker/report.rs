@@ -51,6 +51,12 @@ pub struct Report {
     /// Every kind with its count, 0 included, so a reader sees what was checked.
     pub counts: BTreeMap<Kind, u64>,
     pub stats: Stats,
+    /// Issue 21: acknowledged messages an asynchronous failover lost, as that configuration
+    /// allows (each a `lost` witness whose `sent` reply came before the primary's kill
+    /// ended, its replication link cut). Reported, not counted as anomalies; empty
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expected_loss: Vec<super::Witness>,
     /// Why the run could not be judged (verdict ERROR).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -66,6 +72,7 @@ impl Report {
             anomalies: Vec::new(),
             counts: BTreeMap::new(),
             stats: Stats::default(),
+            expected_loss: Vec::new(),
             error: Some(why),
         }
     }
@@ -75,7 +82,14 @@ impl Report {
             return format!("ERROR: the run could not be judged: {why}");
         }
         if self.verdict == Verdict::Pass {
-            return format!("PASS, 0 anomalies over {} entries", self.stats.entries);
+            let expected = match self.expected_loss.len() {
+                0 => String::new(),
+                n => format!(" ({n} acknowledged lost by an asynchronous failover, as allowed)"),
+            };
+            return format!(
+                "PASS, 0 anomalies over {} entries{expected}",
+                self.stats.entries
+            );
         }
         let kinds: Vec<String> = self
             .counts

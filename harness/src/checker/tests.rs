@@ -1576,3 +1576,100 @@ fn a_push_of_a_newer_epoch_starts_the_seqs_afresh() {
         assert_eq!(sm.len(), mismatches, "epoch {second_epoch}: {sm:?}");
     }
 }
+
+/// Issue 21: a send answered before an asynchronous standby's replication link was cut
+/// (its primary died) and missing after is the failover's expected loss, reported and not
+/// an anomaly; after the cut, or with a synchronous standby, it is `lost`.
+#[test]
+fn an_asynchronous_failover_loss_is_expected_not_an_anomaly() {
+    let cut = |b: &mut B, synchronous: bool| {
+        b.line(
+            "harness",
+            0,
+            Type::Nemesis,
+            "replication-link-cut",
+            None,
+            json!({"phase": "instant", "synchronous": synchronous}),
+        );
+    };
+    let f = fin(&[("c1", 1, "m1", "a1", "x1")]);
+    for (synchronous, lost, expected) in [(false, 0, 1), (true, 1, 0)] {
+        let mut b = B::new();
+        b.send("a1", "c1", "x1", 1, "m1");
+        b.send("a1", "c1", "x2", 2, "m2");
+        cut(&mut b, synchronous);
+        let r = check(&b.h, &f);
+        assert_eq!(r.counts[&Kind::Lost], lost, "{}", r.summary());
+        assert_eq!(r.expected_loss.len(), expected, "{:?}", r.expected_loss);
+    }
+    // Answered after the cut (by the promoted standby) and missing: lost.
+    let mut b = B::new();
+    cut(&mut b, false);
+    b.send("a1", "c1", "x2", 2, "m2");
+    assert_eq!(only(&b, &f, Kind::Lost).len(), 1);
+}
+
+/// The cut comes before the kill: a commit answered between them never reached the
+/// standby either, and is expected too; one answered after the kill ended is not.
+#[test]
+fn a_send_answered_before_the_primary_kill_ended_is_expected_loss() {
+    let f = fin(&[]);
+    let nem = |b: &mut B, op: &str, phase: &str, id: Option<u64>, v: Value| {
+        let mut v = v;
+        v["phase"] = json!(phase);
+        b.line("harness", 0, Type::Nemesis, op, id, v);
+    };
+    let mut b = B::new();
+    nem(
+        &mut b,
+        "replication-link-cut",
+        "instant",
+        None,
+        json!({"synchronous": false}),
+    );
+    nem(
+        &mut b,
+        "pg-primary-kill",
+        "start",
+        Some(50),
+        json!({"ok": null, "error": null}),
+    );
+    b.send("a1", "c1", "x1", 1, "m1");
+    nem(
+        &mut b,
+        "pg-primary-kill",
+        "end",
+        Some(50),
+        json!({"ok": true, "error": null}),
+    );
+    b.send("a1", "c1", "x2", 2, "m2");
+    let r = check(&b.h, &f);
+    assert_eq!(r.expected_loss.len(), 1, "{:?}", r.expected_loss);
+    assert_eq!(r.counts[&Kind::Lost], 1, "{}", r.summary());
+}
+
+/// Issue 21: an event read under an older epoch than the newest its conversation had
+/// belongs to a lost history; the final read's periods are the new lineage's, so S1 does
+/// not judge it. The same event in the newest epoch is judged.
+#[test]
+fn s1_does_not_judge_an_event_of_a_lost_history() {
+    let push = |b: &mut B, epoch: i64| {
+        b.line(
+            "b1",
+            1,
+            Type::Recv,
+            "push",
+            None,
+            json!({"conv": "c1", "seq": 1, "mid": "m1", "sender": "alice", "cmid": "x",
+                   "epoch": epoch}),
+        )
+    };
+    let mut f = two_rows();
+    f.memberships[1].from_seq = 2;
+    let mut b = B::new();
+    push(&mut b, 1);
+    push(&mut b, 2);
+    let s1 = only(&b, &f, Kind::S1Outside);
+    assert_eq!(s1.len(), 1, "{s1:?}");
+    assert_eq!(s1[0].entries, vec![2]);
+}

@@ -200,6 +200,17 @@ impl Client {
             .unwrap_or_default()
     }
 
+    /// Each conversation's sequence epoch as the client knows it (issue 21).
+    pub fn epochs(&self) -> std::collections::BTreeMap<String, i64> {
+        self.inner
+            .lock()
+            .file
+            .convs
+            .iter()
+            .filter_map(|(conv, c)| c.epoch.map(|e| (conv.clone(), e)))
+            .collect()
+    }
+
     /// Conversations the client has any state for.
     pub fn convs(&self) -> Vec<String> {
         self.inner.lock().file.convs.keys().cloned().collect()

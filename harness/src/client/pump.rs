@@ -161,6 +161,10 @@ impl Inner {
             )
         };
         for _ in 0..SYNC_PAGES_MAX {
+            // Issue 21: the epoch this page is asked under. Another path (a `subbed`, a push)
+            // may move it while the page is on its way: the page's `after` then belongs to
+            // what was discarded, and the sync starts again from 0.
+            let asked_under = self.lock().file.convs.get(conv).and_then(|c| c.epoch);
             let reply = match self
                 .request(
                     Request::Sync {
@@ -209,6 +213,10 @@ impl Inner {
                 let st = &mut *st;
                 st.stats.syncs_run += 1;
                 st.note_head(conv, head);
+                if st.file.convs.get(conv).and_then(|c| c.epoch) != asked_under {
+                    after = st.delivery.sync_begin(conv, 0);
+                    continue;
+                }
                 let mut page: Vec<(i64, &Event)> = Vec::with_capacity(events.len());
                 let mut seen = EpochSeen::Same;
                 for ev in events {

@@ -645,7 +645,14 @@ pub enum Action {
     PgPowerCut(Outcome),
     PgPrimaryKill(Outcome),
     PgPromote(Outcome),
-    ReplicationLinkCut {},
+    /// The primary's replication link cut as its machine died: what the standby had not
+    /// received is gone. `synchronous`: the standby was synchronous (absent in older
+    /// histories); an asynchronous one may lose acknowledged messages, as its configuration
+    /// says (the checker reports them as the expected loss, not as anomalies).
+    ReplicationLinkCut {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        synchronous: Option<bool>,
+    },
     /// The gateways' database address moved (to a promoted standby).
     DbAddressSwitch {
         to: String,
@@ -721,7 +728,7 @@ impl Action {
             Action::PgPowerCut(_) => "pg-power-cut",
             Action::PgPrimaryKill(_) => "pg-primary-kill",
             Action::PgPromote(_) => "pg-promote",
-            Action::ReplicationLinkCut {} => "replication-link-cut",
+            Action::ReplicationLinkCut { .. } => "replication-link-cut",
             Action::DbAddressSwitch { .. } => "db-address-switch",
             Action::PgTerminateBackend { .. } => "pg-terminate-backend",
             Action::DiskFault { .. } => "disk-fault",

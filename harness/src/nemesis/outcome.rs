@@ -25,6 +25,10 @@ pub struct Outcome {
     pub anomalies: BTreeMap<String, u64>,
     /// The first anomalies, with their history lines.
     pub first_anomalies: Vec<Anomaly>,
+    /// Acknowledged messages an asynchronous failover lost, as that configuration allows
+    /// (issue 21: reported, not anomalies).
+    #[serde(default)]
+    pub expected_loss: u64,
     /// Client operations by how they ended.
     pub ops: BTreeMap<String, OpCounts>,
     /// Faults carried out, by kind.
@@ -62,6 +66,7 @@ impl Outcome {
             repeat,
             anomalies: BTreeMap::new(),
             first_anomalies: Vec::new(),
+            expected_loss: 0,
             ops: BTreeMap::new(),
             faults: BTreeMap::new(),
             fault_log,

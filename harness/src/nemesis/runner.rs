@@ -49,6 +49,20 @@ struct Shared {
     membership: Mutex<BTreeMap<String, BTreeSet<String>>>,
     /// False from the heal on: no new messages, outboxes are still replayed.
     sending: AtomicBool,
+    /// Each conversation's epoch in the database, read during the heal of a schedule with
+    /// a failover (issue 21): a device is settled only once it knows each of its
+    /// conversations' (the epoch told it of the lost history, and it reconciled).
+    db_epochs: Mutex<BTreeMap<String, i64>>,
+}
+
+impl Shared {
+    /// Whether `c` knows every epoch the database has for its conversations.
+    fn epochs_known(&self, c: &Client) -> bool {
+        let db = self.db_epochs.lock().unwrap_or_else(|p| p.into_inner());
+        c.epochs()
+            .iter()
+            .all(|(conv, e)| db.get(conv).is_none_or(|d| e >= d))
+    }
 }
 
 /// A device task's handle.
@@ -144,14 +158,22 @@ async fn run_inner(
                 lazyfs: schedule.needs_lazyfs(),
                 ..Default::default()
             },
-            ..Default::default()
+            // A failover's standby (issue 21): asynchronous through a 50 ms link (its window
+            // holds a few commits at this load), synchronous through 10 ms, as `make
+            // durability` runs them.
+            replication: schedule
+                .needs_standby()
+                .map(|synchronous| crate::world::Replication {
+                    synchronous,
+                    link_delay: std::time::Duration::from_millis(if synchronous { 10 } else { 50 }),
+                }),
         },
         gateways[0].opts.clone(),
     )
     .await?;
     let result = drive(&mut w, schedule, gateways, repeat, t0, log).await;
     // The artefacts, whatever happened.
-    let work = w.pg.work_dir().to_path_buf();
+    let work = w.work_dir().to_path_buf();
     for name in ["history.jsonl", "final.json", "report.json"] {
         let from = work.join(name);
         if from.exists() {
@@ -161,7 +183,7 @@ async fn run_inner(
     }
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs)?;
-    if let Ok(entries) = std::fs::read_dir(w.pg.log_dir()) {
+    if let Ok(entries) = std::fs::read_dir(w.log_dir()) {
         for e in entries.flatten() {
             let name = e.file_name();
             // The server's log too when the run did not pass: why a restart failed.
@@ -200,6 +222,7 @@ async fn drive(
     let shared = Arc::new(Shared {
         ws_url: sup.ws_url(),
         membership: Mutex::new(BTreeMap::new()),
+        db_epochs: Mutex::new(BTreeMap::new()),
         sending: AtomicBool::new(true),
     });
     let tokens = provision(w, schedule, &shared).await?;
@@ -272,6 +295,10 @@ async fn provision(
         // The schema and the provisioning are on disk before the clock starts, as on a
         // server that has run for a while: a power cut judges what the run writes.
         w.pg.settle().await?;
+    }
+    if schedule.needs_standby().is_some() {
+        // Likewise on the standby: a failover judges what the run writes.
+        w.standby_caught_up().await?;
     }
     Ok(tokens)
 }
@@ -429,6 +456,27 @@ impl Run<'_> {
         self.log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
     }
 
+    /// Issue 21: reads each conversation's epoch in the database into the shared state (a
+    /// read that fails or times out keeps the last one).
+    async fn read_db_epochs(&self) {
+        let read = async {
+            let pool = self.w.pool().await?;
+            let rows: Vec<(String, i32)> =
+                sqlx::query_as("SELECT conv_id, epoch FROM conversations")
+                    .fetch_all(&pool)
+                    .await?;
+            anyhow::Ok(rows)
+        };
+        if let Ok(Ok(rows)) = tokio::time::timeout(Duration::from_secs(1), read).await {
+            *self
+                .shared
+                .db_epochs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) =
+                rows.into_iter().map(|(c, e)| (c, i64::from(e))).collect();
+        }
+    }
+
     /// The heal: every fault still in force ends (latest first), no new messages, the
     /// gateway is up, the clients reconnect and replay their outboxes, within `heal_ms`.
     /// Returns why it did not finish, if it did not.
@@ -444,6 +492,9 @@ impl Run<'_> {
         let mut next_sweep = Instant::now();
         loop {
             self.sup.supervise(self.w).await;
+            if self.schedule.needs_standby().is_some() {
+                self.read_db_epochs().await;
+            }
             if Instant::now() >= next_sweep {
                 next_sweep = Instant::now() + STALE_FAULT_SWEEP;
                 self.sup.disarm_stale(self.w).await;
@@ -509,6 +560,7 @@ fn outcome_of(schedule: &Schedule, report: &Report, error: Option<String>) -> Ou
         repeat: String::new(),
         anomalies,
         first_anomalies: report.anomalies.iter().take(20).cloned().collect(),
+        expected_loss: report.expected_loss.len() as u64,
         ops: report.stats.ops.clone(),
         faults,
         fault_log: Vec::new(),
@@ -671,7 +723,7 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
         if sending && !convs.is_empty() {
             n += 1;
         }
-        let (settled2, ws_url) = (&settled, &shared.ws_url);
+        let (settled2, ws_url, shared2) = (&settled, &shared.ws_url, &shared);
         let step = async move {
             if !c.is_connected() || !c.is_subscribed() {
                 settled2.store(false, Ordering::SeqCst);
@@ -701,7 +753,10 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
                 }
             } else {
                 settled2.store(
-                    c.is_connected() && c.is_subscribed() && c.outbox().is_empty(),
+                    c.is_connected()
+                        && c.is_subscribed()
+                        && c.outbox().is_empty()
+                        && shared2.epochs_known(c),
                     Ordering::SeqCst,
                 );
             }

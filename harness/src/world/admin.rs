@@ -124,7 +124,7 @@ impl World {
             !name.is_empty() && !name.contains('/') && name != "..",
             "client state name {name:?} must be a plain file name"
         );
-        let dir = self.pg.work_dir().join("clients");
+        let dir = self.work_dir().join("clients");
         // start() made it; a failure here shows up when the client writes its file.
         let _ = std::fs::create_dir_all(&dir);
         dir.join(format!("{name}.json"))

@@ -47,7 +47,7 @@ impl World {
             .final_read(&pool, sweep_ms, &live, bound_ms, waited_ms, missing)
             .await?;
         hist.record("harness", 0, None, Line::Meta(Meta::Final {}));
-        let dir = self.pg.work_dir().to_path_buf();
+        let dir = self.work_dir().to_path_buf();
         write_json(&dir.join("final.json"), &fin)?;
         let fin: checker::Final =
             serde_json::from_value(fin).context("the final read does not fit checker::Final")?;
@@ -69,7 +69,7 @@ impl World {
 
     /// Every client state file in `work_dir/clients`: device -> conv -> seq -> mid.
     fn stores(&self) -> anyhow::Result<Stores> {
-        let dir = self.pg.work_dir().join("clients");
+        let dir = self.work_dir().join("clients");
         let mut out = Stores::new();
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,

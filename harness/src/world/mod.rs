@@ -77,8 +77,14 @@ pub struct World {
     /// Check pool, made on first use (survives a database crash: sqlx replaces
     /// broken connections on acquire).
     pool: tokio::sync::OnceCell<sqlx::PgPool>,
-    /// The database, dropped last.
+    /// The database, dropped last: the primary (after [`World::failover`], the promoted
+    /// standby).
     pub pg: Cluster,
+    /// The run's files (history, client state files, judge's output): the first
+    /// primary's work directory, whatever the primary is now.
+    work_dir: std::path::PathBuf,
+    /// Where the gateways and the first primary log.
+    log_dir: std::path::PathBuf,
     /// The options the current gateway was started with.
     opts: GatewayOpts,
     /// This run's history.
@@ -113,7 +119,8 @@ pub struct Failover {
     pub proxy: Proxy,
     /// The replication link, standby -> primary.
     pub link: Proxy,
-    /// The standby (after [`World::failover`]: the new primary).
+    /// The standby (after [`World::failover`]: the dead primary; the promoted standby is
+    /// then [`World::pg`]).
     pub standby: Cluster,
     /// How it was set up.
     pub replication: Replication,
@@ -195,6 +202,8 @@ impl World {
             db_proxy,
             db_url,
             pool: tokio::sync::OnceCell::new_with(Some(pool)),
+            work_dir: pg.work_dir().to_path_buf(),
+            log_dir: pg.log_dir(),
             pg,
             opts,
             hist,
@@ -204,6 +213,16 @@ impl World {
     /// The database address everything connects to (see [`World::start_with`]).
     pub fn db_url(&self) -> &str {
         &self.db_url
+    }
+
+    /// The run's files: history, client state files, the judge's output.
+    pub fn work_dir(&self) -> &std::path::Path {
+        &self.work_dir
+    }
+
+    /// Where the gateways (and the first primary) log.
+    pub fn log_dir(&self) -> &std::path::Path {
+        &self.log_dir
     }
 
     /// This run's history.
@@ -243,6 +262,8 @@ impl World {
             db_proxy: None,
             db_url,
             pool: tokio::sync::OnceCell::new_with(Some(pool)),
+            work_dir: pg.work_dir().to_path_buf(),
+            log_dir: pg.log_dir(),
             pg,
             opts,
             hist,

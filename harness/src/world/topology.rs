@@ -55,24 +55,50 @@ impl World {
     /// SIGKILLed at once), the
     /// standby is promoted, and the database address (the proxy) moves to it, closing every
     /// connection to the old one. The gateway is not restarted. Returns the timings (ms).
+    /// From then on [`World::pg`] is the promoted standby (the database faults act on it)
+    /// and the failover's `standby` the dead primary.
     pub async fn failover(&mut self) -> anyhow::Result<Value> {
         let t0 = std::time::Instant::now();
+        self.kill_primary().await?;
+        let killed_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        let mut t = self.promote_standby().await?;
+        t["primary_killed_ms"] = json!(killed_ms);
+        t["standby_promoted_ms"] =
+            json!(killed_ms + t["standby_promoted_ms"].as_f64().unwrap_or(0.0));
+        t["address_switched_ms"] = json!(t0.elapsed().as_secs_f64() * 1000.0);
+        Ok(t)
+    }
+
+    /// The first half of [`World::failover`] (the nemesis's failover faults start with it):
+    /// the primary's machine dies, its replication link cut first (replication bytes still
+    /// on their way never reach the standby), every process SIGKILLed at once.
+    pub async fn kill_primary(&mut self) -> anyhow::Result<()> {
         let Some(f) = self.failover.as_ref() else {
             anyhow::bail!("failover: this world has no standby");
         };
-        // The machine's network goes with it: replication bytes still on their way (held
-        // back by the link's delay) never reach the standby.
+        anyhow::ensure!(!f.promoted, "failover: the standby was promoted already");
         f.link.cut();
-        self.hist.nemesis_instant(Action::ReplicationLinkCut {});
+        self.hist.nemesis_instant(Action::ReplicationLinkCut {
+            synchronous: Some(f.replication.synchronous),
+        });
         let id = self
             .hist
             .nemesis_start(Action::PgPrimaryKill(Outcome::default()));
         let r = self.pg.kill_all().await;
         self.hist
             .nemesis_end(id, Action::PgPrimaryKill(Outcome::done(&r)));
-        r?;
-        let killed_ms = t0.elapsed().as_secs_f64() * 1000.0;
-        let f = self.failover.as_mut().expect("checked above");
+        r
+    }
+
+    /// The second half of [`World::failover`]: the standby promoted, the database address
+    /// moved to it (every connection to the old one closed), and the promoted standby made
+    /// [`World::pg`]. Returns the timings (ms).
+    pub async fn promote_standby(&mut self) -> anyhow::Result<Value> {
+        let t0 = std::time::Instant::now();
+        let Some(f) = self.failover.as_mut() else {
+            anyhow::bail!("failover: this world has no standby");
+        };
+        anyhow::ensure!(!f.promoted, "failover: the standby was promoted already");
         let id = self
             .hist
             .nemesis_start(Action::PgPromote(Outcome::default()));
@@ -84,16 +110,45 @@ impl World {
         let promoted_ms = t0.elapsed().as_secs_f64() * 1000.0;
         let to = std::net::SocketAddr::from(([127, 0, 0, 1], f.standby.port()));
         f.proxy.switch(to);
+        std::mem::swap(&mut self.pg, &mut f.standby);
         self.hist.nemesis_instant(Action::DbAddressSwitch {
             to: to.to_string(),
             port: None,
             by: None,
         });
         Ok(json!({
-            "primary_killed_ms": killed_ms,
             "standby_promoted_ms": promoted_ms,
             "address_switched_ms": t0.elapsed().as_secs_f64() * 1000.0,
         }))
+    }
+
+    /// Waits (20 s at most) until the standby has replayed everything the primary wrote
+    /// so far: what was provisioned survives a failover.
+    pub async fn standby_caught_up(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.failover.is_some(), "this world has no standby");
+        let pool = self.pg.pool().await?;
+        let lsn: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+            .fetch_one(&pool)
+            .await?;
+        let r = crate::util::wait_until(
+            "the standby to replay the primary's WAL",
+            Duration::from_secs(20),
+            async || {
+                let ok: Option<bool> = sqlx::query_scalar(
+                    "SELECT replay_lsn >= $1::pg_lsn FROM pg_stat_replication
+                     WHERE application_name = 'standby'",
+                )
+                .bind(&lsn)
+                .fetch_optional(&pool)
+                .await
+                .map_err(|e| e.to_string())?
+                .flatten();
+                ok.filter(|b| *b).ok_or(format!("{ok:?}"))
+            },
+        )
+        .await;
+        pool.close().await;
+        r.map(|_| ())
     }
 
     /// Waits for the current gateway to exit (a halt at a fault point) and records it.
@@ -169,7 +224,7 @@ impl World {
         }
         let i = self.more.len() + 1;
         let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
-        let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
+        let gw = Gateway::start(&gw_db_url, &opts, self.log_dir()).await?;
         record_gateway_start(&self.hist, i, &opts);
         self.more.push((Some(gw), opts));
         Ok(i)
@@ -252,7 +307,7 @@ impl World {
             self.kill_gateway_at(i);
         }
         let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
-        let gw = Gateway::start(&gw_db_url, &opts, &self.pg.log_dir()).await?;
+        let gw = Gateway::start(&gw_db_url, &opts, self.log_dir()).await?;
         record_gateway_start(&self.hist, i, &opts);
         if i == 0 {
             self.gw = Some(gw);

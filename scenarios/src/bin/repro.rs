@@ -135,7 +135,7 @@ async fn run(args: &Args) -> anyhow::Result<(Output, String, bool)> {
     if args.keep {
         w.pg.keep();
     }
-    let work_dir = w.pg.work_dir().to_path_buf();
+    let work_dir = w.work_dir().to_path_buf();
     let (a, b) = scenarios::alice_and_bob(&w).await?;
     let state = a.state_path().to_path_buf();
 

@@ -33,7 +33,7 @@ async fn main() -> anyhow::Result<()> {
     println!("users      alice (device a1), bob (device b1); conversation c1 with both");
     println!("token a1   {ta}");
     println!("token b1   {tb}");
-    println!("work dir   {}", w.pg.work_dir().display());
+    println!("work dir   {}", w.work_dir().display());
     println!();
     println!("An example exchange (each line: who, direction, frame):");
     let a = scenarios::connect(&w, "a1", &ta).await?;

@@ -1,5 +1,6 @@
 //! The nemesis's fault packages (issue 20), in the manner of Jepsen's nemesis packages:
-//! one file per family ([`process`], [`database`], [`network`], [`client`], [`disk`]), each declaring
+//! one file per family ([`process`], [`database`], [`network`], [`client`], [`disk`],
+//! [`failover`]), each declaring
 //! its kinds, how the generator draws them, what each holds and needs, how to start and end
 //! it, and what the checker must know about it (the [`Package`] trait and the `start`/`end`
 //! methods the registry calls).
@@ -17,6 +18,7 @@
 pub mod client;
 pub mod database;
 pub mod disk;
+pub mod failover;
 pub mod network;
 pub mod process;
 
@@ -75,6 +77,15 @@ pub trait Package:
     }
     /// Whether its cluster must run on the LazyFS layer (not by default).
     fn needs_lazyfs(&self) -> bool {
+        false
+    }
+    /// Whether its cluster needs a streaming standby: `Some(synchronous)` (none by default).
+    fn needs_standby(&self) -> Option<bool> {
+        None
+    }
+    /// Whether it ends the primary's lineage (a failover): at most one such fault per
+    /// schedule, and none that needs the LazyFS layer starts after it (not by default).
+    fn ends_the_primary(&self) -> bool {
         false
     }
     /// For the checker's `d5-sweep-late`: true when the fault cannot delay the sweep's
@@ -189,6 +200,12 @@ macro_rules! registry {
             fn needs_lazyfs(&self) -> bool {
                 match self { $($name::$var(k) => k.needs_lazyfs()),+ }
             }
+            fn needs_standby(&self) -> Option<bool> {
+                match self { $($name::$var(k) => k.needs_standby()),+ }
+            }
+            fn ends_the_primary(&self) -> bool {
+                match self { $($name::$var(k) => k.ends_the_primary()),+ }
+            }
             fn leaves_the_sweep_alone(&self) -> bool {
                 match self { $($name::$var(k) => k.leaves_the_sweep_alone()),+ }
             }
@@ -254,6 +271,7 @@ registry! {
         Network(network::NetworkFault),
         Client(client::ClientFault),
         Disk(disk::DiskFault),
+        Failover(failover::FailoverFault),
     }
 }
 

@@ -71,7 +71,7 @@ mod made_up {
 /// run here: they need a live world, and the runner runs the nemesis's own registry.
 mod extended {
     #![allow(dead_code)]
-    use super::super::{client, database, disk, network, process};
+    use super::super::{client, database, disk, failover, network, process};
     use super::made_up;
 
     registry! {
@@ -81,6 +81,7 @@ mod extended {
             Network(network::NetworkFault),
             Client(client::ClientFault),
             Disk(disk::DiskFault),
+            Failover(failover::FailoverFault),
             MadeUp(made_up::DiskFault),
         }
     }
