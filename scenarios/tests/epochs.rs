@@ -25,32 +25,6 @@ const LAG: Duration = Duration::from_millis(1500);
 const KEPT: i64 = 3;
 const LOST: i64 = 4;
 
-/// Waits until the standby has replayed everything the primary wrote so far.
-async fn standby_caught_up(w: &World) -> anyhow::Result<()> {
-    let pool = w.pool().await?;
-    let lsn: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
-        .fetch_one(&pool)
-        .await?;
-    wait_until(
-        "the standby to replay the primary's WAL",
-        Instant::now() + T,
-        async || {
-            let ok: Option<bool> = sqlx::query_scalar(
-                "SELECT replay_lsn >= $1::pg_lsn FROM pg_stat_replication
-             WHERE application_name = 'standby'",
-            )
-            .bind(&lsn)
-            .fetch_optional(&pool)
-            .await
-            .map_err(|e| e.to_string())?
-            .flatten();
-            ok.filter(|b| *b).ok_or(format!("{ok:?}"))
-        },
-    )
-    .await
-    .map(|_| ())
-}
-
 /// D1/D6 under an asynchronous failover that lost what a device held: every device is
 /// told (an epoch move), reconciles, and the checker finds none silently wrong.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -79,7 +53,7 @@ async fn an_async_failover_that_lost_held_messages_leaves_no_device_silently_wro
         send(n).await?;
     }
     b.wait_cursor("c1", KEPT, T).await?;
-    standby_caught_up(&w).await?;
+    w.standby_caught_up().await?;
     // Within the link's lag: acknowledged, pushed, stored by b1, never on the standby.
     for n in KEPT + 1..=KEPT + LOST {
         send(n).await?;
