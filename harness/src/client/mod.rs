@@ -539,15 +539,25 @@ impl Client {
             Ok(_) => true,
             Err(e) => e.is_terminal_for_send(),
         };
+        let mut moved = false;
         if done {
             {
                 let mut st = self.inner.lock();
                 st.file.outbox.retain(|e| e != entry);
+                // Issue 21: a `sent` names the conversation's epoch too; a move discards
+                // what this device held of it (and its own pending ack), and it syncs again.
+                if let Some(epoch) = r.as_ref().ok().and_then(|v| v["epoch"].as_i64()) {
+                    moved =
+                        self.inner.see_epoch(&mut st, &entry.conv, epoch) == pump::EpochSeen::Moved;
+                }
                 self.inner
                     .persist(&mut st)
                     .context("persist outbox after reply")?;
             }
             self.inner.notify();
+        }
+        if moved {
+            let _ = self.inner.sync_until_complete(&entry.conv, 0).await;
         }
         r
     }
@@ -601,18 +611,38 @@ impl Client {
                 st.record_delivered(conv, *delivered);
                 st.delivery.subscribed(conv, *delivered);
             }
+            // Issue 21: epochs move for every conversation at once. A conversation this
+            // device holds that `subbed` does not list (the new lineage has no membership of
+            // the user in it: it was lost with the old one) moved too: discard it.
+            if let Some(newest) = heads.iter().map(|c| c.epoch).max() {
+                let unlisted: Vec<String> = st
+                    .file
+                    .convs
+                    .keys()
+                    .filter(|k| !heads.iter().any(|c| &c.conv == *k))
+                    .cloned()
+                    .collect();
+                for conv in unlisted {
+                    let held = st.file.convs.get(&conv).and_then(|c| c.epoch);
+                    if held.is_some_and(|e| e < newest) {
+                        self.inner.see_epoch(&mut st, &conv, newest);
+                    }
+                }
+            }
             self.inner
                 .persist(&mut st)
                 .context("persist subbed cursors")?;
         }
         self.inner.notify();
         for (conv, head, delivered, moved) in &convs {
-            if delivered < head || *moved {
-                let from = if *moved {
-                    0
-                } else {
-                    self.cursor(conv).min(*delivered)
-                };
+            // From the lower of the cursor and the server's `delivered`: after a reconcile
+            // (issue 21) the cursor is below what the server has.
+            let from = if *moved {
+                0
+            } else {
+                self.cursor(conv).min(*delivered)
+            };
+            if from < *head {
                 self.inner.sync_until_complete(conv, from).await?;
             }
             if opts.auto_ack {

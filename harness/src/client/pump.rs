@@ -101,9 +101,29 @@ impl Inner {
         timeout: Duration,
         explicit: bool,
     ) -> Result<Value, ClientError> {
+        let now = self.epoch_of(conv);
+        self.send_ack_under(conv, seq, timeout, explicit, now).await
+    }
+
+    /// The conversation's epoch as this client knows it.
+    fn epoch_of(&self, conv: &str) -> Option<i64> {
+        self.lock().file.convs.get(conv).and_then(|c| c.epoch)
+    }
+
+    /// [`Inner::send_ack`] of a seq chosen under epoch `chosen_under`: an automatic ack
+    /// leaves only if the conversation's epoch is still that one when it is recorded
+    /// (issue 21: a reconcile in between discarded what it covers).
+    async fn send_ack_under(
+        &self,
+        conv: &str,
+        seq: i64,
+        timeout: Duration,
+        explicit: bool,
+        chosen_under: Option<i64>,
+    ) -> Result<Value, ClientError> {
         self.lock().stats.acks_sent += 1;
         let r = self
-            .request_rec(
+            .request_rec_if(
                 Request::Ack {
                     conv: conv.to_string(),
                     seq,
@@ -115,6 +135,7 @@ impl Inner {
                     seq,
                     explicit,
                 },
+                |st| explicit || st.file.convs.get(conv).and_then(|c| c.epoch) == chosen_under,
             )
             .await;
         {
@@ -302,13 +323,13 @@ impl Inner {
     /// core decides, [`super::Delivery::begin_ack`]) and waits for the answer. Never acks
     /// beyond the cursor, never while the state file is behind memory (D3).
     pub(super) async fn auto_ack(&self, conv: &str) {
-        if let Some((target, timeout)) = self.begin_auto_ack(conv) {
-            self.finish_auto_ack(conv, target, timeout).await;
+        if let Some((target, timeout, epoch)) = self.begin_auto_ack(conv) {
+            self.finish_auto_ack(conv, target, timeout, epoch).await;
         }
     }
 
     /// The first half of [`Inner::auto_ack`]: the seq to ack, if any, and the timeout.
-    fn begin_auto_ack(&self, conv: &str) -> Option<(i64, Duration)> {
+    fn begin_auto_ack(&self, conv: &str) -> Option<(i64, Duration, Option<i64>)> {
         let mut st = self.lock();
         if !st.opts.auto_ack {
             return None;
@@ -318,13 +339,22 @@ impl Inner {
             return None;
         }
         let target = st.delivery.begin_ack(conv, Instant::now())?;
-        Some((target, st.opts.request_timeout))
+        let epoch = st.file.convs.get(conv).and_then(|c| c.epoch);
+        Some((target, st.opts.request_timeout, epoch))
     }
 
     /// The second half of [`Inner::auto_ack`]: sends the ack [`Inner::begin_auto_ack`]
     /// chose and reports the answer to the delivery core.
-    async fn finish_auto_ack(&self, conv: &str, target: i64, timeout: Duration) {
-        let r = self.send_ack(conv, target, timeout, false).await;
+    async fn finish_auto_ack(
+        &self,
+        conv: &str,
+        target: i64,
+        timeout: Duration,
+        chosen_under: Option<i64>,
+    ) {
+        let r = self
+            .send_ack_under(conv, target, timeout, false, chosen_under)
+            .await;
         {
             let mut st = self.lock();
             st.auto_acks_done += 1;
@@ -461,9 +491,11 @@ pub(super) async fn pump(inner: Arc<Inner>, mut pushes: mpsc::Receiver<ServerFra
             Some(_) = acks.join_next(), if !acks.is_empty() => continue,
         };
         for conv in to_ack {
-            if let Some((target, timeout)) = inner.begin_auto_ack(&conv) {
+            if let Some((target, timeout, epoch)) = inner.begin_auto_ack(&conv) {
                 let inner = inner.clone();
-                acks.spawn(async move { inner.finish_auto_ack(&conv, target, timeout).await });
+                acks.spawn(
+                    async move { inner.finish_auto_ack(&conv, target, timeout, epoch).await },
+                );
             }
         }
     }

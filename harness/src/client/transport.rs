@@ -149,12 +149,35 @@ impl Inner {
         timeout: Duration,
         invoke: Invoke,
     ) -> Result<Received, ClientError> {
-        if self.lock().dead {
-            return Err(ClientError::Disconnected);
-        }
+        self.request_rec_if(frame, timeout, invoke, |_| true).await
+    }
+
+    /// [`Inner::request_rec`], sent only if `still` holds of the state when the invoke is
+    /// recorded, checked and recorded under one lock (else `Err(Other)`, nothing sent or
+    /// recorded): what a request decided under the state is recorded before anything that
+    /// changes it (issue 21: an ack chosen before its conversation's epoch moved).
+    pub(super) async fn request_rec_if(
+        &self,
+        frame: Outgoing,
+        timeout: Duration,
+        invoke: Invoke,
+        still: impl Fn(&super::State) -> bool,
+    ) -> Result<Received, ClientError> {
         let op = invoke.op();
-        let op_id = self.hist.as_ref().map(History::next_op_id);
-        self.rec(op_id, Line::Invoke(invoke));
+        let op_id = {
+            let st = self.lock();
+            if st.dead {
+                return Err(ClientError::Disconnected);
+            }
+            if !still(&st) {
+                return Err(ClientError::Other(anyhow::anyhow!(
+                    "the state it was decided under changed before it left"
+                )));
+            }
+            let op_id = self.hist.as_ref().map(History::next_op_id);
+            self.rec(op_id, Line::Invoke(invoke));
+            op_id
+        };
         let r = self.request_inner(frame, timeout).await;
         let done = completion(op, &r);
         // D1 probe: a `sent` reply means the event is committed, so another session must
