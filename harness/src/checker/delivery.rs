@@ -7,30 +7,27 @@ use super::*;
 /// Rule 1, `lost` (D1/D6): every `sent` reply names a row that exists at the end with the
 /// same mid: an acknowledged message survives every crash.
 pub(super) fn lost(cx: &Ctx, out: &mut Findings) {
-    // Issue 21: an asynchronous standby's replication link cut, its primary killed: a
-    // message answered before the kill ended (the cut comes first: a commit in between
-    // never reaches the standby) may be lost, as that configuration allows.
-    let mut async_cut = None;
-    let mut cut_seen = false;
-    for e in cx.h {
-        match &e.line {
+    // Issue 21: after an asynchronous standby's promotion (its replication link cut as its
+    // primary died), a `sent` that names an older epoch than the newest its conversation
+    // had was committed on the old primary, in the history the failover may lose, as that
+    // configuration allows. (One naming the newest epoch was committed on the promoted
+    // standby: it must be kept. With a synchronous standby nothing may be lost.)
+    let async_failover = cx.h.iter().any(|e| {
+        matches!(
+            &e.line,
             Line::Nemesis(Nemesis {
-                action: Action::ReplicationLinkCut { synchronous },
+                action: Action::ReplicationLinkCut {
+                    synchronous: Some(false)
+                },
                 ..
-            }) => {
-                cut_seen = *synchronous == Some(false);
-                if cut_seen {
-                    async_cut = Some(e.i);
-                }
-            }
-            Line::Nemesis(Nemesis {
-                phase: Phase::End,
-                action: Action::PgPrimaryKill(_),
-            }) if cut_seen => {
-                async_cut = Some(e.i);
-                cut_seen = false;
-            }
-            _ => {}
+            })
+        )
+    });
+    let newest = newest_epochs(cx.h);
+    let mut old_lineage: HashSet<u64> = HashSet::new();
+    for ok in &cx.send_oks {
+        if async_failover && newest.get(ok.conv).is_some_and(|&n| ok.epoch < n) {
+            old_lineage.insert(ok.line);
         }
     }
     let mut by: BTreeMap<ConvSeqMid, (Vec<u64>, BTreeSet<&str>)> = BTreeMap::new();
@@ -49,7 +46,7 @@ pub(super) fn lost(cx: &Ctx, out: &mut Findings) {
             sent: named(conv, seq, mid, lines.first().copied()),
             row: row.map(|r| (*r).clone()),
         };
-        if async_cut.is_some_and(|cut| lines.iter().all(|&l| l < cut)) {
+        if lines.iter().all(|l| old_lineage.contains(l)) {
             out.expected_loss.push(w);
             continue;
         }

@@ -38,7 +38,7 @@ macro_rules! kinds {
 
 kinds! {
     Lost = "lost", "D1/D6",
-        "a send answered `sent{seq, mid}` whose row `(conv, seq)` is missing or has another mid; one answered before an asynchronous standby's primary was killed (its replication link cut) is the failover's expected loss, reported in `expected_loss`, not an anomaly";
+        "a send answered `sent{seq, mid}` whose row `(conv, seq)` is missing or has another mid; after an asynchronous standby's promotion, one whose `sent` named an older epoch than the newest its conversation had (committed on the old primary) is the failover's expected loss, reported in `expected_loss`, not an anomaly";
     Duplicated = "duplicated", "D2",
         "two rows for one `(sender_user, cmid)`, or one `(device, cmid)` answered with two different seqs or mids";
     Unexpected = "unexpected", "D2",

@@ -338,6 +338,8 @@ struct SendOk<'a> {
     conv: &'a str,
     seq: i64,
     mid: &'a str,
+    /// The conversation's epoch the reply named (issue 21).
+    epoch: i64,
 }
 
 /// Indexes shared by the rules, built once.
@@ -408,7 +410,14 @@ impl<'a> Ctx<'a> {
             oks_at: HashMap::new(),
         };
         for e in h {
-            let Line::Ok(Done::Send { conv, seq, mid, .. }) = &e.line else {
+            let Line::Ok(Done::Send {
+                conv,
+                seq,
+                mid,
+                epoch,
+                ..
+            }) = &e.line
+            else {
                 continue;
             };
             let (conv, seq, mid) = (conv.as_str(), *seq, mid.as_str());
@@ -425,6 +434,7 @@ impl<'a> Ctx<'a> {
                 conv,
                 seq,
                 mid,
+                epoch: *epoch,
             });
         }
         cx

@@ -52,9 +52,9 @@ pub struct Report {
     pub counts: BTreeMap<Kind, u64>,
     pub stats: Stats,
     /// Issue 21: acknowledged messages an asynchronous failover lost, as that configuration
-    /// allows (each a `lost` witness whose `sent` reply came before the primary's kill
-    /// ended, its replication link cut). Reported, not counted as anomalies; empty
-    /// otherwise.
+    /// allows (each a `lost` witness whose `sent` named an older epoch than the newest its
+    /// conversation had: committed on the old primary). Reported, not counted as
+    /// anomalies; empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub expected_loss: Vec<super::Witness>,
     /// Why the run could not be judged (verdict ERROR).

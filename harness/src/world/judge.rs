@@ -199,7 +199,7 @@ impl World {
             })
             .collect();
         Ok(json!({
-            "schema_version": history::SCHEMA_VERSION,
+            "schema_version": crate::checker::FINAL_SCHEMA_VERSION,
             "t_ms": self.hist.now_ms(),
             "wall_us": history::wall_us_now(),
             "sweep_ms": sweep_ms,
