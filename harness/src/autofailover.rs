@@ -8,7 +8,8 @@
 //! this run's scheme (`crate::pg`: kept when the check fails); the monitor's tuning (health
 //! checks every 500 ms instead of every 5 s, an unreachable primary given up after 3 s
 //! instead of 30 s: see [`Tuning`]); a node's crash (every process of it stopped, then
-//! SIGKILLed, at once: the machine's end); and "the database address", a
+//! SIGKILLed, at once: the machine's end), the monitor's too, and the monitor's restart;
+//! and "the database address", a
 //! [`crate::proxy::Proxy`] that a follower thread points at whichever node the MONITOR
 //! reports as primary (`pgautofailover.get_primary()`), so that detecting the crash and
 //! promoting the secondary are pg_auto_failover's decisions, not the harness's.
@@ -256,25 +257,7 @@ impl Formation {
         // The monitor.
         let port = pg::free_port()?;
         self.create("monitor", port, &[], true).await?;
-        let deadline = Instant::now() + NODE_READY_TIMEOUT;
-        loop {
-            self.check_alive(0)?;
-            if let Ok(mut conn) = connect(&self.monitor_admin_url()).await {
-                let ready: Option<i64> = sqlx::query_scalar(
-                    "SELECT count(*) FROM pg_extension WHERE extname = 'pgautofailover'",
-                )
-                .fetch_optional(&mut conn)
-                .await
-                .ok()
-                .flatten();
-                let _ = conn.close().await;
-                if ready == Some(1) {
-                    break;
-                }
-            }
-            self.ensure_before(deadline, 0, "the monitor is not ready")?;
-            tokio::time::sleep(POLL).await;
-        }
+        self.wait_monitor_ready().await?;
         self.tune_monitor().await?;
         let monitor = format!(
             "postgres://autoctl_node@127.0.0.1:{}/pg_auto_failover?sslmode=disable",
@@ -314,6 +297,30 @@ impl Formation {
         self.proxy = Some(proxy.clone());
         self.start_follower(proxy)?;
         Ok(())
+    }
+
+    /// Waits until the monitor answers with its extension installed (its pg_autoctl
+    /// exiting is an error).
+    async fn wait_monitor_ready(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + NODE_READY_TIMEOUT;
+        loop {
+            self.check_alive(0)?;
+            if let Ok(mut conn) = connect(&self.monitor_admin_url()).await {
+                let ready: Option<i64> = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_extension WHERE extname = 'pgautofailover'",
+                )
+                .fetch_optional(&mut conn)
+                .await
+                .ok()
+                .flatten();
+                let _ = conn.close().await;
+                if ready == Some(1) {
+                    return Ok(());
+                }
+            }
+            self.ensure_before(deadline, 0, "the monitor is not ready")?;
+            tokio::time::sleep(POLL).await;
+        }
     }
 
     /// `pg_autoctl create monitor|postgres` for `name` with `extra` options: with `run`,
@@ -399,8 +406,9 @@ impl Formation {
         Ok(())
     }
 
-    /// `pg_autoctl run` for data node `i`, initialised by [`Formation::create`]: the node's
-    /// service (keeper and PostgreSQL), our child like `create`'s.
+    /// `pg_autoctl run` for node `i`, initialised by [`Formation::create`]: the node's
+    /// service (a data node's keeper and PostgreSQL, or the monitor's), our child like
+    /// `create`'s.
     fn run(&mut self, i: usize) -> anyhow::Result<()> {
         let args: Vec<std::ffi::OsString> = vec![
             "run".into(),
@@ -664,6 +672,32 @@ impl Formation {
             .iter()
             .position(|n| n.name == name && n.port == port)
             .with_context(|| format!("the monitor names an unknown primary {name}:{port}"))?;
+        self.kill_node(i).await
+    }
+
+    /// The monitor's machine dies, as [`Formation::crash_primary`] kills a data node. The
+    /// data nodes run on: the primary keeps serving (it still reaches its standby, so it
+    /// does not fence itself), and nothing fails over until the monitor is back
+    /// ([`Formation::restart_monitor`]).
+    pub async fn crash_monitor(&mut self) -> anyhow::Result<Crash> {
+        self.kill_node(0).await
+    }
+
+    /// `pg_autoctl run` of the killed monitor (its PostgreSQL recovers from the crash);
+    /// waits until it answers with its extension ([`NODE_READY_TIMEOUT`] at most).
+    pub async fn restart_monitor(&mut self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.nodes[0].child.is_none(),
+            "the monitor is running already"
+        );
+        self.run(0)?;
+        self.wait_monitor_ready().await
+    }
+
+    /// Node `i` (0: the monitor) has every process stopped, then SIGKILLed; waits until
+    /// all are gone.
+    async fn kill_node(&mut self, i: usize) -> anyhow::Result<Crash> {
+        let (name, port) = (self.nodes[i].name.clone(), self.nodes[i].port);
         let root = self.nodes[i]
             .child
             .as_ref()

@@ -151,9 +151,15 @@ async fn run_inner(
             )
         })?;
     }
+    if schedule.needs_formation() {
+        crate::autofailover::available().map_err(|why| {
+            anyhow::anyhow!("the schedule's pg_auto_failover fault(s) need pg_autoctl: {why}")
+        })?;
+    }
     let mut w = World::start_with(
         WorldOpts {
             db_proxy: true,
+            formation: schedule.needs_formation(),
             cluster: crate::pg::ClusterOpts {
                 lazyfs: schedule.needs_lazyfs(),
                 ..Default::default()
@@ -191,6 +197,15 @@ async fn run_inner(
             let name_s = name.to_string_lossy();
             if name_s.starts_with("gateway-") || (failed && name_s == "postgres.log") {
                 let _ = std::fs::copy(e.path(), logs.join(&name));
+            }
+        }
+    }
+    // A formation's node logs (pg_autoctl and its PostgreSQL) when the run did not pass.
+    if !result.as_ref().is_ok_and(|o| o.verdict.is_pass()) {
+        if let Some(Ok(entries)) = w.formation_log_dir().map(std::fs::read_dir) {
+            for e in entries.flatten() {
+                let to = logs.join(format!("formation-{}", e.file_name().to_string_lossy()));
+                let _ = std::fs::copy(e.path(), to);
             }
         }
     }
@@ -237,7 +252,7 @@ async fn drive(
         crash_switches,
         log,
         active: BTreeMap::new(),
-        not_started: Vec::new(),
+        not_carried_out: Vec::new(),
         pending_membership: Vec::new(),
         shared,
     };
@@ -260,8 +275,8 @@ async fn drive(
     }
     // Faults the schedule names that could not be started: the run did not test what its
     // schedule says, so it is an ERROR, not a pass.
-    let not_started = (!run.not_started.is_empty()).then(|| run.not_started.join("; "));
-    let mut outcome = outcome_of(schedule, &judged.report, heal_error.or(not_started));
+    let not_carried_out = (!run.not_carried_out.is_empty()).then(|| run.not_carried_out.join("; "));
+    let mut outcome = outcome_of(schedule, &judged.report, heal_error.or(not_carried_out));
     outcome.repeat = repeat.to_string();
     outcome.fault_log = std::mem::take(run.log);
     outcome.gateway_starts = run.sup.gateway_starts();
@@ -356,7 +371,7 @@ struct Run<'a> {
     /// Faults started and not ended: index → history op id.
     active: BTreeMap<usize, u64>,
     /// Faults that could not be started, and why.
-    not_started: Vec<String>,
+    not_carried_out: Vec<String>,
     /// Membership changes due and not applied yet (the database was away).
     pending_membership: Vec<usize>,
     shared: Arc<Shared>,
@@ -421,7 +436,7 @@ impl Run<'_> {
         };
         let r = f.kind.start(&mut cx, &f.target).await;
         if let Err(e) = &r {
-            self.not_started.push(format!(
+            self.not_carried_out.push(format!(
                 "fault {} ({} on {}) did not start: {e:#}",
                 f.id,
                 f.kind.name(),
@@ -439,7 +454,8 @@ impl Run<'_> {
         }
     }
 
-    /// Ends fault `i` if it is in force (its package's `end`); `healed`: by the heal.
+    /// Ends fault `i` if it is in force (its package's `end`); `healed`: by the heal. One
+    /// that could not end is noted (the run is then an ERROR, as for a start).
     async fn end_fault(&mut self, i: usize, healed: bool) {
         let Some(id) = self.active.remove(&i) else {
             return;
@@ -451,6 +467,14 @@ impl Run<'_> {
             crash_switches: &self.crash_switches,
         };
         let r = f.kind.end(&mut cx, &f.target).await;
+        if let Err(e) = &r {
+            self.not_carried_out.push(format!(
+                "fault {} ({} on {}) did not end: {e:#}",
+                f.id,
+                f.kind.name(),
+                f.target
+            ));
+        }
         self.hist.nemesis_end(id, fault_action(f, healed));
         self.log[i]["ended_ms"] = json!(self.hist.now_ms());
         self.log[i]["end"] = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
@@ -492,7 +516,7 @@ impl Run<'_> {
         let mut next_sweep = Instant::now();
         loop {
             self.sup.supervise(self.w).await;
-            if self.schedule.needs_standby().is_some() {
+            if self.schedule.has_failover() {
                 self.read_db_epochs().await;
             }
             if Instant::now() >= next_sweep {

@@ -29,8 +29,10 @@ pub const SCHEDULE_VERSION: u32 = 1;
 /// connection cut), not among all kinds (issue 21: under generator 3 about 1 seed in 90
 /// ended with a lost notification, and the cross-gateway repair's bug went unseen). 5: the
 /// failover package's kinds (`pg-failover-async`, `pg-failover-sync`, issue 21) are drawn
-/// too, at most one per schedule and none before a fault that needs the LazyFS layer.
-pub const GENERATOR_VERSION: u32 = 5;
+/// too, at most one per schedule and none before a fault that needs the LazyFS layer. 6:
+/// the pg_auto_failover kinds (`pg-autofailover`, `pg-autofailover-monitor`, issue 21) are
+/// drawn too, never beside a kind that acts on a cluster the harness runs itself.
+pub const GENERATOR_VERSION: u32 = 6;
 
 fn generator_one() -> u32 {
     1
@@ -252,6 +254,16 @@ impl Schedule {
         self.faults.iter().find_map(|f| f.kind.needs_standby())
     }
 
+    /// Whether its database is a pg_auto_failover formation (a fault needs one).
+    pub fn needs_formation(&self) -> bool {
+        self.faults.iter().any(|f| f.kind.needs_formation())
+    }
+
+    /// Whether a fault ends the primary's lineage (a failover, of either topology).
+    pub fn has_failover(&self) -> bool {
+        self.faults.iter().any(|f| f.kind.ends_the_primary())
+    }
+
     /// Every device, in order.
     pub fn devices(&self) -> Vec<String> {
         self.workload
@@ -263,13 +275,20 @@ impl Schedule {
 }
 
 /// Whether `a` and `b` cannot be in one schedule (issue 21): two failovers (the standby
-/// is promoted once), or a fault that needs the LazyFS layer starting at or after a
-/// failover's start (the promoted standby runs on none).
+/// is promoted once), a fault that needs the LazyFS layer starting at or after a
+/// failover's start (the promoted standby runs on none), or a fault that needs a
+/// pg_auto_failover formation beside one that acts on a cluster the harness runs itself.
 pub fn lineage_clash<K: Package>(a: &Fault<K>, b: &Fault<K>) -> bool {
     let after = |f: &Fault<K>, g: &Fault<K>| {
         f.kind.ends_the_primary() && g.kind.needs_lazyfs() && g.at_ms >= f.at_ms
     };
-    (a.kind.ends_the_primary() && b.kind.ends_the_primary()) || after(a, b) || after(b, a)
+    let topology =
+        |f: &Fault<K>, g: &Fault<K>| f.kind.needs_formation() && g.kind.needs_own_cluster();
+    (a.kind.ends_the_primary() && b.kind.ends_the_primary())
+        || after(a, b)
+        || after(b, a)
+        || topology(a, b)
+        || topology(b, a)
 }
 
 /// Every fault inside the workload of `duration_ms`, ends after starts, well formed (its
@@ -307,8 +326,9 @@ pub fn validate_faults<K: Package>(faults: &[Fault<K>], duration_ms: u64) -> any
         for b in &faults[i + 1..] {
             anyhow::ensure!(
                 !lineage_clash(a, b),
-                "faults {} ({}) and {} ({}): at most one failover per schedule, and nothing \
-                 that needs the LazyFS layer after it",
+                "faults {} ({}) and {} ({}): at most one failover per schedule, nothing \
+                 that needs the LazyFS layer after it, and no fault on a cluster the harness \
+                 runs beside one on a pg_auto_failover formation",
                 a.id,
                 a.kind.name(),
                 b.id,
@@ -621,10 +641,10 @@ mod tests {
         assert_eq!(h, PINNED_SCHEDULES_DIGEST, "{h:#018x}");
     }
 
-    /// Generator 5 (generator 1 gave 0x1761_d812_f730_02f4, generator 2
+    /// Generator 6 (generator 1 gave 0x1761_d812_f730_02f4, generator 2
     /// 0x6147_e705_dcd2_bb52, generator 3 0x2fd1_f324_51cf_f6f4, generator 4
-    /// 0x39ea_82d8_8eac_5812).
-    const PINNED_SCHEDULES_DIGEST: u64 = 0x6730_d244_1014_0a62;
+    /// 0x39ea_82d8_8eac_5812, generator 5 0x6730_d244_1014_0a62).
+    const PINNED_SCHEDULES_DIGEST: u64 = 0x2335_16d0_d858_bb64;
 
     #[test]
     fn schedules_are_valid_for_many_seeds_and_use_every_kind() {
@@ -841,7 +861,7 @@ mod tests {
                     "seed {seed}: {:?}",
                     s.faults
                 );
-                assert!(s.needs_standby().is_some());
+                assert!(s.needs_standby().is_some() || s.needs_formation());
             }
         }
         assert!(with > 100, "{with} of 500 seeds have a failover");
@@ -862,5 +882,53 @@ mod tests {
         s.faults.push(second);
         let e = Schedule::from_json(&s.to_json()).unwrap_err().to_string();
         assert!(e.contains("at most one failover"), "{e}");
+    }
+
+    /// Issue 21: a schedule on a pg_auto_failover formation draws no fault that acts on a
+    /// cluster the harness runs itself (a crash, a pause, a power cut, a disk fault, the
+    /// harness's own failover), whichever comes first; both formation kinds are drawn; a
+    /// replayed schedule that mixes them is refused.
+    #[test]
+    fn a_formation_shares_no_schedule_with_the_harness_own_cluster() {
+        let o = Options::default();
+        let (mut primary, mut monitor) = (0, 0);
+        for seed in 0..1000 {
+            let s = generate(seed, &o).unwrap();
+            if !s.needs_formation() {
+                continue;
+            }
+            let own: Vec<&str> = s
+                .faults
+                .iter()
+                .filter(|f| f.kind.needs_own_cluster())
+                .map(|f| f.kind.name())
+                .collect();
+            assert!(own.is_empty(), "seed {seed}: {own:?} beside a formation");
+            assert!(!s.needs_lazyfs() && s.needs_standby().is_none());
+            for f in &s.faults {
+                match f.kind.name() {
+                    "pg-autofailover" => primary += 1,
+                    "pg-autofailover-monitor" => monitor += 1,
+                    _ => {}
+                }
+            }
+        }
+        assert!(
+            primary > 30 && monitor > 30,
+            "{primary} and {monitor} drawn"
+        );
+        let mut s = (0..)
+            .map(|seed| generate(seed, &o).unwrap())
+            .find(|s| s.needs_formation())
+            .unwrap();
+        let mut crash = s.faults[0].clone();
+        crash.id = 99;
+        crash.kind = FaultKind::Database(DatabaseFault::PgCrash);
+        crash.target = "postgres".into();
+        crash.at_ms = s.options.duration_ms;
+        crash.end_ms = s.options.duration_ms;
+        s.faults.push(crash);
+        let e = Schedule::from_json(&s.to_json()).unwrap_err().to_string();
+        assert!(e.contains("pg_auto_failover formation"), "{e}");
     }
 }

@@ -67,6 +67,9 @@ pub struct World {
     more: Vec<(Option<Gateway>, GatewayOpts)>,
     /// The standby and the proxies of a replicated world (dropped before the primary).
     pub failover: Option<Failover>,
+    /// A pg_auto_failover formation the database is (issue 21): [`World::pg`] is then its
+    /// address, a proxy that follows the monitor's primary.
+    formation: Option<ManagedFormation>,
     /// The gateway's own path to the database ([`WorldOpts::db_proxy`]): a controlled
     /// proxy whose condition the nemesis sets; the checks, admin commands and the judge go
     /// around it.
@@ -100,6 +103,19 @@ pub struct WorldOpts {
     pub replication: Option<Replication>,
     /// The gateway reaches the database through a controlled proxy ([`World::db_proxy`]).
     pub db_proxy: bool,
+    /// The database is a pg_auto_failover formation (monitor, primary, secondary) behind
+    /// an address that follows its monitor, not a cluster the harness runs itself: neither
+    /// `cluster` nor `replication` then applies.
+    pub formation: bool,
+}
+
+/// A world's pg_auto_failover formation and what the nemesis did to it.
+pub struct ManagedFormation {
+    pub formation: crate::autofailover::Formation,
+    /// The data node killed last, until the monitor named another primary.
+    pub primary_down: Option<crate::autofailover::Crash>,
+    /// The monitor's kill, until it was started again.
+    pub monitor_down: Option<crate::autofailover::Crash>,
 }
 
 /// A standby for failover (issue 11, U2).
@@ -168,7 +184,19 @@ impl World {
     /// layer, or a primary with a streaming standby behind a switchable proxy.
     pub async fn start_with(wopts: WorldOpts, opts: GatewayOpts) -> anyhow::Result<World> {
         check_gateway_binary(&opts).await?;
-        let pg = Cluster::start_migrated_with(wopts.cluster.clone()).await?;
+        let (pg, formation) = if wopts.formation {
+            anyhow::ensure!(
+                wopts.replication.is_none() && !wopts.cluster.lazyfs,
+                "a pg_auto_failover formation has its own standby and runs on no LazyFS layer"
+            );
+            let (pg, f) = start_formation().await?;
+            (pg, Some(f))
+        } else {
+            (
+                Cluster::start_migrated_with(wopts.cluster.clone()).await?,
+                None,
+            )
+        };
         let hist = open_history(&pg)?;
         {
             // Before the standby's base backup, which then holds it.
@@ -199,6 +227,7 @@ impl World {
             gw: Some(gw),
             more: Vec::new(),
             failover,
+            formation,
             db_proxy,
             db_url,
             pool: tokio::sync::OnceCell::new_with(Some(pool)),
@@ -259,6 +288,7 @@ impl World {
             gw: Some(gw),
             more: Vec::new(),
             failover: None,
+            formation: None,
             db_proxy: None,
             db_url,
             pool: tokio::sync::OnceCell::new_with(Some(pool)),
@@ -269,6 +299,25 @@ impl World {
             hist,
         })
     }
+}
+
+/// A pg_auto_failover formation with the monitor's tuning of `crate::autofailover`, and
+/// its address as a migrated cluster handle ([`Cluster::at_address`]).
+async fn start_formation() -> anyhow::Result<(Cluster, ManagedFormation)> {
+    let formation =
+        crate::autofailover::Formation::start(crate::autofailover::Tuning::default()).await?;
+    let pg = Cluster::at_address(formation.proxy_port())?;
+    gateway::migrate(&pg.url())
+        .await
+        .with_context(|| format!("migrate the formation's database at {}", pg.url()))?;
+    Ok((
+        pg,
+        ManagedFormation {
+            formation,
+            primary_down: None,
+            monitor_down: None,
+        },
+    ))
 }
 
 /// `postgres://postgres@127.0.0.1:PORT/postgres`.

@@ -151,6 +151,102 @@ impl World {
         r.map(|_| ())
     }
 
+    /// A pg_auto_failover formation's primary dies (every process of its node SIGKILLed at
+    /// once), recorded as the failover of [`World::kill_primary`] is: the replication link
+    /// cut (synchronous as the primary's settings and `pg_stat_replication` said just
+    /// before: pg_auto_failover chooses, the history records what it chose), then the
+    /// kill. Detecting it and promoting the secondary are the monitor's:
+    /// [`World::formation_promoted`] waits for that.
+    pub async fn formation_kill_primary(&mut self) -> anyhow::Result<Value> {
+        let Some(m) = self.formation.as_mut() else {
+            anyhow::bail!("this world runs no pg_auto_failover formation");
+        };
+        anyhow::ensure!(
+            m.primary_down.is_none(),
+            "the formation's primary is down already"
+        );
+        let replication = m.formation.replication().await?;
+        let synchronous = replication["mode"] == "synchronous";
+        self.hist.nemesis_instant(Action::ReplicationLinkCut {
+            synchronous: Some(synchronous),
+        });
+        let id = self.hist.nemesis_start(Action::PgPrimaryKill(Outcome {
+            node: replication["primary"].as_str().map(str::to_string),
+            ..Outcome::default()
+        }));
+        let crash = m.formation.crash_primary().await;
+        self.hist.nemesis_end(
+            id,
+            Action::PgPrimaryKill(Outcome {
+                node: crash.as_ref().ok().map(|c| c.node.clone()),
+                ..Outcome::done(&crash)
+            }),
+        );
+        let crash = crash?;
+        let out = json!({"node": crash.node, "processes_killed": crash.processes,
+                         "replication": replication});
+        m.primary_down = Some(crash);
+        Ok(out)
+    }
+
+    /// Waits (`within` at most) until the formation's monitor named another primary than
+    /// the one [`World::formation_kill_primary`] killed and the address followed, recorded
+    /// as the address switch; Err if it did not.
+    pub async fn formation_promoted(&mut self, within: Duration) -> anyhow::Result<Value> {
+        let Some(m) = self.formation.as_mut() else {
+            anyhow::bail!("this world runs no pg_auto_failover formation");
+        };
+        let Some(crash) = m.primary_down.as_ref() else {
+            anyhow::bail!("the formation's primary was not killed");
+        };
+        let Some(switch) = m.formation.wait_switch(crash.port, within).await else {
+            anyhow::bail!(
+                "the monitor named no other primary within {within:?} of {}'s death; monitor \
+                 states: {}",
+                crash.node,
+                json!(m.formation.timeline(crash.at))
+            );
+        };
+        let after_ms = switch.at.saturating_duration_since(crash.at).as_secs_f64() * 1000.0;
+        self.hist.nemesis_instant(Action::DbAddressSwitch {
+            to: switch.node.clone(),
+            port: Some(switch.port),
+            by: Some("the monitor's get_primary()".into()),
+        });
+        m.primary_down = None;
+        Ok(json!({"promoted": switch.node, "after_ms": after_ms}))
+    }
+
+    /// The formation's monitor dies (every process of it SIGKILLed); the data nodes run on.
+    pub async fn formation_kill_monitor(&mut self) -> anyhow::Result<Value> {
+        let Some(m) = self.formation.as_mut() else {
+            anyhow::bail!("this world runs no pg_auto_failover formation");
+        };
+        let crash = m.formation.crash_monitor().await?;
+        let out = json!({"processes_killed": crash.processes});
+        m.monitor_down = Some(crash);
+        Ok(out)
+    }
+
+    /// The killed monitor started again; waits until it answers.
+    pub async fn formation_restart_monitor(&mut self) -> anyhow::Result<Value> {
+        let Some(m) = self.formation.as_mut() else {
+            anyhow::bail!("this world runs no pg_auto_failover formation");
+        };
+        let Some(crash) = m.monitor_down.take() else {
+            anyhow::bail!("the formation's monitor was not killed");
+        };
+        m.formation.restart_monitor().await?;
+        Ok(json!({"down_ms": crash.at.elapsed().as_secs_f64() * 1000.0}))
+    }
+
+    /// The formation's logs directory (one file per node), if the world runs one.
+    pub fn formation_log_dir(&self) -> Option<std::path::PathBuf> {
+        self.formation
+            .as_ref()
+            .map(|m| m.formation.work_dir().join("logs"))
+    }
+
     /// Waits for the current gateway to exit (a halt at a fault point) and records it.
     pub async fn wait_gateway_exit(
         &mut self,

@@ -115,6 +115,14 @@ impl Package for DatabaseFault {
         *self == DatabaseFault::PgPowerCut
     }
 
+    /// A crash, a pause and a power cut act on the postmaster the harness runs.
+    fn needs_own_cluster(&self) -> bool {
+        matches!(
+            self,
+            DatabaseFault::PgCrash | DatabaseFault::PgPause | DatabaseFault::PgPowerCut
+        )
+    }
+
     fn leaves_the_sweep_alone(&self) -> bool {
         false
     }

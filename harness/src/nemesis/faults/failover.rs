@@ -12,9 +12,21 @@
 //! - `pg-failover-sync`: a synchronous standby has every acknowledged commit: nothing may be
 //!   lost.
 //!
+//! - `pg-autofailover`: the database is a pg_auto_failover formation (monitor, primary,
+//!   secondary: `crate::autofailover`) behind an address that follows the monitor; the
+//!   primary's machine dies, and detecting it and promoting the secondary are the
+//!   monitor's decisions. The fault ends when the monitor named the new primary (30 s at
+//!   most, else the run is an ERROR). What may be lost follows the replication mode
+//!   pg_auto_failover chose, read from the primary at the kill and recorded.
+//! - `pg-autofailover-monitor`: the formation loses its monitor (every process SIGKILLed)
+//!   and gets it back at the end: the data nodes run on, nothing fails over, nothing may be
+//!   lost, and the database stays available.
+//!
 //! A failover ends the primary's lineage: at most one per schedule, and no fault that needs
 //! the LazyFS layer starts after it (the promoted standby does not run on one)
 //! ([`Package::ends_the_primary`]). It holds the database from the kill to the promotion.
+//! A formation's kinds ([`Package::needs_formation`]) share no schedule with the kinds
+//! that act on a cluster the harness runs itself ([`Package::needs_own_cluster`]).
 //!
 //! Must not: touch the gateway process or the network.
 
@@ -31,9 +43,23 @@ pub enum FailoverFault {
     PgFailoverAsync,
     /// The same with a synchronous standby.
     PgFailoverSync,
+    /// At `at_ms` a pg_auto_failover formation's primary dies; the fault ends once its
+    /// monitor named the promoted secondary (at or after `end_ms`).
+    PgAutofailover,
+    /// At `at_ms` the formation's monitor dies; at `end_ms` it is started again.
+    PgAutofailoverMonitor,
 }
 
-const KINDS: &[&str] = &["pg-failover-async", "pg-failover-sync"];
+const KINDS: &[&str] = &[
+    "pg-failover-async",
+    "pg-failover-sync",
+    "pg-autofailover",
+    "pg-autofailover-monitor",
+];
+
+/// How long the end of `pg-autofailover` waits for the monitor's promotion (measured in
+/// `06-failover-pg-auto-failover`: about 4 s with the tuning of `crate::autofailover`).
+const PROMOTION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Package for FailoverFault {
     fn kinds() -> Vec<&'static str> {
@@ -44,6 +70,8 @@ impl Package for FailoverFault {
         let kind = match name {
             "pg-failover-async" => FailoverFault::PgFailoverAsync,
             "pg-failover-sync" => FailoverFault::PgFailoverSync,
+            "pg-autofailover" => FailoverFault::PgAutofailover,
+            "pg-autofailover-monitor" => FailoverFault::PgAutofailoverMonitor,
             _ => return None,
         };
         Some(Drawn {
@@ -57,10 +85,13 @@ impl Package for FailoverFault {
         match self {
             FailoverFault::PgFailoverAsync => "pg-failover-async",
             FailoverFault::PgFailoverSync => "pg-failover-sync",
+            FailoverFault::PgAutofailover => "pg-autofailover",
+            FailoverFault::PgAutofailoverMonitor => "pg-autofailover-monitor",
         }
     }
 
-    /// The database, from the kill to the promotion.
+    /// The database, from the kill to the promotion (the monitor's loss too: a primary
+    /// lost while the monitor is down would fail over only once it is back).
     fn resource(&self, _target: &str) -> Option<String> {
         Some("postgres".into())
     }
@@ -70,11 +101,22 @@ impl Package for FailoverFault {
     }
 
     fn needs_standby(&self) -> Option<bool> {
-        Some(*self == FailoverFault::PgFailoverSync)
+        match self {
+            FailoverFault::PgFailoverAsync => Some(false),
+            FailoverFault::PgFailoverSync => Some(true),
+            FailoverFault::PgAutofailover | FailoverFault::PgAutofailoverMonitor => None,
+        }
+    }
+
+    fn needs_formation(&self) -> bool {
+        matches!(
+            self,
+            FailoverFault::PgAutofailover | FailoverFault::PgAutofailoverMonitor
+        )
     }
 
     fn ends_the_primary(&self) -> bool {
-        true
+        *self != FailoverFault::PgAutofailoverMonitor
     }
 
     fn leaves_the_sweep_alone(&self) -> bool {
@@ -84,11 +126,31 @@ impl Package for FailoverFault {
 
 impl FailoverFault {
     pub async fn start(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
-        cx.w.kill_primary().await?;
-        Ok(json!({"primary_killed": true}))
+        match self {
+            FailoverFault::PgFailoverAsync | FailoverFault::PgFailoverSync => {
+                cx.w.kill_primary().await?;
+                Ok(json!({"primary_killed": true}))
+            }
+            FailoverFault::PgAutofailover => {
+                Ok(json!({"primary_killed": cx.w.formation_kill_primary().await?}))
+            }
+            FailoverFault::PgAutofailoverMonitor => {
+                Ok(json!({"monitor_killed": cx.w.formation_kill_monitor().await?}))
+            }
+        }
     }
 
     pub async fn end(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
-        Ok(json!({"promoted": cx.w.promote_standby().await?}))
+        match self {
+            FailoverFault::PgFailoverAsync | FailoverFault::PgFailoverSync => {
+                Ok(json!({"promoted": cx.w.promote_standby().await?}))
+            }
+            FailoverFault::PgAutofailover => Ok(json!({
+                "promoted": cx.w.formation_promoted(PROMOTION_TIMEOUT).await?
+            })),
+            FailoverFault::PgAutofailoverMonitor => Ok(json!({
+                "monitor_restarted": cx.w.formation_restart_monitor().await?
+            })),
+        }
     }
 }

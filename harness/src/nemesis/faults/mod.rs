@@ -83,6 +83,18 @@ pub trait Package:
     fn needs_standby(&self) -> Option<bool> {
         None
     }
+    /// Whether its database must be a pg_auto_failover formation (`crate::autofailover`)
+    /// rather than a cluster the harness runs (not by default).
+    fn needs_formation(&self) -> bool {
+        false
+    }
+    /// Whether it acts on a cluster the harness runs itself (crashes, pauses or cuts the
+    /// power of its postmaster, needs its LazyFS layer or its standby): such a fault and
+    /// one that needs a formation share no schedule. True for every kind that needs the
+    /// LazyFS layer or a standby; false otherwise by default.
+    fn needs_own_cluster(&self) -> bool {
+        self.needs_lazyfs() || self.needs_standby().is_some()
+    }
     /// Whether it ends the primary's lineage (a failover): at most one such fault per
     /// schedule, and none that needs the LazyFS layer starts after it (not by default).
     fn ends_the_primary(&self) -> bool {
@@ -202,6 +214,12 @@ macro_rules! registry {
             }
             fn needs_standby(&self) -> Option<bool> {
                 match self { $($name::$var(k) => k.needs_standby()),+ }
+            }
+            fn needs_formation(&self) -> bool {
+                match self { $($name::$var(k) => k.needs_formation()),+ }
+            }
+            fn needs_own_cluster(&self) -> bool {
+                match self { $($name::$var(k) => k.needs_own_cluster()),+ }
             }
             fn ends_the_primary(&self) -> bool {
                 match self { $($name::$var(k) => k.ends_the_primary()),+ }
