@@ -894,6 +894,7 @@ pub async fn ceiling_server(body_bytes: usize) -> anyhow::Result<()> {
                                 delivered: 0,
                                 epoch: 1,
                             }],
+                            lineage: 0,
                         };
                         if sink
                             .send(Message::text(reply_frame(Some(&rid), &s)))

@@ -128,7 +128,7 @@ pub async fn sub(ws: &mut Ws) -> anyhow::Result<Vec<ConvState>> {
     .await?;
     match r {
         ServerFrame::Reply {
-            reply: Reply::Subbed { convs },
+            reply: Reply::Subbed { convs, .. },
             ..
         } => Ok(convs),
         r => bail!("sub answered {}", answered(&r)),

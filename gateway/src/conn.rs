@@ -574,7 +574,7 @@ impl Session {
                         store::conv_states(&pool, &w, SUB_CONVS_MAX).await
                     })
                     .await;
-                let r = r.map(|convs| Reply::Subbed { convs });
+                let r = r.map(|(convs, lineage)| Reply::Subbed { convs, lineage });
                 if r.is_err() && newly {
                     // A failed `sub` takes no effect: the client was told it did not work.
                     st.hub.remove(h);

@@ -994,13 +994,23 @@ pub async fn ack_batch(
         .collect())
 }
 
-/// `sub`: every conversation the user has a membership period in, with head and cursor.
+/// `sub`: every conversation the user has a membership period in, with head and cursor,
+/// and how many times the database's lineage moved (issue 21: a device holding a
+/// conversation not listed learns from it that the conversation's epoch moved). Every
+/// connection of the pool checked the lineage of its server before serving anything
+/// (`crate::lineage`), so the count read here is that of the server the epochs are read on.
 pub async fn conv_states(
     pool: &PgPool,
     who: &Principal,
     max: i64,
-) -> Result<Vec<ConvHead>, WireError> {
+) -> Result<(Vec<ConvHead>, i64), WireError> {
     check_install(pool, who).await?;
+    let lineage: i64 = sqlx::query_scalar(
+        "SELECT COALESCE((SELECT moves FROM db_lineage WHERE id = 1), 0)::bigint",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(db("sub.lineage"))?;
     let rows = sqlx::query(
         "SELECT m.conv_id, im_visible_head(m.conv_id, $1), COALESCE(dc.delivered_seq, 0),
                 c.epoch::bigint
@@ -1015,7 +1025,7 @@ pub async fn conv_states(
     .fetch_all(pool)
     .await
     .map_err(db("sub"))?;
-    Ok(rows
+    let convs = rows
         .into_iter()
         .map(|r| ConvHead {
             conv: r.get(0),
@@ -1023,7 +1033,8 @@ pub async fn conv_states(
             delivered: r.get(2),
             epoch: r.get(3),
         })
-        .collect())
+        .collect();
+    Ok((convs, lineage))
 }
 
 /// An event's columns as [`event_from`] reads them: the row, and its conversation's epoch

@@ -116,6 +116,7 @@ struct RawFrame<'a> {
     dup: Option<bool>,
     delivered: Option<i64>,
     convs: Option<Vec<ConvHead>>,
+    lineage: Option<i64>,
     events: Option<Vec<Event>>,
     head: Option<i64>,
     complete: Option<bool>,
@@ -154,6 +155,7 @@ impl ServerFrame {
             },
             "subbed" => Reply::Subbed {
                 convs: need(f.convs, "subbed", "convs")?,
+                lineage: need(f.lineage, "subbed", "lineage")?,
             },
             "synced" => Reply::Synced {
                 conv: need(f.conv, "synced", "conv")?,
@@ -270,7 +272,10 @@ mod tests {
                 conv: "c1".into(),
                 delivered: 7,
             },
-            Reply::Subbed { convs: vec![] },
+            Reply::Subbed {
+                convs: vec![],
+                lineage: 0,
+            },
             Reply::Subbed {
                 convs: vec![ConvHead {
                     conv: "c1".into(),
@@ -278,6 +283,7 @@ mod tests {
                     delivered: 2,
                     epoch: 1,
                 }],
+                lineage: 1,
             },
             Reply::Synced {
                 conv: "c1".into(),

@@ -271,6 +271,11 @@ pub enum Reply {
     },
     Subbed {
         convs: Vec<ConvHead>,
+        /// How many times the database's lineage moved (`db_lineage.moves`, issue 21):
+        /// each move moved every conversation's epoch by one, so a device that holds a
+        /// conversation this reply does not list (its user's membership went with the old
+        /// lineage) learns that its epoch moved too, and by how much.
+        lineage: i64,
     },
     Synced {
         conv: String,
@@ -378,7 +383,7 @@ pub fn render(frame: &Frame) -> String {
                 Reply::Acked { conv, delivered } => {
                     json!({"t": "acked", "conv": conv, "delivered": delivered})
                 }
-                Reply::Subbed { convs } => {
+                Reply::Subbed { convs, lineage } => {
                     let convs: Vec<_> = convs
                         .iter()
                         .map(|c| {
@@ -386,7 +391,7 @@ pub fn render(frame: &Frame) -> String {
                                    "epoch": c.epoch})
                         })
                         .collect();
-                    json!({"t": "subbed", "convs": convs})
+                    json!({"t": "subbed", "convs": convs, "lineage": lineage})
                 }
                 Reply::Synced {
                     conv,
@@ -548,12 +553,17 @@ mod tests {
                         delivered: 2,
                         epoch: 1,
                     }],
+                    lineage: 0,
                 },
-                json!({"t": "subbed", "convs": [{"conv": "c1", "head": 4, "delivered": 2, "epoch": 1}]}),
+                json!({"t": "subbed", "convs": [{"conv": "c1", "head": 4, "delivered": 2, "epoch": 1}],
+                       "lineage": 0}),
             ),
             (
-                Reply::Subbed { convs: vec![] },
-                json!({"t": "subbed", "convs": []}),
+                Reply::Subbed {
+                    convs: vec![],
+                    lineage: 2,
+                },
+                json!({"t": "subbed", "convs": [], "lineage": 2}),
             ),
             (
                 Reply::Synced {

@@ -249,6 +249,13 @@ struct State {
     conn: Option<ConnLink>,
     conn_seq: u64,
     subscribed: bool,
+    /// Issue 21: conversations whose epoch moved and that no sync has completed since. The
+    /// server's cursor is where the old lineage left it, so no hint will ask for them: a
+    /// failed sync of one ends the subscription (`subscribed` false), and the next `sub`
+    /// syncs it from 0. Found by nemesis seed 70 (generator 6, 3 gateways): the database
+    /// was paused when the sync after the move ran, and the device never got the
+    /// conversation's 42 events back.
+    resync: std::collections::BTreeSet<String>,
     /// The last state file write failed: memory is ahead of the disk.
     dirty: bool,
     /// A crash point fired: this instance writes nothing and sends nothing any more.
@@ -280,6 +287,7 @@ impl State {
             conn: None,
             conn_seq: 0,
             subscribed: false,
+            resync: Default::default(),
             dirty: false,
             dead: false,
             auto_acks_done: 0,
@@ -590,7 +598,11 @@ impl Client {
             .inner
             .request(Request::Sub, opts.request_timeout)
             .await?;
-        let Some(Reply::Subbed { convs: heads }) = reply.reply() else {
+        let Some(Reply::Subbed {
+            convs: heads,
+            lineage,
+        }) = reply.reply()
+        else {
             self.inner.lock().stats.malformed_frames += 1;
             return Err(ClientError::Other(anyhow!(
                 "malformed subbed reply: {}",
@@ -611,24 +623,26 @@ impl Client {
                 st.record_delivered(conv, *delivered);
                 st.delivery.subscribed(conv, *delivered);
             }
-            // Issue 21: epochs move for every conversation at once. A conversation this
-            // device holds that `subbed` does not list (the new lineage has no membership of
-            // the user in it: it was lost with the old one) moved too: discard it.
-            if let Some(newest) = heads.iter().map(|c| c.epoch).max() {
-                let unlisted: Vec<String> = st
+            // Issue 21: each move of the database's lineage moved every conversation's
+            // epoch by one. A conversation this device holds that `subbed` does not list
+            // (the new lineage has no membership of the user in it: it went with the old
+            // one) moved as many times: discard it. Found by nemesis seed 24 (generator 6,
+            // 3 gateways): a join lost by an asynchronous failover left a device holding 6
+            // lost messages, told by nothing.
+            let moves = st.file.lineage.map_or(0, |seen| (lineage - seen).max(0));
+            if moves > 0 {
+                let unlisted: Vec<(String, i64)> = st
                     .file
                     .convs
-                    .keys()
-                    .filter(|k| !heads.iter().any(|c| &c.conv == *k))
-                    .cloned()
+                    .iter()
+                    .filter(|(k, _)| !heads.iter().any(|c| &c.conv == *k))
+                    .filter_map(|(k, c)| c.epoch.map(|e| (k.clone(), e)))
                     .collect();
-                for conv in unlisted {
-                    let held = st.file.convs.get(&conv).and_then(|c| c.epoch);
-                    if held.is_some_and(|e| e < newest) {
-                        self.inner.see_epoch(&mut st, &conv, newest);
-                    }
+                for (conv, held) in unlisted {
+                    self.inner.see_epoch(&mut st, &conv, held + moves);
                 }
             }
+            st.file.lineage = Some(st.file.lineage.map_or(*lineage, |seen| seen.max(*lineage)));
             self.inner
                 .persist(&mut st)
                 .context("persist subbed cursors")?;

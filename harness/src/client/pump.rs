@@ -55,6 +55,7 @@ impl Inner {
                 st.delivery.forget(conv);
                 st.heads.remove(conv);
                 st.stats.epoch_moves += 1;
+                st.resync.insert(conv.to_string());
                 self.rec(
                     None,
                     Line::Store(Store::Epoch {
@@ -166,8 +167,14 @@ impl Inner {
         from: i64,
     ) -> Result<(), ClientError> {
         let r = self.sync_pages(conv, from).await;
+        let mut st = self.lock();
         if r.is_err() {
-            self.lock().delivery.sync_failed(conv);
+            st.delivery.sync_failed(conv);
+            if st.resync.contains(conv) {
+                st.subscribed = false;
+            }
+        } else {
+            st.resync.remove(conv);
         }
         r
     }

@@ -53,6 +53,10 @@ pub(super) struct StateFile {
     /// Sends not yet answered for good, in the order they were first sent.
     pub(super) outbox: Vec<OutboxEntry>,
     pub(super) convs: BTreeMap<String, ConvFile>,
+    /// The database's lineage moves the last `subbed` reported (issue 21; `None` before
+    /// the first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) lineage: Option<i64>,
 }
 
 impl StateFile {
@@ -64,6 +68,7 @@ impl StateFile {
             epoch,
             outbox: Vec::new(),
             convs: BTreeMap::new(),
+            lineage: None,
         }
     }
 

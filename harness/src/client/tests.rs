@@ -313,7 +313,7 @@ async fn store_survives_restart_and_sub_dedupes() -> anyhow::Result<()> {
         Some("sub") => vec![reply(
             req,
             "subbed",
-            json!({"convs": [{"conv": "a", "head": 0, "delivered": 0, "epoch": 1}]}),
+            json!({"convs": [{"conv": "a", "head": 0, "delivered": 0, "epoch": 1}], "lineage": 0}),
         )],
         _ => vec![],
     }))
@@ -347,7 +347,7 @@ async fn store_survives_restart_and_sub_dedupes() -> anyhow::Result<()> {
         Some("sub") => vec![reply(
             req,
             "subbed",
-            json!({"convs": [{"conv": "a", "head": 5, "delivered": 0, "epoch": 1}]}),
+            json!({"convs": [{"conv": "a", "head": 5, "delivered": 0, "epoch": 1}], "lineage": 0}),
         )],
         Some("sync") => {
             let after = req.get("after").and_then(Value::as_i64).unwrap_or(0);
@@ -380,6 +380,52 @@ async fn store_survives_restart_and_sub_dedupes() -> anyhow::Result<()> {
         (st.duplicates_ignored, st.events_synced, st.syncs_run),
         (2, 1, 1)
     );
+    Ok(())
+}
+
+/// Issue 21: a conversation the device holds that `subbed` no longer lists (its user's
+/// membership went with the old lineage) is discarded when `subbed` reports a lineage
+/// move, its epoch moved by as many moves; with no move, it is kept (a user who left keeps
+/// what it had). Mutant check: without the lineage rule in `sub`, the held events stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lineage_move_discards_a_conversation_subbed_no_longer_lists() -> anyhow::Result<()> {
+    let dir = TestDir::new("lineage")?;
+    let lineage = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let listed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (l2, listed2) = (lineage.clone(), listed.clone());
+    let s = fake(responder(move |req| match field_str(req, "t") {
+        Some("sub") => {
+            let convs = if listed2.load(std::sync::atomic::Ordering::SeqCst) {
+                json!([{"conv": "a", "head": 0, "delivered": 0, "epoch": 1}])
+            } else {
+                json!([])
+            };
+            let l = l2.load(std::sync::atomic::Ordering::SeqCst);
+            vec![reply(req, "subbed", json!({"convs": convs, "lineage": l}))]
+        }
+        _ => vec![],
+    }))
+    .await?;
+    let opts = ClientOptions {
+        auto_ack: false,
+        ..ClientOptions::default()
+    };
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?.with_options(opts);
+    c.connect(&s.url).await?;
+    c.sub().await?;
+    s.push.send(push_ev("a", 1))?;
+    s.push.send(push_ev("a", 2))?;
+    c.wait_cursor("a", 2, WAIT).await?;
+    // The user left: not listed, no lineage move: kept.
+    listed.store(false, std::sync::atomic::Ordering::SeqCst);
+    c.sub().await?;
+    assert_eq!(c.stored_seqs("a"), vec![1, 2]);
+    // The database's lineage moved twice: discarded, epoch 1 + 2.
+    lineage.store(2, std::sync::atomic::Ordering::SeqCst);
+    c.sub().await?;
+    assert_eq!(c.stored_seqs("a"), Vec::<i64>::new());
+    assert_eq!(c.cursor("a"), 0);
+    assert_eq!(c.epochs().get("a"), Some(&3));
     Ok(())
 }
 

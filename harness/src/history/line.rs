@@ -297,7 +297,7 @@ impl Done {
                 conv: conv.clone(),
                 delivered: *delivered,
             },
-            (OpName::Sub, Reply::Subbed { convs }) => Done::Sub {
+            (OpName::Sub, Reply::Subbed { convs, .. }) => Done::Sub {
                 convs: convs
                     .iter()
                     .map(|c| SubConv {

@@ -751,7 +751,11 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
         let step = async move {
             if !c.is_connected() || !c.is_subscribed() {
                 settled2.store(false, Ordering::SeqCst);
-                c.connect(ws_url).await?;
+                // Connected but no longer subscribed: a sync after an epoch move failed
+                // (issue 21), and `sub` syncs it again.
+                if !c.is_connected() {
+                    c.connect(ws_url).await?;
+                }
                 c.sub().await?;
             }
             if !c.outbox().is_empty() {
