@@ -26,9 +26,10 @@ const RERUN_TESTS_MAX: usize = 3;
 /// Version of evidence/controls/result.json.
 const SCHEMA_VERSION: u32 = 1;
 /// The suite a control runs: every im-06 check, the protocol tests, the steady-state repair
-/// and bounds checks, and the hostile-peer tests.
-const SUITE: &str =
-    "binary(im06) | binary(protocol) | binary(repair) | binary(bounds) | binary(hostile)";
+/// and bounds checks, the hostile-peer tests, and the epoch checks (issue 21: without them
+/// the suite cannot catch `no-epoch`; the first control of it, at 7b1d0ce, missed it so).
+const SUITE: &str = "binary(im06) | binary(protocol) | binary(repair) | binary(bounds) \
+                     | binary(hostile) | binary(epochs)";
 
 /// What we know before running about the bugs only some faults can expose.
 /// (`async-commit` is not among them: an asynchronous commit is acknowledged while its WAL
