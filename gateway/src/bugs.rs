@@ -150,6 +150,13 @@ bugs! {
     /// has, and get another message at the same seq.
     NoEpoch = "no-epoch",
         "epochs: a new lineage (a promoted standby) moves no epoch; devices stay silently wrong";
+    /// New connections check the database's lineage before they set their session's
+    /// `synchronous_commit`, so the check sees the server's default (`on`) and never the
+    /// incarnation (migration 0007). Breaks the epoch's promise under `synchronous_commit =
+    /// off`: a crash that lost acknowledged commits moves no epoch, and devices keep what
+    /// the database lost.
+    NoIncarnation = "no-incarnation",
+        "epochs: with synchronous_commit=off a crash that lost commits moves no epoch";
 }
 
 impl fmt::Display for Bug {
@@ -319,11 +326,12 @@ mod tests {
                 "{n}"
             );
         }
-        assert_eq!(Bug::ALL.len(), 23);
+        assert_eq!(Bug::ALL.len(), 24);
         assert_eq!(Bug::ALL[0].name(), "reply-before-commit");
         assert_eq!(Bug::S1Leak.name(), "s1-leak");
         assert_eq!(Bug::NoLocalHandoff.name(), "no-local-handoff");
         assert_eq!(Bug::NoEpoch.name(), "no-epoch");
+        assert_eq!(Bug::NoIncarnation.name(), "no-incarnation");
     }
 
     #[test]

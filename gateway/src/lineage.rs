@@ -1,6 +1,9 @@
-//! The database's lineage (issue 21, item 3; migration 0006): the server's system
-//! identifier and WAL timeline. A promoted standby starts a new timeline, a cluster rebuilt
-//! elsewhere has another identifier; either may have lost history devices already hold.
+//! The database's lineage (issue 21, item 3; migrations 0006 and 0007): the server's system
+//! identifier and WAL timeline, and, while the gateway's sessions commit without waiting
+//! for the flush (`synchronous_commit = off` or `fsync = off`), the postmaster's start time
+//! (the incarnation). A promoted standby starts a new timeline, a cluster rebuilt elsewhere
+//! has another identifier, and a restart of a server that acknowledged unflushed commits
+//! may have lost some: each may have lost history devices already hold.
 //!
 //! Every new pool connection calls `im_check_lineage()` before it serves anything
 //! ([`crate::store::connect`]): the first connection on a new lineage moves every
@@ -18,8 +21,27 @@ use crate::state::State;
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
-/// A server's lineage: `(system identifier, timeline)`.
-pub type Id = (String, i32);
+/// A server's lineage, as `im_check_lineage()` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Id {
+    pub system_identifier: String,
+    pub timeline: i32,
+    /// The postmaster's start time while commits are acknowledged before they are
+    /// flushed; `None` while they are durable (a restart then loses nothing acknowledged).
+    pub incarnation: Option<String>,
+}
+
+impl Id {
+    /// Whether going from `self` to `next` may have lost history: the rule of
+    /// `im_check_lineage()` (migration 0007). Another identifier or timeline; or two known
+    /// incarnations that differ. An incarnation appearing or vanishing (durability turned
+    /// off or on) is no move.
+    pub fn moved_to(&self, next: &Id) -> bool {
+        self.system_identifier != next.system_identifier
+            || self.timeline != next.timeline
+            || matches!((&self.incarnation, &next.incarnation), (Some(a), Some(b)) if a != b)
+    }
+}
 
 /// The lineage this gateway has served from, and a count of the times it moved.
 #[derive(Debug)]
@@ -42,16 +64,17 @@ impl Lineage {
     /// epochs). Returns whether that is a change for this gateway.
     pub fn observe(&self, id: Id, moved: bool) -> bool {
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        let changed = seen.as_ref().is_some_and(|s| *s != id);
+        let changed = seen.as_ref().is_some_and(|s| s.moved_to(&id));
         if changed || moved {
             tracing::warn!(
-                system_identifier = %id.0,
-                timeline = id.1,
+                system_identifier = %id.system_identifier,
+                timeline = id.timeline,
+                incarnation = ?id.incarnation,
                 before = ?*seen,
                 epochs_moved_here = moved,
-                "the database's lineage changed (a promoted standby or another cluster): \
-                 every conversation's epoch moved; closing every connection so devices \
-                 reconcile"
+                "the database's lineage changed (a promoted standby, another cluster, or a \
+                 restart after commits acknowledged unflushed): every conversation's epoch \
+                 moved; closing every connection so devices reconcile"
             );
         }
         *seen = Some(id);
@@ -96,14 +119,43 @@ mod tests {
     #[test]
     fn a_change_is_counted_once() {
         let l = Lineage::default();
-        assert!(!l.observe(("a".into(), 1), false));
-        assert!(!l.observe(("a".into(), 1), false));
+        assert!(!l.observe(id("a", 1, None), false));
+        assert!(!l.observe(id("a", 1, None), false));
         assert_eq!(l.moves(), 0);
-        assert!(l.observe(("a".into(), 2), false));
-        assert!(!l.observe(("a".into(), 2), false));
+        assert!(l.observe(id("a", 2, None), false));
+        assert!(!l.observe(id("a", 2, None), false));
         assert_eq!(l.moves(), 1);
         let fresh = Lineage::default();
-        assert!(fresh.observe(("b".into(), 1), true));
+        assert!(fresh.observe(id("b", 1, None), true));
         assert_eq!(fresh.moves(), 1);
+    }
+
+    fn id(system: &str, timeline: i32, incarnation: Option<&str>) -> Id {
+        Id {
+            system_identifier: system.into(),
+            timeline,
+            incarnation: incarnation.map(str::to_string),
+        }
+    }
+
+    /// Migration 0007's rule: a new incarnation is a move only when both are known (commits
+    /// acknowledged unflushed before and after the restart); durability turned off or on
+    /// is none.
+    #[test]
+    fn a_new_incarnation_moves_only_between_two_known_ones() {
+        let l = Lineage::default();
+        assert!(!l.observe(id("a", 1, None), false));
+        assert!(
+            !l.observe(id("a", 1, Some("t1")), false),
+            "durability turned off"
+        );
+        assert!(!l.observe(id("a", 1, Some("t1")), false));
+        assert!(
+            l.observe(id("a", 1, Some("t2")), false),
+            "a restart while off"
+        );
+        assert!(!l.observe(id("a", 1, None), false), "durability turned on");
+        assert!(!l.observe(id("a", 1, Some("t3")), false), "and off again");
+        assert_eq!(l.moves(), 1);
     }
 }

@@ -108,7 +108,7 @@ const IDLE_PING: Duration = Duration::from_secs(1);
 /// timeout, so statements left running after a request's deadline (see `state::State::db`)
 /// cannot pin connections. With `lineage` (the serving gateway's pools), every new
 /// connection checks the database's lineage before it serves anything and moves every
-/// conversation's epoch if it changed ([`crate::lineage`], migration 0006).
+/// conversation's epoch if it changed ([`crate::lineage`], migrations 0006 and 0007).
 pub async fn connect(
     url: &str,
     max: u32,
@@ -147,13 +147,19 @@ pub async fn connect(
             let timeout_ms = timeout_ms.clone();
             let lineage = lineage.clone();
             Box::pin(async move {
+                // The `no-incarnation` bug checks the lineage first, under the server's
+                // default `synchronous_commit`: the incarnation is never seen.
+                let early = bugs::active(Bug::NoIncarnation);
+                if let (true, Some(l)) = (early, &lineage) {
+                    check_lineage(conn, l).await?;
+                }
                 sqlx::query(CONNECT_SQL)
                     .bind(timeout_ms)
                     .bind(sync.as_str())
                     .execute(&mut *conn)
                     .await?;
-                if let Some(l) = lineage {
-                    check_lineage(conn, &l).await?;
+                if let (false, Some(l)) = (early, &lineage) {
+                    check_lineage(conn, l).await?;
                 }
                 Ok(())
             })
@@ -171,13 +177,19 @@ async fn check_lineage(conn: &mut sqlx::PgConnection, lineage: &Lineage) -> sqlx
     if bugs::active(Bug::NoEpoch) {
         return Ok(());
     }
-    let r: Result<(String, i32, bool), _> =
-        sqlx::query_as("SELECT system_identifier, timeline, moved FROM im_check_lineage()")
-            .fetch_one(&mut *conn)
-            .await;
+    let r: Result<(String, i32, Option<String>, bool), _> = sqlx::query_as(
+        "SELECT system_identifier, timeline, incarnation, moved FROM im_check_lineage()",
+    )
+    .fetch_one(&mut *conn)
+    .await;
     match r {
-        Ok((system, timeline, moved)) => {
-            lineage.observe((system, timeline), moved);
+        Ok((system_identifier, timeline, incarnation, moved)) => {
+            let id = crate::lineage::Id {
+                system_identifier,
+                timeline,
+                incarnation,
+            };
+            lineage.observe(id, moved);
             Ok(())
         }
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42883") => Ok(()),

@@ -13,6 +13,7 @@
 
 use harness::checker::Kind;
 use harness::gateway::GatewayOpts;
+use harness::pg::ClusterOpts;
 use harness::util::wait_until;
 use harness::world::{Replication, World, WorldOpts};
 use scenarios::{connect, judge_test, provision_alice_and_bob};
@@ -113,5 +114,144 @@ async fn an_async_failover_that_lost_held_messages_leaves_no_device_silently_wro
     closed?;
     assert_eq!((epoch, moves), (2, 1), "c1's epoch and the lineage's moves");
     assert_eq!(b.stats().epoch_moves, 1, "{:?}", b.stats());
+    Ok(())
+}
+
+/// The world of the crash checks below: one gateway whose sessions run under
+/// `synchronous_commit`, on a cluster whose WAL writer sleeps 10 s (an acknowledged commit
+/// that was not flushed stays in shared memory until then: an immediate shutdown loses it).
+async fn crash_world(synchronous_commit: &str) -> anyhow::Result<World> {
+    World::start_with(
+        WorldOpts {
+            cluster: ClusterOpts {
+                settings: vec![("wal_writer_delay".into(), "10000".into())],
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        GatewayOpts {
+            db_timeout_ms: Some(1000),
+            env: vec![("IM_SYNCHRONOUS_COMMIT".into(), synchronous_commit.into())],
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// `c1`'s epoch and the lineage's moves.
+async fn epoch_and_moves(w: &World) -> anyhow::Result<(i32, i32)> {
+    Ok(sqlx::query_as(
+        "SELECT (SELECT epoch FROM conversations WHERE conv_id = 'c1'), moves FROM db_lineage",
+    )
+    .fetch_one(&w.pool().await?)
+    .await?)
+}
+
+/// D1/D6 with commits acknowledged before they are flushed (`synchronous_commit = off`,
+/// found by `make durability`): a PostgreSQL crash loses the last acknowledged messages on
+/// the same system identifier and timeline, after the receiver stored them. Only the
+/// incarnation (migration 0007: the postmaster's start time, part of the lineage while
+/// commits are not durable) can tell the receiver: every epoch moves, the gateway closes
+/// its connections, and the receiver reconciles. The checker must find the loss (`lost`:
+/// the setting's contract, not excused) and no device holding what the database lost
+/// (`held-lost`, `store-mismatch`). With the incarnation ignored, nothing moves and the
+/// receiver keeps the lost messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_that_lost_unflushed_commits_leaves_no_device_silently_wrong() -> anyhow::Result<()>
+{
+    let mut w = crash_world("off").await?;
+    let (ta, tb) = provision_alice_and_bob(&w).await?;
+    let a = connect(&w, "a1", &ta).await?;
+    let mut b = connect(&w, "b1", &tb).await?;
+    b.sub().await?;
+    for n in 1..=LOST {
+        a.send("c1", &format!("x{n}"), &format!("m{n}"), T).await?;
+    }
+    b.wait_cursor("c1", LOST, T).await?;
+    w.crash_pg().await?;
+    w.restart_pg().await?;
+    let closed = wait_until(
+        "the gateway to close b1's connection",
+        Instant::now() + T,
+        async || if b.is_connected() { Err(()) } else { Ok(()) },
+    )
+    .await;
+    if !b.is_connected() {
+        b.connect(&w.ws_url()).await?;
+        b.sub().await?;
+    }
+    let mut a = a;
+    if !a.is_connected() {
+        a.connect(&w.ws_url()).await?;
+    }
+    // New messages take the seqs the lost ones had.
+    for n in 100..102 {
+        a.send("c1", &format!("x{n}"), &format!("m{n}"), T).await?;
+    }
+    let head: i64 = sqlx::query_scalar("SELECT max(seq) FROM events WHERE conv_id = 'c1'")
+        .fetch_one(&w.pool().await?)
+        .await?;
+    b.wait_cursor("c1", head, T).await?;
+    let r = judge_test(&w).await?;
+    // The state where only the epoch can help: acknowledged messages b1 held are gone.
+    assert!(
+        r.counts[&Kind::Lost] > 0 && head < LOST + 2,
+        "the crash lost nothing b1 held (head {head}): the check proves nothing; {}",
+        r.summary()
+    );
+    for k in [Kind::HeldLost, Kind::StoreMismatch, Kind::D4Decrease] {
+        assert_eq!(r.counts[&k], 0, "{k}: {}", r.summary());
+    }
+    closed?;
+    assert_eq!(
+        epoch_and_moves(&w).await?,
+        (2, 1),
+        "c1's epoch and the lineage's moves"
+    );
+    assert_eq!(b.stats().epoch_moves, 1, "{:?}", b.stats());
+    Ok(())
+}
+
+/// The other side of migration 0007: with durable commits (`on`) a crash loses nothing
+/// acknowledged, so the restart is no new lineage: no epoch moves, no connection is closed
+/// for it, and the receiver keeps what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_with_durable_commits_moves_no_epoch() -> anyhow::Result<()> {
+    let mut w = crash_world("on").await?;
+    let (ta, tb) = provision_alice_and_bob(&w).await?;
+    let a = connect(&w, "a1", &ta).await?;
+    let mut b = connect(&w, "b1", &tb).await?;
+    b.sub().await?;
+    for n in 1..=KEPT {
+        a.send("c1", &format!("x{n}"), &format!("m{n}"), T).await?;
+    }
+    b.wait_cursor("c1", KEPT, T).await?;
+    w.crash_pg().await?;
+    w.restart_pg().await?;
+    // A send through the restarted server: the gateway's pool has new connections, each of
+    // which checked the lineage.
+    let mut a = a;
+    wait_until("a send after the restart", Instant::now() + T, async || {
+        if !a.is_connected() {
+            let _ = a.connect(&w.ws_url()).await;
+        }
+        a.send("c1", "after", "after the restart", Duration::from_secs(2))
+            .await
+            .map_err(|_| ())
+    })
+    .await?;
+    if !b.is_connected() {
+        b.connect(&w.ws_url()).await?;
+        b.sub().await?;
+    }
+    b.wait_cursor("c1", KEPT + 1, T).await?;
+    let r = judge_test(&w).await?;
+    assert!(r.anomalies.is_empty(), "{}", r.summary());
+    assert_eq!(
+        epoch_and_moves(&w).await?,
+        (1, 0),
+        "c1's epoch and the lineage's moves"
+    );
+    assert_eq!(b.stats().epoch_moves, 0, "{:?}", b.stats());
     Ok(())
 }
