@@ -345,6 +345,10 @@ struct Inner {
     device: String,
     /// This instance's number for the device (1 for `create`, +1 per `load`).
     instance: u64,
+    /// One sync of a conversation at a time ([`Inner::sync_until_complete`]): the pump's
+    /// repairs and `sub`'s syncs run on different tasks, and the delivery core tracks one
+    /// sync per conversation (its `sync_after`).
+    syncing: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Inner {
@@ -461,6 +465,7 @@ impl Client {
                 hist,
                 device,
                 instance,
+                syncing: Mutex::default(),
             }),
             tasks: None,
         })

@@ -2,7 +2,7 @@
 //! hints one at a time, runs the syncs they ask for page by page, persists what it stores
 //! before any ack that covers it (D3), and sends the coalesced acks when they are due.
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
@@ -160,12 +160,21 @@ impl Inner {
     }
 
     /// Syncs `conv` from `from` (clamped to the cursor) until the server says
-    /// `complete`, storing every event and moving the cursor (SPEC section 5).
+    /// `complete`, storing every event and moving the cursor (SPEC section 5). One sync
+    /// of a conversation at a time: a second waits for the first to end. Two at once
+    /// shared the core's page floor, and one's first page was judged against the other's
+    /// progress (`im06_failover_pg_auto_failover`: `sub`'s sync from 0 beside a gap
+    /// repair from 0 after the epoch moved, refused as "not strictly ascending").
     pub(super) async fn sync_until_complete(
         &self,
         conv: &str,
         from: i64,
     ) -> Result<(), ClientError> {
+        let one = {
+            let mut syncing = self.syncing.lock().unwrap_or_else(PoisonError::into_inner);
+            syncing.entry(conv.to_string()).or_default().clone()
+        };
+        let _one_at_a_time = one.lock().await;
         let r = self.sync_pages(conv, from).await;
         let mut st = self.lock();
         if r.is_err() {

@@ -429,6 +429,69 @@ async fn a_lineage_move_discards_a_conversation_subbed_no_longer_lists() -> anyh
     Ok(())
 }
 
+/// A page of conversation `a` (head 4, two events a page) after `after`.
+fn page_of_a(req: &Value) -> Value {
+    let after = req["after"].as_i64().unwrap_or(0);
+    let events: Vec<Value> = (after + 1..=(after + 2).min(4))
+        .map(|s| ev("a", s))
+        .collect();
+    let complete = after + 2 >= 4;
+    reply(
+        req,
+        "synced",
+        json!({"conv": "a", "events": events, "head": 4, "complete": complete}),
+    )
+}
+
+/// D3: one sync of a conversation at a time. `sub` syncs `a` (head 4) from 0 while a
+/// push of seq 4 (a gap) makes the pump repair it from 0 too. The fake holds the first
+/// sync's first page until it has seen whether a second sync of `a` comes meanwhile: it
+/// must not (two at once shared the core's page floor, and the second's first page was
+/// refused as disordered: `im06_failover_pg_auto_failover`'s flake). Then both end, with
+/// no sync error, every event stored once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_syncs_of_one_conversation_never_overlap() -> anyhow::Result<()> {
+    let dir = TestDir::new("one-sync")?;
+    let syncs = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen = syncs.clone();
+    let mut s = fake(responder(move |req| match field_str(req, "t") {
+        Some("sub") => vec![
+            reply(
+                req,
+                "subbed",
+                json!({"convs": [{"conv": "a", "head": 4, "delivered": 0, "epoch": 1}],
+                       "lineage": 0}),
+            ),
+            push_ev("a", 4),
+        ],
+        // The first sync request waits for the test to answer it.
+        Some("sync") if seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 => vec![],
+        Some("sync") => vec![page_of_a(req)],
+        _ => vec![],
+    }))
+    .await?;
+    let opts = ClientOptions {
+        sync_limit: 2,
+        ..ClientOptions::default()
+    };
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?.with_options(opts);
+    c.connect(&s.url).await?;
+    let (push, got) = (s.push.clone(), &mut s.got);
+    let driver = async {
+        let (_, first) = expect(got, WAIT, is("sync")).await?;
+        expect_none(got, Duration::from_millis(500), is("sync")).await?;
+        push.send(page_of_a(&first))?;
+        anyhow::Ok(())
+    };
+    let (subbed, driven) = tokio::join!(c.sub(), driver);
+    driven?;
+    subbed?;
+    c.wait_cursor("a", 4, WAIT).await?;
+    assert_eq!(c.stored_seqs("a"), vec![1, 2, 3, 4]);
+    assert_eq!(c.stats().sync_errors, 0, "{:?}", c.stats());
+    Ok(())
+}
+
 /// Proves gap repair: after seq 1, a push of seq 3 makes the client sync with
 /// after=1, and the synced events close the gap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

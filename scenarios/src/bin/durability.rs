@@ -89,6 +89,13 @@ impl Cell {
         }
     }
 
+    /// Whether the gateway finds a new lineage after the fault, moves every epoch and
+    /// closes its connections: a promoted standby (a new timeline), or, under `off`, a
+    /// restarted server (a new incarnation, migration 0007).
+    fn moves_the_lineage(self) -> bool {
+        self.fault == "failover" || self.setting == "off"
+    }
+
     fn applicable(self) -> bool {
         !(self.fault == "failover" && self.topology == "standalone")
     }
@@ -372,7 +379,7 @@ async fn run(cell: Cell, acked_before: u64) -> anyhow::Result<Run> {
     r.fault_ms = timings;
     let recovered = Instant::now();
     let held_at_the_fault: Vec<Vec<Value>> = receivers.iter().map(|c| c.stored("c1")).collect();
-    if cell.fault == "failover" {
+    if cell.moves_the_lineage() {
         // The new lineage closes every connection: every device connects again, the
         // receivers subscribed (they learn the moved epoch and reconcile).
         let waits = std::iter::once(Duration::from_secs(5))
