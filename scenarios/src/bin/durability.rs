@@ -290,7 +290,8 @@ fn write(
         "epochs": "receivers_holding_what_the_database_lost counts what the receivers held when \
             the fault was over (what a device keeps if nothing tells it); \
             receivers_holding_what_the_database_lost_with_epoch what they held once caught up \
-            again, after the epoch told them of the failover (issue 21): a cell with any is FAIL",
+            again, after the epoch told them of the failover, or under off of the restart \
+            (issue 21, migration 0007): a cell with any is FAIL",
         "summary": {
             "cells": rows.iter().filter(|r| r["applicable"] == true).count(),
             "pass": count(Verdict::Pass),
