@@ -446,6 +446,18 @@ pub async fn durability_settings(
 /// history checker, writes `records_dir()/protocol/<test>.json` (the checker's verdict,
 /// read by `make controls`), and returns the report.
 pub async fn judge_test(w: &harness::world::World) -> anyhow::Result<harness::checker::Report> {
+    judge_test_measuring(w, &[]).await
+}
+
+/// [`judge_test`] for a test whose setting makes some anomalies its measurement, not a
+/// verdict (a `lost` under `synchronous_commit = off`): their counts go into the record's
+/// `observed.checker_anomalies_measured` too, so the controls' clean baseline does not
+/// count them (as it does not count `06-failover-u2-async`'s). The test still asserts on
+/// every kind itself.
+pub async fn judge_test_measuring(
+    w: &harness::world::World,
+    measured: &[harness::checker::Kind],
+) -> anyhow::Result<harness::checker::Report> {
     let j = w.judge().await?;
     let test = std::thread::current()
         .name()
@@ -463,6 +475,19 @@ pub async fn judge_test(w: &harness::world::World) -> anyhow::Result<harness::ch
         "anomalies": j.report.anomalies.iter().take(ANOMALIES_IN_RECORD_MAX).collect::<Vec<_>>(),
         "history": j.dir.join("history.jsonl"),
     });
+    let mut rec = rec;
+    if !measured.is_empty() {
+        let counts: serde_json::Map<String, Value> = measured
+            .iter()
+            .map(|k| {
+                (
+                    k.as_str().to_string(),
+                    json!(j.report.counts.get(k).copied().unwrap_or(0)),
+                )
+            })
+            .collect();
+        rec["observed"] = json!({ "checker_anomalies_measured": counts });
+    }
     std::fs::write(
         dir.join(format!("{test}.json")),
         serde_json::to_vec_pretty(&rec)?,
