@@ -429,6 +429,17 @@ async fn a_lineage_move_discards_a_conversation_subbed_no_longer_lists() -> anyh
     Ok(())
 }
 
+/// A client of `d1` that syncs two events a page, connected to `url`.
+async fn paging_client(dir: &TestDir, url: &str) -> anyhow::Result<Client> {
+    let opts = ClientOptions {
+        sync_limit: 2,
+        ..ClientOptions::default()
+    };
+    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?.with_options(opts);
+    c.connect(url).await?;
+    Ok(c)
+}
+
 /// A page of conversation `a` (head 4, two events a page) after `after`.
 fn page_of_a(req: &Value) -> Value {
     let after = req["after"].as_i64().unwrap_or(0);
@@ -470,12 +481,7 @@ async fn two_syncs_of_one_conversation_never_overlap() -> anyhow::Result<()> {
         _ => vec![],
     }))
     .await?;
-    let opts = ClientOptions {
-        sync_limit: 2,
-        ..ClientOptions::default()
-    };
-    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?.with_options(opts);
-    c.connect(&s.url).await?;
+    let c = paging_client(&dir, &s.url).await?;
     let (push, got) = (s.push.clone(), &mut s.got);
     let driver = async {
         let (_, first) = expect(got, WAIT, is("sync")).await?;
@@ -558,12 +564,7 @@ async fn hint_triggers_paged_sync_and_ack() -> anyhow::Result<()> {
         _ => vec![],
     }))
     .await?;
-    let opts = ClientOptions {
-        sync_limit: 2,
-        ..ClientOptions::default()
-    };
-    let mut c = Client::create(&dir.state(), "d1", "t", 1, None)?.with_options(opts);
-    c.connect(&s.url).await?;
+    let c = paging_client(&dir, &s.url).await?;
     s.push
         .send(json!({"t": "hint", "conv": "a", "head": 3, "why": "sweep"}))?;
     let (_, ack) = expect(&mut s.got, WAIT, is("ack")).await?;
