@@ -4,6 +4,10 @@
 //! failing if any of its runs shows an anomaly of a kind the original showed), until no
 //! single fault can be removed without the anomaly disappearing (1-minimal).
 //!
+//! A schedule is called 1-minimal only when a run of it reproduced the anomaly: when no
+//! candidate failed, the original is run again, and if that passes too the shrinker says
+//! so ([`Finding::NotReproduced`]) instead of calling the untouched schedule minimal.
+//!
 //! The runs are the caller's ([`shrink`] takes a closure), so the search is tested here on
 //! a model without processes.
 
@@ -32,14 +36,42 @@ impl Default for ShrinkOpts {
     }
 }
 
+/// What the search could say of its result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Finding {
+    /// A run of `minimal` reproduced the anomaly, and removing any single fault of it made
+    /// the anomaly disappear in every run tried.
+    OneMinimal,
+    /// The run budget ended before every single fault was tried for removal.
+    BudgetSpent,
+    /// No run reproduced the anomaly, the original schedule's included: `minimal` is the
+    /// original, untouched, and nothing is known about which of its faults matter.
+    NotReproduced,
+}
+
+impl Finding {
+    /// As printed after the shrink.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Finding::OneMinimal => "1-minimal",
+            Finding::BudgetSpent => "run budget spent before every fault was tried",
+            Finding::NotReproduced => {
+                "not reproduced: no run failed again, the original's included"
+            }
+        }
+    }
+}
+
 /// What the shrinker found.
 #[derive(Debug, Clone, Serialize)]
 pub struct Shrunk {
     /// The smallest schedule that still failed.
     pub minimal: Schedule,
-    /// Whether every single fault of `minimal` was tried for removal (false when the run
-    /// budget ended first).
+    /// `finding == OneMinimal`: a run of `minimal` failed, and every single fault of it
+    /// was tried for removal.
     pub one_minimal: bool,
+    pub finding: Finding,
     pub runs: u32,
     /// Each candidate: its faults, duration, runs and whether it still failed.
     pub attempts: Vec<Value>,
@@ -61,6 +93,8 @@ where
 {
     let mut best = original.clone();
     let mut runs = 0u32;
+    // Whether any run failed with one of `kinds` (a candidate kept, or the original).
+    let mut reproduced = false;
     let mut attempts = Vec::new();
     // Whether `cand` still fails, within the budget (None: budget spent).
     let mut still_fails = async |cand: &Schedule, runs: &mut u32, attempts: &mut Vec<Value>| {
@@ -114,6 +148,7 @@ where
                     break 'dd;
                 }
                 Some(true) => {
+                    reproduced = true;
                     best = cand;
                     n = (n_eff - 1).max(2);
                     reduced = true;
@@ -129,7 +164,25 @@ where
             n = (n_eff * 2).min(len);
         }
     }
-    let one_minimal = !budget_out;
+    // No candidate failed: every removal passed, or there was nothing to remove. Only a
+    // failing run of the schedule itself makes it 1-minimal rather than unreproduced.
+    if !budget_out && !reproduced {
+        match still_fails(&best, &mut runs, &mut attempts).await {
+            None => budget_out = true,
+            Some(r) => reproduced = r,
+        }
+    }
+    let finding = if budget_out {
+        Finding::BudgetSpent
+    } else if reproduced {
+        Finding::OneMinimal
+    } else {
+        Finding::NotReproduced
+    };
+    if finding == Finding::NotReproduced {
+        // Nothing failed again: shortening or dropping membership would prove nothing.
+        budget_out = true;
+    }
 
     // 2. Membership changes, all at once.
     if !budget_out && !best.workload.membership.is_empty() {
@@ -164,7 +217,8 @@ where
     };
     Shrunk {
         minimal: best,
-        one_minimal,
+        one_minimal: finding == Finding::OneMinimal,
+        finding,
         runs,
         attempts,
         repro,
@@ -215,6 +269,7 @@ mod tests {
         assert_eq!(ids.len(), 2, "{ids:?}");
         assert!(ids.contains(&1) && ids.contains(&4), "{ids:?}");
         assert!(r.one_minimal);
+        assert_eq!(r.finding, Finding::OneMinimal);
         assert!(r.minimal.workload.membership.is_empty());
         let last = r.minimal.faults.iter().map(|f| f.end_ms).max().unwrap();
         assert!(
@@ -278,6 +333,7 @@ mod tests {
         )
         .await;
         assert!(!r.one_minimal);
+        assert_eq!(r.finding, Finding::BudgetSpent);
         assert_eq!(r.runs, 1);
         let other = BTreeSet::from(["duplicated".to_string()]);
         let r = shrink(
@@ -291,5 +347,45 @@ mod tests {
         )
         .await;
         assert_eq!(r.minimal.faults.len(), s.faults.len(), "nothing removable");
+        // Issue 41: nothing reproduced, so the untouched schedule is not called 1-minimal.
+        assert_eq!(r.finding, Finding::NotReproduced);
+        assert!(!r.one_minimal);
+        assert_eq!(r.minimal.options.duration_ms, s.options.duration_ms);
+    }
+
+    /// A schedule whose every single fault is needed: no candidate fails, the original
+    /// is run once more and fails, so it is 1-minimal (not "not reproduced").
+    #[tokio::test]
+    async fn all_faults_needed_is_one_minimal_after_the_original_reproduces() {
+        let opts = Options {
+            faults: 3,
+            ..Options::default()
+        };
+        let s = (0..100)
+            .map(|seed| generate(seed, &opts).unwrap())
+            .find(|s| s.faults.len() == 3)
+            .expect("a seed with 3 faults");
+        let need: &'static [u32] = Box::leak(
+            s.faults
+                .iter()
+                .map(|f| f.id)
+                .collect::<Vec<_>>()
+                .into_boxed_slice(),
+        );
+        let kinds = BTreeSet::from(["lost".to_string()]);
+        let r = shrink(
+            &s,
+            &kinds,
+            ShrinkOpts {
+                reps: 1,
+                max_runs: 100,
+            },
+            model(need),
+        )
+        .await;
+        assert_eq!(r.minimal.faults.len(), 3);
+        assert_eq!(r.finding, Finding::OneMinimal);
+        let last = r.attempts.last().unwrap();
+        assert_eq!(last["still_fails"], true, "{:?}", r.attempts);
     }
 }

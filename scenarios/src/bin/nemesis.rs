@@ -143,6 +143,8 @@ struct ShrinkLine {
     faults: Vec<Value>,
     duration_ms: u64,
     one_minimal: bool,
+    /// `one-minimal`, `budget-spent` or `not-reproduced` (nothing failed again).
+    finding: harness::nemesis::shrink::Finding,
     runs: u32,
     repro: Option<String>,
     repeat: String,
@@ -603,23 +605,20 @@ async fn do_shrink(
     std::fs::write(&minimal_path, r.minimal.to_json())?;
     std::fs::write(
         dir.join("shrink.json"),
-        serde_json::to_string_pretty(&json!({"runs": r.runs, "one_minimal": r.one_minimal,
-            "attempts": r.attempts, "repro": r.repro}))?
-            + "\n",
+        serde_json::to_string_pretty(
+            &json!({"runs": r.runs, "one_minimal": r.one_minimal, "finding": r.finding,
+            "attempts": r.attempts, "repro": r.repro}),
+        )? + "\n",
     )?;
     let _ = std::fs::remove_dir_all(&work);
     let repeat = repeat_replay(&minimal_path);
     println!(
-        "nemesis: seed {} shrunk to {} fault(s) in {} ms ({} runs{}): {}",
+        "nemesis: seed {} shrunk to {} fault(s) in {} ms ({} runs, {}): {}",
         schedule.seed,
         r.minimal.faults.len(),
         r.minimal.options.duration_ms,
         r.runs,
-        if r.one_minimal {
-            ", 1-minimal"
-        } else {
-            ", run budget spent"
-        },
+        r.finding.describe(),
         minimal_path.display()
     );
     for f in &r.minimal.faults {
@@ -640,6 +639,7 @@ async fn do_shrink(
             .collect(),
         duration_ms: r.minimal.options.duration_ms,
         one_minimal: r.one_minimal,
+        finding: r.finding,
         runs: r.runs,
         repro: r.repro,
         repeat,
