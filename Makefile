@@ -5,7 +5,7 @@ TARGET   := $(or $(CARGO_TARGET_DIR),target)
 # The harness runs target/debug/im-gateway, which must carry the fault points.
 FEATURES := --features im-gateway/faults
 
-.PHONY: setup build test test-containers evidence controls nemesis mutants fuzz up lint repro bench bench-quick clean report screenshots durability
+.PHONY: setup build test test-containers evidence controls controls-join nemesis nemesis-join mutants fuzz up lint repro bench bench-quick clean report screenshots durability flake proof
 
 setup:
 	@./scripts/setup.sh
@@ -24,6 +24,12 @@ test: build lint
 	@echo "gateway unit tests without the faults feature (IM_FAULT must be refused):"
 	$(CARGO) nextest run -p im-gateway --lib
 	$(CARGO) nextest run --workspace $(FEATURES) --no-fail-fast
+
+# make flake RUNS=n [FILTER='nextest filter']: the whole suite of `make test` n times in a
+# row (default 10), then every test that ever failed with the number of runs it failed in;
+# target/flake/result.json and each run's log. Exit 1 when any test failed in any run.
+flake: build
+	CARGO='$(CARGO)' TARGET='$(TARGET)' RUNS='$(or $(RUNS),10)' FILTER='$(FILTER)' ./scripts/flake.sh
 
 # make test-containers: the crash scenarios with PostgreSQL in a container (IMFAULT_PG=container,
 # testcontainers), from an image built here from Debian's packages. Installs docker.io and
@@ -58,10 +64,15 @@ screenshots: report
 
 # make controls: the negative controls. Builds the gateway with its deliberate bugs
 # (--features faults,bugs) as target/debug/im-gateway-bugs, rebuilds the clean binary, then
-# runs the suite against the clean gateway and each bug (RUNS=10 runs each), then each bug
-# under the nemesis (seeds 1..NEMESIS_SEEDS, stopping at the first that catches it; 0 skips;
-# NEMESIS_GATEWAYS=3 gateways behind HAProxy, 1 for one), and writes evidence/controls/result.json (format: evidence/README.md). NEMESIS_ONLY=1 runs
-# only the nemesis part and merges it into the existing file.
+# runs each bug RUNS=10 times against just the tests that caught it in the last whole-suite
+# run (recorded in evidence/controls/result.json; the whole suite only for a bug they no
+# longer catch, or for every bug with WHOLE=1), those tests RUNS times against the clean
+# gateway, then each bug under the nemesis (its recorded catching seed first, else seeds
+# 1..NEMESIS_SEEDS, stopping at the first that catches it; 0 skips; NEMESIS_GATEWAYS=3
+# gateways behind HAProxy, 1 for one), and writes evidence/controls/result.json (format:
+# evidence/README.md). NEMESIS_ONLY=1 runs only the nemesis part and merges it into the
+# existing file. SHARD=k/n runs every n-th bug from the k-th into
+# target/controls/shard-k-of-n.json; `make controls-join SHARDS='f …'` joins the shards.
 RUNS ?= 10
 NEMESIS_SEEDS ?= 20
 NEMESIS_GATEWAYS ?= 3
@@ -70,7 +81,10 @@ controls: build
 	cp $(TARGET)/debug/im-gateway $(TARGET)/debug/im-gateway-bugs
 	$(CARGO) build -p im-gateway --bin im-gateway $(FEATURES)
 	touch $(TARGET)/debug/im-gateway
-	$(TARGET)/debug/controls --runs $(RUNS) --nemesis-seeds $(NEMESIS_SEEDS) --nemesis-gateways $(NEMESIS_GATEWAYS) $(if $(ONLY),--only $(ONLY)) $(if $(MERGE),--merge) $(if $(NEMESIS_ONLY),--nemesis-only)
+	$(TARGET)/debug/controls --runs $(RUNS) --nemesis-seeds $(NEMESIS_SEEDS) --nemesis-gateways $(NEMESIS_GATEWAYS) $(if $(ONLY),--only $(ONLY)) $(if $(MERGE),--merge) $(if $(NEMESIS_ONLY),--nemesis-only) $(if $(WHOLE),--whole) $(if $(SHARD),--shard $(SHARD))
+
+controls-join: build
+	$(TARGET)/debug/controls --join $(SHARDS)
 
 # make nemesis [SEEDS=20] [SEED=n] [DURATION=ms] [JOBS=n] [GATEWAYS=1..3] [SHARD=k/n] (SEED given on the
 # command line or in the environment runs that one seed; the fuzz target's default SEED does
@@ -78,14 +92,21 @@ controls: build
 # throwaway clusters (issue 10), judged by the checker, JOBS at once (each in its own
 # process, cluster and gateway); SHARD=k/n runs every n-th seed from the k-th, to spread a
 # series over machines. A failing seed keeps its artefacts under target/nemesis/seed-N/ and
-# is shrunk to minimal.json. GATEWAYS=2 or 3 runs that many gateways behind HAProxy (each
+# is shrunk to minimal.json (a shard's summary goes to target/nemesis/shard-k-of-n-gateways-G.json,
+# never evidence/: `make nemesis-join` makes the shards one). GATEWAYS=2 or 3 runs that many gateways behind HAProxy (each
 # gateway fault hits one of them). Writes evidence/nemesis/result.json (GATEWAYS=1) or
 # evidence/nemesis/gateways-N.json (format: evidence/README.md). `target/debug/nemesis --help` for replay (--replay FILE) and the rest.
 SEEDS ?= 20
 JOBS ?= 4
 GATEWAYS ?= 1
 nemesis: build
-	$(TARGET)/debug/nemesis $(if $(filter-out file default undefined,$(origin SEED)),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --jobs $(JOBS) --gateways $(GATEWAYS) $(if $(SHARD),--shard $(SHARD)) --shrink --out $(TARGET)/nemesis --summary evidence/nemesis/$(if $(filter 1,$(GATEWAYS)),result.json,gateways-$(GATEWAYS).json)
+	$(TARGET)/debug/nemesis $(if $(filter-out file default undefined,$(origin SEED)),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --jobs $(JOBS) --gateways $(GATEWAYS) $(if $(SHARD),--shard $(SHARD)) --shrink --out $(TARGET)/nemesis --summary $(if $(SHARD),$(TARGET)/nemesis/shard-$(subst /,-of-,$(SHARD))-gateways-$(GATEWAYS).json,evidence/nemesis/$(NEMESIS_FILE))
+
+# make nemesis-join SHARDS='f …' [GATEWAYS=n]: the summaries of `make nemesis SHARD=k/n` runs
+# (one per k, all at one commit) joined into the summary an unsharded series writes.
+NEMESIS_FILE = $(if $(filter 1,$(GATEWAYS)),result.json,gateways-$(GATEWAYS).json)
+nemesis-join: build
+	$(TARGET)/debug/nemesis --join $(SHARDS) --summary evidence/nemesis/$(NEMESIS_FILE)
 
 # make mutants [SHARD=k/n] [IN_DIFF=rev] [FILES='glob …'] [ALL=1] [MERGE='dir …']: mutation
 # testing (cargo-mutants, installed from crates.io when missing) of the gateway and the

@@ -622,13 +622,13 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     r.environment.wall_s = util::r3(started.elapsed().as_secs_f64());
     r.environment.load_avg_end = env::load_avg();
 
-    if let Some(dir) = args.out().parent() {
+    let out = harness::util::publish_path(args.out());
+    if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     }
     let text = serde_json::to_string_pretty(&r)?;
-    std::fs::write(args.out(), text + "\n")
-        .with_context(|| format!("write {}", args.out().display()))?;
-    print_summary(&r, args.out());
+    std::fs::write(&out, text + "\n").with_context(|| format!("write {}", out.display()))?;
+    print_summary(&r, &out);
     let Ctx {
         mut cluster, pool, ..
     } = ctx;

@@ -89,6 +89,65 @@ pub fn percentile(xs: &[f64], q: f64) -> Option<f64> {
     nearest_rank(&v, q)
 }
 
+/// Issue 41: evidence is published only from a committed tree. When `path` lies in the
+/// `evidence/` directory of a git work tree whose files (`evidence/` aside) differ from
+/// HEAD, the file goes to the same place under `target/unpublished/` instead, and a line
+/// says so: a run on a dirty tree names no commit that holds its code, so it is not
+/// evidence. Any other path is returned as it is.
+pub fn publish_path(path: &std::path::Path) -> std::path::PathBuf {
+    let git = |dir: &std::path::Path, args: &[&str]| -> Option<String> {
+        let out = std::process::Command::new("git")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        match std::env::current_dir() {
+            Ok(d) => d.join(path),
+            Err(_) => return path.to_path_buf(),
+        }
+    };
+    // The nearest existing ancestor tells the work tree.
+    let Some(dir) = abs.ancestors().skip(1).find(|d| d.is_dir()) else {
+        return path.to_path_buf();
+    };
+    let Some(top) = git(dir, &["rev-parse", "--show-toplevel"]).map(std::path::PathBuf::from)
+    else {
+        return path.to_path_buf();
+    };
+    let Ok(rel) = abs.strip_prefix(&top) else {
+        return path.to_path_buf();
+    };
+    if rel.components().next() != Some(std::path::Component::Normal("evidence".as_ref())) {
+        return path.to_path_buf();
+    }
+    let dirty = git(
+        &top,
+        &["status", "--porcelain", "--", ".", ":(exclude)evidence"],
+    )
+    .is_none_or(|s| !s.is_empty());
+    if !dirty {
+        return path.to_path_buf();
+    }
+    let to = top.join("target/unpublished").join(rel);
+    eprintln!(
+        "the tree differs from HEAD (git status, evidence/ aside): {} is not published; \
+         written to {} instead (commit, then run again to publish)",
+        rel.display(),
+        to.display()
+    );
+    if let Some(d) = to.parent() {
+        let _ = std::fs::create_dir_all(d);
+    }
+    to
+}
+
 /// Writes `bytes` to `path` atomically: to a temporary file in the same directory, then
 /// renamed over `path` (`tempfile`), so a reader sees the old file or the new one, never
 /// a part. No fsync: it survives a crash of the process, not a power cut. The file is

@@ -37,7 +37,7 @@ impl Default for ShrinkOpts {
 }
 
 /// What the search could say of its result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Finding {
     /// A run of `minimal` reproduced the anomaly, and removing any single fault of it made

@@ -15,7 +15,7 @@ use anyhow::{bail, Context};
 use harness::util::Eta;
 use scenarios::{git, target_dir, workspace, Verdict};
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -142,12 +142,72 @@ struct Opts {
     /// measured, with its commit) and replace only the bugs' `nemesis` entries.
     #[arg(long)]
     nemesis_only: bool,
+    /// Run every bug's run 1 on the whole suite (recording its catchers anew) instead of
+    /// the catchers the record names.
+    #[arg(long)]
+    whole: bool,
+    /// The result file whose recorded catchers and nemesis seeds pick what runs
+    /// [default: evidence/controls/result.json].
+    #[arg(long)]
+    record: Option<PathBuf>,
+    /// Only shard K of N of the bugs (0-based, round-robin over the list): bugs whose index
+    /// is K modulo N. Writes target/controls/shard-K-of-N.json unless --out says otherwise;
+    /// `--join` makes the shards one record.
+    #[arg(long, value_name = "K/N", value_parser = parse_shard, conflicts_with_all = ["merge", "nemesis_only"])]
+    shard: Option<(usize, usize)>,
+    /// Join these shard files (one per K of one N, all at one commit) into the record an
+    /// unsharded run writes (--out, default evidence/controls/result.json); runs nothing.
+    #[arg(long, num_args = 1.., value_name = "FILE", conflicts_with_all = ["only", "shard", "merge", "nemesis_only"])]
+    join: Option<Vec<PathBuf>>,
 }
 
-/// One bug under the nemesis: seeds 1..=`seeds`, stopping at the first one that catches it.
+fn parse_shard(s: &str) -> Result<(usize, usize), String> {
+    let (k, n) = s.split_once('/').ok_or("a shard is K/N, e.g. 0/2")?;
+    let k: usize = k
+        .trim()
+        .parse()
+        .map_err(|e| format!("shard K {k:?}: {e}"))?;
+    let n: usize = n
+        .trim()
+        .parse()
+        .map_err(|e| format!("shard N {n:?}: {e}"))?;
+    if n == 0 || k >= n {
+        return Err(format!("shard {k}/{n}: need 0 <= K < N"));
+    }
+    Ok((k, n))
+}
+
+/// One bug under the nemesis: the seed an earlier run recorded as catching it, alone, when
+/// there is one and it still catches it; else seeds 1..=`seeds`, stopping at the first one
+/// that catches it.
 fn nemesis_control(
     bug: &str,
     env: &[(&str, String)],
+    seeds: u64,
+    gateways: u32,
+    recorded_seed: Option<u64>,
+) -> anyhow::Result<Value> {
+    if let Some(seed) = recorded_seed.filter(|s| (1..=seeds).contains(s)) {
+        let mut n = nemesis_series(bug, env, seed, 1, gateways)?;
+        if n["result"] == "CAUGHT" {
+            n["recorded_seed"] = json!(seed);
+            return Ok(n);
+        }
+        eprintln!("  {bug}: recorded nemesis seed {seed} no longer catches it: seeds 1..={seeds}");
+    }
+    let mut n = nemesis_series(bug, env, 1, seeds, gateways)?;
+    if let Some(seed) = recorded_seed {
+        n["recorded_seed"] = json!(seed);
+    }
+    Ok(n)
+}
+
+/// Seeds `first..first + seeds` of the nemesis against `bug`, stopping at the first that
+/// catches it.
+fn nemesis_series(
+    bug: &str,
+    env: &[(&str, String)],
+    first: u64,
     seeds: u64,
     gateways: u32,
 ) -> anyhow::Result<Value> {
@@ -163,7 +223,7 @@ fn nemesis_control(
     let mut cmd = Command::new(target_dir().join("debug/nemesis"));
     cmd.args([
         "--first-seed",
-        "1",
+        &first.to_string(),
         "--seeds",
         &seeds.to_string(),
         "--stop-at-first-failure",
@@ -210,7 +270,8 @@ fn nemesis_control(
     Ok(json!({
         "result": if catching.is_some() { "CAUGHT" } else { "MISSED" },
         "seeds_run": runs.len(),
-        "seeds_max": seeds,
+        "first_seed": first,
+        "seeds_max": first + seeds - 1,
         "gateways": gateways,
         "first_catching_seed": catching.map(|r| r["seed"].clone()),
         "anomaly_kinds": catching.map(|r| r["anomalies"].clone()),
@@ -228,10 +289,19 @@ fn parse_args() -> Opts {
     o
 }
 
-/// One nextest run: which tests passed and failed, and what the tests wrote.
-struct RunResult {
+/// One iteration of a nextest run: which tests passed and failed.
+#[derive(Default, Clone)]
+struct Iteration {
     passed: Vec<String>,
     failed: Vec<String>,
+}
+
+/// One nextest run (`runs` iterations with `--stress-count`): which tests passed and failed
+/// in each, how long each test took, and what the tests wrote (the last iteration's).
+struct RunResult {
+    iterations: Vec<Iteration>,
+    /// Each test's longest duration over the iterations, from nextest's status lines.
+    duration_ms: BTreeMap<String, u64>,
     /// im-06 records by id.
     records: BTreeMap<String, Value>,
     /// Protocol tests' checker verdicts by test name.
@@ -239,7 +309,36 @@ struct RunResult {
     wall_ms: u64,
 }
 
-fn run_suite(filter: &str, env: &[(&str, String)], label: &str) -> anyhow::Result<RunResult> {
+impl RunResult {
+    /// The first (for a whole-suite run, the only) iteration.
+    fn first(&self) -> &Iteration {
+        &self.iterations[0]
+    }
+}
+
+/// One status line of nextest's output, `STATUS [ 1.234s] [i/N] (k/m) <binary> <test>`
+/// (`[i/N]` only under `--stress-count`): (status, iteration from 1, seconds, test name).
+fn status_line(line: &str) -> Option<(&str, usize, f64, String)> {
+    let t = line.trim_start();
+    let (status, rest) = t.split_once(' ')?;
+    let rest = rest.trim_start().strip_prefix('[')?;
+    let (secs, rest) = rest.split_once(']')?;
+    let secs: f64 = secs.trim().trim_end_matches('s').parse().ok()?;
+    let rest = rest.trim_start();
+    let iteration = match rest.strip_prefix('[') {
+        Some(r) => r.split_once('/')?.0.trim().parse().ok()?,
+        None => 1,
+    };
+    let name = t.rsplit(' ').next()?.to_string();
+    Some((status, iteration, secs, name))
+}
+
+fn run_suite(
+    filter: &str,
+    env: &[(&str, String)],
+    label: &str,
+    runs: u32,
+) -> anyhow::Result<RunResult> {
     let dir = target_dir().join("imfault-controls").join(label);
     if dir.exists() {
         std::fs::remove_dir_all(&dir).with_context(|| format!("clear {}", dir.display()))?;
@@ -260,35 +359,46 @@ fn run_suite(filter: &str, env: &[(&str, String)], label: &str) -> anyhow::Resul
         "none",
         "-E",
         filter,
-    ])
-    .env("IMFAULT_EVIDENCE_DIR", &dir)
-    .env("RUST_BACKTRACE", "0")
-    // Failures are expected here, by the hundred: don't keep their clusters.
-    .env("IMFAULT_KEEP_FAILED", "0")
-    .env_remove("IM_BUG")
-    .env_remove("IM_GATEWAY_BIN")
-    .current_dir(workspace());
+    ]);
+    if runs > 1 {
+        cmd.args(["--stress-count", &runs.to_string()]);
+    }
+    cmd.env("IMFAULT_EVIDENCE_DIR", &dir)
+        .env("RUST_BACKTRACE", "0")
+        // Failures are expected here, by the hundred: don't keep their clusters.
+        .env("IMFAULT_KEEP_FAILED", "0")
+        .env_remove("IM_BUG")
+        .env_remove("IM_GATEWAY_BIN")
+        .current_dir(workspace());
     for (k, v) in env {
         cmd.env(k, v);
     }
     let out = cmd.output().context("run cargo nextest")?;
     let log = String::from_utf8_lossy(&out.stderr).to_string();
     std::fs::write(dir.join("nextest.log"), &log)?;
-    let (mut passed, mut failed) = (Vec::new(), Vec::new());
+    let mut iterations = vec![Iteration::default(); runs.max(1) as usize];
+    let mut duration_ms: BTreeMap<String, u64> = BTreeMap::new();
     for line in log.lines() {
-        let t = line.trim_start();
-        let status = t.split_whitespace().next().unwrap_or("");
-        if !t.contains('[') || !t.contains(']') {
+        let Some((status, i, secs, name)) = status_line(line) else {
             continue;
-        }
-        let name = t.rsplit(' ').next().unwrap_or("").to_string();
-        match status {
-            "PASS" => passed.push(name),
-            "FAIL" | "TIMEOUT" | "SIGKILL" | "SIGABRT" | "SIGSEGV" | "ABORT" => failed.push(name),
-            _ => {}
-        }
+        };
+        let Some(it) = iterations.get_mut(i.saturating_sub(1)) else {
+            continue;
+        };
+        let bucket = match status {
+            "PASS" => &mut it.passed,
+            "FAIL" | "TIMEOUT" | "SIGKILL" | "SIGABRT" | "SIGSEGV" | "ABORT" => &mut it.failed,
+            _ => continue,
+        };
+        let ms = (secs * 1000.0).round() as u64;
+        let d = duration_ms.entry(name.clone()).or_insert(0);
+        *d = (*d).max(ms);
+        bucket.push(name);
     }
-    if passed.is_empty() && failed.is_empty() {
+    if iterations
+        .iter()
+        .any(|it| it.passed.is_empty() && it.failed.is_empty())
+    {
         bail!(
             "nextest ran no test ({}); log: {}",
             out.status,
@@ -317,8 +427,8 @@ fn run_suite(filter: &str, env: &[(&str, String)], label: &str) -> anyhow::Resul
         }
     }
     Ok(RunResult {
-        passed,
-        failed,
+        iterations,
+        duration_ms,
         records,
         protocol,
         wall_ms: started.elapsed().as_millis() as u64,
@@ -389,11 +499,18 @@ fn gateway_bugs(bin: &Path) -> anyhow::Result<Vec<String>> {
 
 fn main() -> anyhow::Result<()> {
     let o = parse_args();
-    let out = o
-        .out
-        .clone()
-        .unwrap_or_else(|| workspace().join("evidence/controls/result.json"));
     let started = Instant::now();
+    if let Some(files) = &o.join {
+        let out = o
+            .out
+            .clone()
+            .unwrap_or_else(|| workspace().join("evidence/controls/result.json"));
+        return join_shards(files, &out);
+    }
+    let out = o.out.clone().unwrap_or_else(|| match o.shard {
+        Some((k, n)) => target_dir().join(format!("controls/shard-{k}-of-{n}.json")),
+        None => workspace().join("evidence/controls/result.json"),
+    });
     let bugs_bin = target_dir().join("debug/im-gateway-bugs");
     if !bugs_bin.is_file() {
         bail!(
@@ -405,93 +522,301 @@ fn main() -> anyhow::Result<()> {
     if o.nemesis_only {
         return nemesis_only(&o, &out, &bugs, &bugs_bin, started);
     }
-    let mut eta = Eta::new(expected_times(&out, &bugs));
-    eta.next_part();
-    eprintln!("controls: the clean gateway, whole suite ({})", eta.line());
-    let clean = run_suite(SUITE, &[], "clean")?;
-    let clean_anomalies = anomalies_of(&clean);
-    eprintln!(
-        "  clean: {} passed, {} failed, {} anomalies ({} s)",
-        clean.passed.len(),
-        clean.failed.len(),
-        clean_anomalies,
-        clean.wall_ms / 1000
-    );
+    // What the last run recorded: the committed result, unless --record names another.
+    let record_file = o
+        .record
+        .clone()
+        .unwrap_or_else(|| workspace().join("evidence/controls/result.json"));
+    let record = recorded(&record_file);
+    let mut eta = Eta::new(expected_times(&record_file, &bugs));
     let mut controls = Vec::new();
     for (bug, side) in &bugs {
         eta.next_part();
         eprintln!("controls: {bug}: {}", eta.line());
-        controls.push(control(&o, bug, side, &bugs_bin)?);
+        controls.push(control(&o, bug, side, &bugs_bin, record.get(bug))?);
     }
+    // The clean side: every test a bug was run against, as many runs, on the clean gateway.
+    let tests: BTreeSet<String> = controls
+        .iter()
+        .flat_map(|c| c["rerun_tests"].as_array().cloned().unwrap_or_default())
+        .filter_map(|t| t.as_str().map(str::to_string))
+        .collect();
+    eta.next_part();
+    eprintln!(
+        "controls: the clean gateway, {} runs of the {} tests run against the bugs ({})",
+        o.runs,
+        tests.len(),
+        eta.line()
+    );
+    let clean = if tests.is_empty() {
+        json!({"tests": [], "runs": 0, "failed": {}, "anomalies": 0, "wall_ms": 0})
+    } else {
+        let r = run_suite(&filter_of(&tests), &[], "clean", o.runs)?;
+        let mut failed: BTreeMap<String, u32> = BTreeMap::new();
+        for it in &r.iterations {
+            for t in &it.failed {
+                *failed.entry(t.clone()).or_insert(0) += 1;
+            }
+        }
+        json!({
+            "tests": tests,
+            "runs": o.runs,
+            "failed": failed,
+            "anomalies": anomalies_of(&r),
+            "wall_ms": r.wall_ms,
+        })
+    };
+    judge_against_clean(&mut controls, &clean);
     // --merge: keep the other bugs' entries of the existing file, as they were measured.
     let partial = if o.merge {
         merge_into(&out, &mut controls, &o)?
     } else {
         Vec::new()
     };
+    let environment = json!({
+        "git_commit": git(&["rev-parse", "HEAD"]),
+        "git_dirty": git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"]).map(|s| !s.is_empty()),
+        "generated_at": scenarios::rfc3339_now(),
+        "host_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "suite": SUITE,
+        "runs_per_bug": o.runs,
+        "nemesis_gateways": o.nemesis_gateways,
+        "nemesis_seeds": o.nemesis_seeds,
+        "rerun_tests_max": RERUN_TESTS_MAX,
+        "bugs_binary": "target/debug/im-gateway-bugs (--features faults,bugs)",
+        "catchers_from": record_file.strip_prefix(workspace()).unwrap_or(&record_file).display().to_string(),
+        "whole": o.whole,
+        "partial_runs": partial,
+        "shard": o.shard.map(|(k, n)| format!("{k}/{n}")),
+        "bugs_total": o.shard.map(|_| all_bugs(&bugs_bin).map(|b| b.len())).transpose()?,
+    });
+    let doc = document(
+        environment,
+        controls,
+        clean,
+        started.elapsed().as_millis() as u64,
+    );
+    let written = harness::util::publish_path(&out);
+    harness::util::write_atomic(
+        &written,
+        (serde_json::to_string_pretty(&doc)? + "\n").as_bytes(),
+    )?;
+    println!(
+        "\n{} ({} s)",
+        written.display(),
+        started.elapsed().as_secs()
+    );
+    finish(&doc)
+}
+
+/// A bug whose picked tests failed on the clean gateway too is not shown caught by them:
+/// `CLEAN_FAILS`, whatever the bug runs said.
+fn judge_against_clean(controls: &mut [Value], clean: &Value) {
+    for c in controls.iter_mut() {
+        let clean_failed: Vec<String> = c["rerun_tests"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .filter(|t| clean["failed"][t].as_u64().unwrap_or(0) > 0)
+            .map(str::to_string)
+            .collect();
+        if !clean_failed.is_empty() {
+            c["result"] = json!("CLEAN_FAILS");
+        }
+        c["clean_failed"] = json!(clean_failed);
+    }
+}
+
+/// The whole result document, its summary computed from `controls` and `clean`.
+fn document(environment: Value, controls: Vec<Value>, clean: Value, wall_ms: u64) -> Value {
     let count = |r: &str| controls.iter().filter(|c| c["result"] == r).count();
-    let nemesis_summary = nemesis_summary(&controls);
-    let doc = json!({
+    json!({
         "schema_version": SCHEMA_VERSION,
         "generated_by": "make controls (scenarios/src/bin/controls.rs)",
-        "environment": {
-            "git_commit": git(&["rev-parse", "HEAD"]),
-            "git_dirty": git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"]).map(|s| !s.is_empty()),
-            "generated_at": scenarios::rfc3339_now(),
-            "host_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            "suite": SUITE,
-            "runs_per_bug": o.runs,
-            "nemesis_gateways": o.nemesis_gateways,
-            "rerun_tests_max": RERUN_TESTS_MAX,
-            "bugs_binary": "target/debug/im-gateway-bugs (--features faults,bugs)",
-            "partial_runs": partial,
-        },
-        "clean": {
-            "passed": clean.passed.len(),
-            "failed": clean.failed,
-            "anomalies": clean_anomalies,
-            "wall_ms": clean.wall_ms,
-        },
+        "environment": environment,
+        "clean": clean,
         "summary": {
             "bugs": controls.len(),
             "caught": count("CAUGHT"),
             "flaky": count("FLAKY"),
             "missed": count("MISSED"),
-            "wall_ms": started.elapsed().as_millis() as u64,
-            "nemesis": nemesis_summary,
+            "clean_fails": count("CLEAN_FAILS"),
+            "targeted": controls.iter().filter(|c| c["mode"] == "targeted").count(),
+            "whole_suite": controls.iter().filter(|c| c["mode"] == "whole-suite").count(),
+            "wall_ms": wall_ms,
+            "nemesis": nemesis_summary(&controls),
         },
         "controls": controls,
-    });
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = out.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(&doc)? + "\n")?;
-    std::fs::rename(&tmp, &out)?;
-    println!("\n{} ({} s)", out.display(), started.elapsed().as_secs());
+    })
+}
+
+/// Prints the table; exit status 1 when the clean gateway failed a test or showed
+/// anomalies (the controls then mean nothing) or a bug was not caught every time.
+fn finish(doc: &Value) -> anyhow::Result<()> {
+    let clean = &doc["clean"];
+    let clean_failed = clean["failed"].as_object().map_or(0, |m| m.len());
     println!(
-        "  clean gateway: {} passed, {} failed, {} anomalies",
-        clean.passed.len(),
-        clean.failed.len(),
-        clean_anomalies
+        "  clean gateway: {} tests x {} runs, {} failed, {} anomalies",
+        clean["tests"].as_array().map_or(0, Vec::len),
+        clean["runs"],
+        clean_failed,
+        clean["anomalies"]
     );
-    print_table(&doc);
-    if !clean.failed.is_empty() || clean_anomalies > 0 {
+    print_table(doc);
+    if clean_failed > 0 || clean["anomalies"].as_u64().unwrap_or(0) > 0 {
         eprintln!("the clean gateway failed or showed anomalies: the controls mean nothing");
+        std::process::exit(1);
+    }
+    let s = &doc["summary"];
+    if s["caught"] != s["bugs"] {
+        eprintln!(
+            "controls: {} of {} bugs caught in every run",
+            s["caught"], s["bugs"]
+        );
         std::process::exit(1);
     }
     Ok(())
 }
 
-/// Each part's expected seconds for the estimate of time left: the clean suite, then each
-/// bug, as the last run (the file about to be replaced) took them; 0 where unknown.
+/// `--join`: the shards' files (`--shard K/N` runs, one per K, all at one commit) as the
+/// one record an unsharded run writes, bugs in the same order, with the shards' provenance
+/// in `environment.shards`.
+fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
+    let mut docs = Vec::new();
+    for f in files {
+        let v: Value = serde_json::from_slice(
+            &std::fs::read(f).with_context(|| format!("read {}", f.display()))?,
+        )
+        .with_context(|| format!("parse {}", f.display()))?;
+        docs.push(v);
+    }
+    let shard_of = |v: &Value| -> anyhow::Result<(usize, usize)> {
+        let s = v["environment"]["shard"]
+            .as_str()
+            .context("a file without environment.shard: not a shard")?;
+        let (k, n) = s.split_once('/').context("shard is K/N")?;
+        Ok((k.parse()?, n.parse()?))
+    };
+    let n = shard_of(&docs[0])?.1;
+    let mut by_k: Vec<Option<&Value>> = vec![None; n];
+    for d in &docs {
+        let (k, m) = shard_of(d)?;
+        if m != n {
+            bail!("shards of different counts: {m} and {n}");
+        }
+        if by_k[k].replace(d).is_some() {
+            bail!("shard {k}/{n} given twice");
+        }
+    }
+    if let Some(k) = by_k.iter().position(Option::is_none) {
+        bail!("shard {k}/{n} is missing");
+    }
+    let shards: Vec<&Value> = by_k.into_iter().flatten().collect();
+    let env0 = &shards[0]["environment"];
+    for s in &shards {
+        let e = &s["environment"];
+        for key in [
+            "git_commit",
+            "runs_per_bug",
+            "nemesis_seeds",
+            "nemesis_gateways",
+            "whole",
+        ] {
+            if e[key] != env0[key] {
+                bail!(
+                    "shards differ in {key} ({} and {}): one record needs one commit and one setting",
+                    env0[key],
+                    e[key]
+                );
+            }
+        }
+    }
+    // Round-robin: bug i of the whole list is entry i / n of shard i % n.
+    let lists: Vec<Vec<Value>> = shards
+        .iter()
+        .map(|s| s["controls"].as_array().cloned().unwrap_or_default())
+        .collect();
+    let total: usize = lists.iter().map(Vec::len).sum();
+    let mut controls = Vec::with_capacity(total);
+    for i in 0..total {
+        let c = lists[i % n]
+            .get(i / n)
+            .with_context(|| format!("shard {} is short of bug {i}", i % n))?;
+        controls.push(c.clone());
+    }
+    let mut tests = BTreeSet::new();
+    let mut failed: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut anomalies, mut wall, mut clean_wall) = (0u64, 0u64, 0u64);
+    for s in &shards {
+        let c = &s["clean"];
+        tests.extend(
+            c["tests"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t.as_str().map(str::to_string)),
+        );
+        for (t, k) in c["failed"].as_object().into_iter().flatten() {
+            *failed.entry(t.clone()).or_insert(0) += k.as_u64().unwrap_or(0);
+        }
+        anomalies += c["anomalies"].as_u64().unwrap_or(0);
+        clean_wall += c["wall_ms"].as_u64().unwrap_or(0);
+        wall += s["summary"]["wall_ms"].as_u64().unwrap_or(0);
+    }
+    let clean = json!({
+        "tests": tests,
+        "runs": shards[0]["clean"]["runs"],
+        "failed": failed,
+        "anomalies": anomalies,
+        "wall_ms": clean_wall,
+    });
+    judge_against_clean(&mut controls, &clean);
+    let mut environment = env0.clone();
+    environment["shard"] = Value::Null;
+    environment["bugs_total"] = Value::Null;
+    environment["generated_at"] = json!(scenarios::rfc3339_now());
+    environment["git_dirty"] = json!(shards.iter().any(|s| s["environment"]["git_dirty"] == true));
+    environment["shards"] = json!(shards
+        .iter()
+        .zip(files)
+        .map(|(s, f)| json!({
+            "shard": s["environment"]["shard"],
+            "file": f.display().to_string(),
+            "generated_at": s["environment"]["generated_at"],
+            "host_cores": s["environment"]["host_cores"],
+            "bugs": s["controls"].as_array().map_or(0, Vec::len),
+            "wall_ms": s["summary"]["wall_ms"],
+        }))
+        .collect::<Vec<_>>());
+    if let Some(t) = env0["bugs_total"].as_u64() {
+        if t as usize != total {
+            bail!("the shards hold {total} bugs of {t}");
+        }
+    }
+    let doc = document(environment, controls, clean, wall);
+    let written = harness::util::publish_path(out);
+    harness::util::write_atomic(
+        &written,
+        (serde_json::to_string_pretty(&doc)? + "\n").as_bytes(),
+    )?;
+    println!(
+        "\n{} (joined from {} shards)",
+        written.display(),
+        shards.len()
+    );
+    finish(&doc)
+}
+
+/// Each part's expected seconds for the estimate of time left: each bug, then the clean
+/// side, as the last run (the file about to be replaced) took them; 0 where unknown.
 fn expected_times(out: &Path, bugs: &[(String, &str)]) -> Vec<f64> {
     let last: Value = std::fs::read(out)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or(Value::Null);
     let ms = |v: &Value| v.as_f64().unwrap_or(0.0) / 1000.0;
-    let mut times = vec![ms(&last["clean"]["wall_ms"])];
+    let mut times = Vec::new();
     for (bug, _) in bugs {
         let c = last["controls"]
             .as_array()
@@ -503,23 +828,22 @@ fn expected_times(out: &Path, bugs: &[(String, &str)]) -> Vec<f64> {
             runs + ms(&c["nemesis"]["wall_ms"])
         }));
     }
+    times.push(ms(&last["clean"]["wall_ms"]));
     times
 }
 
 /// Every deliberate bug (the gateway's, as its binary lists them, then the client's and
-/// the harness's) with its side, or those `--only` names (an unknown name is refused).
+/// the harness's) with its side, or those `--only` names (an unknown name is refused), or
+/// the `--shard`'s.
 fn selected_bugs(o: &Opts, bugs_bin: &Path) -> anyhow::Result<Vec<(String, &'static str)>> {
-    let mut bugs: Vec<(String, &str)> = gateway_bugs(bugs_bin)?
-        .into_iter()
-        .map(|b| (b, "gateway"))
-        .collect();
-    for b in harness::client::bugs::ALL {
-        let side = if *b == harness::client::bugs::FSYNC_OFF {
-            "harness"
-        } else {
-            "client"
-        };
-        bugs.push((b.to_string(), side));
+    let mut bugs = all_bugs(bugs_bin)?;
+    if let Some((k, n)) = o.shard {
+        bugs = bugs
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % n == k)
+            .map(|(_, b)| b)
+            .collect();
     }
     if let Some(only) = &o.only {
         for name in only {
@@ -534,6 +858,23 @@ fn selected_bugs(o: &Opts, bugs_bin: &Path) -> anyhow::Result<Vec<(String, &'sta
             }
         }
         bugs.retain(|(b, _)| only.contains(b));
+    }
+    Ok(bugs)
+}
+
+/// Every deliberate bug, in the order the controls run them.
+fn all_bugs(bugs_bin: &Path) -> anyhow::Result<Vec<(String, &'static str)>> {
+    let mut bugs: Vec<(String, &str)> = gateway_bugs(bugs_bin)?
+        .into_iter()
+        .map(|b| (b, "gateway"))
+        .collect();
+    for b in harness::client::bugs::ALL {
+        let side = if *b == harness::client::bugs::FSYNC_OFF {
+            "harness"
+        } else {
+            "client"
+        };
+        bugs.push((b.to_string(), side));
     }
     Ok(bugs)
 }
@@ -556,51 +897,178 @@ fn anomalies_of(run: &RunResult) -> u64 {
         .sum()
 }
 
-/// One deliberate bug: the whole suite once, the tests that caught it (designed catchers
-/// first, then the quickest) `runs - 1` times more, then the nemesis; its entry of
-/// `controls[]`.
-fn control(o: &Opts, bug: &str, side: &str, bugs_bin: &Path) -> anyhow::Result<Value> {
+/// What an earlier run recorded of one bug: the tests that caught it in its last
+/// whole-suite run (with their durations and that run's commit), and the nemesis seed
+/// that caught it.
+#[derive(Debug, Clone, Default)]
+struct Recorded {
+    /// (test, duration ms) of every test that failed in the whole-suite run.
+    catchers: Vec<(String, u64)>,
+    /// The commit of that whole-suite run.
+    catchers_commit: Option<String>,
+    nemesis_seed: Option<u64>,
+}
+
+/// Each bug's record in an earlier result file: `whole_run_catchers` where a run of this
+/// version wrote it, else (a file of an earlier version) the entry's `caught_by`, whose
+/// run 1 was always the whole suite.
+fn recorded(file: &Path) -> BTreeMap<String, Recorded> {
+    let Some(doc) = std::fs::read(file)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+    else {
+        return BTreeMap::new();
+    };
+    let mut out = BTreeMap::new();
+    for c in doc["controls"].as_array().into_iter().flatten() {
+        let Some(bug) = c["bug"].as_str() else {
+            continue;
+        };
+        let (tests, commit) = match c.get("whole_run_catchers") {
+            Some(w) if w.is_object() => (&w["tests"], w["git_commit"].clone()),
+            _ => (&c["caught_by"], c["git_commit"].clone()),
+        };
+        let catchers = tests
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| {
+                Some((
+                    t["test"].as_str()?.to_string(),
+                    t["duration_ms"].as_u64().unwrap_or(u64::MAX),
+                ))
+            })
+            .collect();
+        out.insert(
+            bug.to_string(),
+            Recorded {
+                catchers,
+                catchers_commit: commit.as_str().map(str::to_string),
+                nemesis_seed: c["nemesis"]["first_catching_seed"].as_u64(),
+            },
+        );
+    }
+    out
+}
+
+/// The tests to run a bug against: its designed catchers among `catchers`, then the
+/// quickest others, [`RERUN_TESTS_MAX`] in all.
+fn pick(catchers: &[(String, u64)], designed: &[&str]) -> Vec<(String, u64)> {
+    let mut v: Vec<(String, u64)> = catchers.to_vec();
+    v.sort_by_key(|(t, d)| (!designed.contains(&t.as_str()), *d));
+    v.dedup_by(|a, b| a.0 == b.0);
+    v.truncate(RERUN_TESTS_MAX);
+    v
+}
+
+/// A nextest filter naming exactly these tests.
+fn filter_of<'a>(tests: impl IntoIterator<Item = &'a String>) -> String {
+    tests
+        .into_iter()
+        .map(|t| format!("test(={t})"))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// One deliberate bug (issue 41: targeted). With catchers recorded by an earlier
+/// whole-suite run, `runs` runs of just those ([`pick`]) against the bug; only when none of
+/// them catches it in any run (or nothing is recorded, or `--whole`), the whole suite once,
+/// which records the catchers anew, then `runs - 1` runs of the picked ones. Then the
+/// nemesis. Returns its entry of `controls[]`; the clean side of its tests is run once for
+/// all bugs, in `main`.
+fn control(
+    o: &Opts,
+    bug: &str,
+    side: &str,
+    bugs_bin: &Path,
+    rec: Option<&Recorded>,
+) -> anyhow::Result<Value> {
     let mut env = vec![("IM_BUG", bug.to_string())];
     if side == "gateway" {
         env.push(("IM_GATEWAY_BIN", bugs_bin.display().to_string()));
     }
-    eprintln!("controls: {bug} ({side}), run 1 of {}: whole suite", o.runs);
-    let first = run_suite(SUITE, &env, &format!("{bug}-1"))?;
-    let caught_by: Vec<Value> = first.failed.iter().map(|t| how_caught(&first, t)).collect();
-    let mut caught_runs = u32::from(!first.failed.is_empty());
-    let mut run_walls = vec![first.wall_ms];
-    let mut rerun_tests: Vec<(String, u64)> = caught_by
-        .iter()
-        .map(|c| {
-            (
-                c["test"].as_str().unwrap_or("").to_string(),
-                c["duration_ms"].as_u64().unwrap_or(u64::MAX),
-            )
-        })
-        .collect();
-    // Designed catchers first, then the quickest.
     let designed = designed_catcher(bug);
-    rerun_tests.sort_by_key(|(t, d)| (!designed.contains(&t.as_str()), *d));
-    rerun_tests.truncate(RERUN_TESTS_MAX);
-    let mut per_run_failed = vec![first.failed.clone()];
-    if !rerun_tests.is_empty() {
-        let filter = rerun_tests
-            .iter()
-            .map(|(t, _)| format!("test(={t})"))
-            .collect::<Vec<_>>()
-            .join(" | ");
-        for run in 2..=o.runs {
-            let r = run_suite(&filter, &env, &format!("{bug}-{run}"))?;
-            if !r.failed.is_empty() {
-                caught_runs += 1;
-            }
-            run_walls.push(r.wall_ms);
-            per_run_failed.push(r.failed);
+    let head = git(&["rev-parse", "HEAD"]);
+    let mut per_run_failed: Vec<Vec<String>> = Vec::new();
+    let mut run_walls = Vec::new();
+    let caught_by: Vec<Value>;
+    let mut targeted_missed = Value::Null;
+    let mut mode = "targeted";
+    // The whole-suite catchers this entry rests on: recorded, or found below.
+    let (mut whole, mut whole_commit) = match rec.filter(|_| !o.whole) {
+        Some(r) => (r.catchers.clone(), r.catchers_commit.clone()),
+        None => (Vec::new(), None),
+    };
+    let mut selected = pick(&whole, designed);
+    let mut targeted = None;
+    if !selected.is_empty() {
+        eprintln!(
+            "controls: {bug} ({side}): {} runs of its {} recorded catcher(s)",
+            o.runs,
+            selected.len()
+        );
+        let r = run_suite(
+            &filter_of(selected.iter().map(|(t, _)| t)),
+            &env,
+            &format!("{bug}-targeted"),
+            o.runs,
+        )?;
+        if r.iterations.iter().any(|it| !it.failed.is_empty()) {
+            targeted = Some(r);
+        } else {
+            eprintln!("  {bug}: its recorded catchers no longer catch it: the whole suite");
+            targeted_missed = json!({
+                "tests": selected.iter().map(|(t, _)| t).collect::<Vec<_>>(),
+                "recorded_at": whole_commit,
+                "runs": o.runs,
+                "wall_ms": r.wall_ms,
+            });
         }
     }
-    let runs = if rerun_tests.is_empty() { 1 } else { o.runs };
-    // How often each re-run test caught it (a racy catcher shows as k/N).
-    let per_test: BTreeMap<&str, u32> = rerun_tests
+    if let Some(r) = &targeted {
+        caught_by = r.first().failed.iter().map(|t| how_caught(r, t)).collect();
+        per_run_failed.extend(r.iterations.iter().map(|it| it.failed.clone()));
+        run_walls.push(r.wall_ms);
+    } else {
+        mode = "whole-suite";
+        eprintln!("controls: {bug} ({side}), run 1 of {}: whole suite", o.runs);
+        let first = run_suite(SUITE, &env, &format!("{bug}-1"), 1)?;
+        caught_by = first
+            .first()
+            .failed
+            .iter()
+            .map(|t| how_caught(&first, t))
+            .collect();
+        whole = first
+            .first()
+            .failed
+            .iter()
+            .map(|t| {
+                (
+                    t.clone(),
+                    first.duration_ms.get(t).copied().unwrap_or(u64::MAX),
+                )
+            })
+            .collect();
+        whole_commit = head.clone();
+        selected = pick(&whole, designed);
+        per_run_failed.push(first.first().failed.clone());
+        run_walls.push(first.wall_ms);
+        if !selected.is_empty() && o.runs > 1 {
+            let r = run_suite(
+                &filter_of(selected.iter().map(|(t, _)| t)),
+                &env,
+                &format!("{bug}-rest"),
+                o.runs - 1,
+            )?;
+            per_run_failed.extend(r.iterations.iter().map(|it| it.failed.clone()));
+            run_walls.push(r.wall_ms);
+        }
+    }
+    let runs = per_run_failed.len() as u32;
+    let caught_runs = per_run_failed.iter().filter(|f| !f.is_empty()).count() as u32;
+    // How often each picked test caught it (a racy catcher shows as k/N).
+    let per_test: BTreeMap<&str, u32> = selected
         .iter()
         .map(|(t, _)| {
             let k = per_run_failed
@@ -615,16 +1083,19 @@ fn control(o: &Opts, bug: &str, side: &str, bugs_bin: &Path) -> anyhow::Result<V
         .iter()
         .filter_map(|c| c["duration_ms"].as_u64())
         .min();
-    eprintln!(
-        "  {bug}: caught in {caught_runs}/{runs} runs by {} test(s)",
-        first.failed.len()
-    );
+    eprintln!("  {bug}: caught in {caught_runs}/{runs} runs ({mode})");
     let nemesis = if o.nemesis_seeds > 0 {
         eprintln!(
             "controls: {bug} under the nemesis, up to {} seeds",
             o.nemesis_seeds
         );
-        let n = nemesis_control(bug, &env, o.nemesis_seeds, o.nemesis_gateways)?;
+        let n = nemesis_control(
+            bug,
+            &env,
+            o.nemesis_seeds,
+            o.nemesis_gateways,
+            rec.and_then(|r| r.nemesis_seed),
+        )?;
         eprintln!(
             "  {bug}: nemesis {} after {} seed(s)",
             n["result"], n["seeds_run"]
@@ -642,20 +1113,26 @@ fn control(o: &Opts, bug: &str, side: &str, bugs_bin: &Path) -> anyhow::Result<V
     kinds.dedup();
     Ok(json!({
         "bug": bug,
-        "git_commit": git(&["rev-parse", "HEAD"]),
+        "git_commit": head,
         "side": side,
+        "mode": mode,
         "result": if caught { "CAUGHT" } else if caught_runs > 0 { "FLAKY" } else { "MISSED" },
         "runs": runs,
         "caught_runs": caught_runs,
-        "caught_rate": f64::from(caught_runs) / f64::from(runs),
+        "caught_rate": if runs == 0 { 0.0 } else { f64::from(caught_runs) / f64::from(runs) },
         "anomaly_kinds": kinds,
         "caught_by": caught_by,
-        "rerun_tests": rerun_tests.iter().map(|(t, _)| t).collect::<Vec<_>>(),
+        "rerun_tests": selected.iter().map(|(t, _)| t).collect::<Vec<_>>(),
         "designed_catchers": designed,
         "caught_runs_per_test": per_test,
         "failed_per_run": per_run_failed,
         "first_detection_ms": first_detection_ms,
         "run_wall_ms": run_walls,
+        "whole_run_catchers": {
+            "git_commit": whole_commit,
+            "tests": whole.iter().map(|(t, d)| json!({"test": t, "duration_ms": d})).collect::<Vec<_>>(),
+        },
+        "targeted_missed": targeted_missed,
         "known_limit": known_limit(bug),
         "nemesis": nemesis,
     }))
@@ -768,7 +1245,7 @@ fn nemesis_only(
             "controls: {bug} under the nemesis, up to {} seeds",
             o.nemesis_seeds
         );
-        let mut n = nemesis_control(bug, &env, o.nemesis_seeds, o.nemesis_gateways)?;
+        let mut n = nemesis_control(bug, &env, o.nemesis_seeds, o.nemesis_gateways, None)?;
         n["git_commit"] = json!(git(&["rev-parse", "HEAD"]));
         eprintln!(
             "  {bug}: nemesis {} after {} seed(s)",
@@ -802,7 +1279,10 @@ fn nemesis_only(
             "wall_ms": started.elapsed().as_millis() as u64,
         }));
     }
-    harness::util::write_atomic(out, (serde_json::to_string_pretty(&doc)? + "\n").as_bytes())?;
+    harness::util::write_atomic(
+        &harness::util::publish_path(out),
+        (serde_json::to_string_pretty(&doc)? + "\n").as_bytes(),
+    )?;
     println!("\n{} ({} s)", out.display(), started.elapsed().as_secs());
     print_table(&doc);
     Ok(())

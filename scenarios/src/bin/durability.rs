@@ -300,10 +300,14 @@ fn write(
         },
         "cells": rows,
     });
+    let out = harness::util::publish_path(out);
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    harness::util::write_atomic(out, (serde_json::to_string_pretty(&doc)? + "\n").as_bytes())
+    harness::util::write_atomic(
+        &out,
+        (serde_json::to_string_pretty(&doc)? + "\n").as_bytes(),
+    )
 }
 
 /// The README's table: one row per setting, one column per (topology, fault); each cell

@@ -177,14 +177,18 @@ fn main() -> anyhow::Result<()> {
         }),
         checks: &checks,
     };
-    let out_dir = root.join("evidence/im-06");
-    std::fs::create_dir_all(&out_dir)?;
-    let tmp = out_dir.join(".result.json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(&doc)? + "\n")?;
-    std::fs::rename(&tmp, out_dir.join("result.json"))?;
+    let out = harness::util::publish_path(&root.join("evidence/im-06/result.json"));
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    harness::util::write_atomic(
+        &out,
+        (serde_json::to_string_pretty(&doc)? + "\n").as_bytes(),
+    )?;
 
     println!(
-        "\nevidence/im-06/result.json ({} s)",
+        "\n{} ({} s)",
+        out.strip_prefix(&root).unwrap_or(&out).display(),
         started.elapsed().as_secs()
     );
     for r in &checks {

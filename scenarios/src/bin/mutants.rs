@@ -549,11 +549,12 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
         stale_equivalent: stale.iter().map(|i| eq[*i].name.clone()).collect(),
     };
     let json = serde_json::to_string_pretty(&doc)? + "\n";
-    if let Some(dir) = a.out.parent() {
+    let out = harness::util::publish_path(&a.out);
+    if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     }
-    harness::util::write_atomic(&a.out, json.as_bytes())?;
-    print_summary(&doc, &a.out);
+    harness::util::write_atomic(&out, json.as_bytes())?;
+    print_summary(&doc, &out);
     Ok(doc.verdict.is_pass())
 }
 

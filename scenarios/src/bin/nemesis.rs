@@ -9,12 +9,12 @@
 //! Exit status: 0 every run passed, 1 a run failed (anomalies) or could not be judged,
 //! 2 usage error, 3 nothing could be run.
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use clap::Parser;
 use harness::nemesis::shrink::{shrink, ShrinkOpts, Shrunk};
 use harness::nemesis::{generate, run, Options, Outcome, Schedule};
 use harness::verdict::Verdict;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -104,6 +104,12 @@ struct Args {
     /// of a --jobs series (no summary, no shrinking).
     #[arg(long, hide = true)]
     child: bool,
+    /// Join these summaries (one per K of one --shard K/N series, all at one commit, with
+    /// the same options) into the summary an unsharded series writes (--summary); runs
+    /// nothing.
+    #[arg(long, num_args = 1.., value_name = "FILE", requires = "summary",
+          conflicts_with_all = ["seed", "replay", "shard", "child"])]
+    join: Option<Vec<PathBuf>>,
 }
 
 fn parse_shard(s: &str) -> Result<(u64, u64), String> {
@@ -117,7 +123,7 @@ fn parse_shard(s: &str) -> Result<(u64, u64), String> {
 }
 
 /// One run in the summary.
-#[derive(Serialize, Clone)]
+#[derive(Serialize, Deserialize, Clone)]
 struct RunLine {
     seed: u64,
     verdict: Verdict,
@@ -136,7 +142,7 @@ struct RunLine {
     dir: Option<String>,
 }
 
-#[derive(Serialize, Clone)]
+#[derive(Serialize, Deserialize, Clone)]
 struct ShrinkLine {
     seed: u64,
     minimal: String,
@@ -150,7 +156,7 @@ struct ShrinkLine {
     repeat: String,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Summary {
     schema_version: u32,
     /// `PASS` when every run passed.
@@ -187,6 +193,23 @@ struct Summary {
     repair_ms: Value,
     per_run: Vec<RunLine>,
     shrunk: Vec<ShrinkLine>,
+    /// A joined summary (`--join`): each shard's `shard`, `jobs`, `wall_s`,
+    /// `generated_at`, `runs` and file; absent for a series run as one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    shards: Option<Vec<Value>>,
+}
+
+/// How a summary came about, beside its runs.
+struct Meta {
+    command: String,
+    git_commit: Option<String>,
+    git_dirty: Option<bool>,
+    bug: Option<String>,
+    generator: u32,
+    jobs: u32,
+    shard: Option<String>,
+    wall_s: f64,
+    shards: Option<Vec<Value>>,
 }
 
 fn main() -> ExitCode {
@@ -208,6 +231,16 @@ fn main() -> ExitCode {
             return ExitCode::from(3);
         }
     };
+    if let Some(files) = &args.join {
+        return match join(files, args.summary.as_deref().unwrap_or(Path::new(""))) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::from(1),
+            Err(e) => {
+                eprintln!("nemesis: {e:#}");
+                ExitCode::from(2)
+            }
+        };
+    }
     match rt.block_on(main_async(args)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
@@ -654,6 +687,30 @@ fn write_summary(
     shrunk: &[ShrinkLine],
     t0: Instant,
 ) -> anyhow::Result<()> {
+    let meta = Meta {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        git_commit: scenarios::git(&["rev-parse", "HEAD"]),
+        git_dirty: scenarios::git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"])
+            .map(|s| !s.is_empty()),
+        bug: std::env::var("IM_BUG")
+            .ok()
+            .filter(|b| !b.trim().is_empty()),
+        generator: harness::nemesis::schedule::GENERATOR_VERSION,
+        jobs: args.jobs,
+        shard: args.shard.map(|(k, n)| format!("{k}/{n}")),
+        wall_s: (t0.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+        shards: None,
+    };
+    let s = summarize(meta, opts, lines, shrunk);
+    let path = &harness::util::publish_path(path);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    harness::util::write_atomic(path, (serde_json::to_string_pretty(&s)? + "\n").as_bytes())
+}
+
+/// The summary of `lines`: counts, aggregates, and the runs themselves.
+fn summarize(meta: Meta, opts: &Options, lines: &[RunLine], shrunk: &[ShrinkLine]) -> Summary {
     let mut anomalies = BTreeMap::new();
     let mut faults = BTreeMap::new();
     let mut ops: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
@@ -693,28 +750,24 @@ fn write_summary(
         count(Verdict::Fail),
         count(Verdict::Error),
     );
-    let s = Summary {
+    Summary {
         schema_version: 1,
         verdict: Verdict::of(pass == lines.len() as u64),
         generated_at: harness::util::rfc3339_now(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        git_commit: scenarios::git(&["rev-parse", "HEAD"]),
-        git_dirty: scenarios::git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"])
-            .map(|s| !s.is_empty()),
-        bug: std::env::var("IM_BUG")
-            .ok()
-            .filter(|b| !b.trim().is_empty()),
-        generator: harness::nemesis::schedule::GENERATOR_VERSION,
+        command: meta.command,
+        git_commit: meta.git_commit,
+        git_dirty: meta.git_dirty,
+        bug: meta.bug,
+        generator: meta.generator,
         options: opts.clone(),
         runs: lines.len() as u64,
         pass,
         fail,
         error,
-        wall_s: (t0.elapsed().as_secs_f64() * 10.0).round() / 10.0,
-        jobs: args.jobs,
-        shard: args.shard.map(|(k, n)| format!("{k}/{n}")),
-        seeds_per_hour: (lines.len() as f64 / t0.elapsed().as_secs_f64().max(1e-9) * 3600.0)
-            .round(),
+        wall_s: meta.wall_s,
+        jobs: meta.jobs,
+        shard: meta.shard,
+        seeds_per_hour: (lines.len() as f64 / meta.wall_s.max(1e-9) * 3600.0).round(),
         anomalies_by_kind: anomalies,
         expected_loss: json!({
             "messages": lines.iter().map(|l| l.expected_loss).sum::<u64>(),
@@ -727,9 +780,96 @@ fn write_summary(
             "max": max}),
         per_run: lines.to_vec(),
         shrunk: shrunk.to_vec(),
+        shards: meta.shards,
+    }
+}
+
+/// `--join`: the shards' summaries as the one an unsharded series writes: their runs by
+/// seed, the counts and aggregates computed again, each shard's provenance in `shards`.
+/// Refused unless the files are shards K/N for every K of one N, at one commit, with one
+/// generator, options and bug. Ok(true) when every run passed.
+fn join(files: &[PathBuf], out: &Path) -> anyhow::Result<bool> {
+    let mut parts: Vec<(PathBuf, Summary)> = Vec::new();
+    for f in files {
+        let text = std::fs::read(f).with_context(|| format!("read {}", f.display()))?;
+        let s: Summary =
+            serde_json::from_slice(&text).with_context(|| format!("parse {}", f.display()))?;
+        parts.push((f.clone(), s));
+    }
+    let shard_of = |s: &Summary| -> anyhow::Result<(u64, u64)> {
+        let sh = s
+            .shard
+            .as_deref()
+            .context("a summary without `shard`: not a shard")?;
+        parse_shard(sh).map_err(|e| anyhow::anyhow!(e))
     };
-    if let Some(parent) = path.parent() {
+    parts.sort_by_key(|(_, s)| shard_of(s).map(|(k, _)| k).unwrap_or(u64::MAX));
+    let n = shard_of(&parts[0].1)?.1;
+    for (i, (f, s)) in parts.iter().enumerate() {
+        let (k, m) = shard_of(s)?;
+        if m != n || k != i as u64 {
+            bail!(
+                "{}: shard {k}/{m}, expected {i}/{n}: give every shard of one series once",
+                f.display()
+            );
+        }
+        let first = &parts[0].1;
+        if s.git_commit != first.git_commit
+            || s.generator != first.generator
+            || s.options != first.options
+            || s.bug != first.bug
+        {
+            bail!(
+                "{}: not the same series as {} (commit, generator, options or bug differ)",
+                f.display(),
+                parts[0].0.display()
+            );
+        }
+    }
+    if parts.len() as u64 != n {
+        bail!("{} shard(s) of {n}", parts.len());
+    }
+    let mut lines: Vec<RunLine> = parts.iter().flat_map(|(_, s)| s.per_run.clone()).collect();
+    lines.sort_by_key(|l| l.seed);
+    let mut shrunk: Vec<ShrinkLine> = parts.iter().flat_map(|(_, s)| s.shrunk.clone()).collect();
+    shrunk.sort_by_key(|l| l.seed);
+    let first = &parts[0].1;
+    let meta = Meta {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        git_commit: first.git_commit.clone(),
+        git_dirty: Some(parts.iter().any(|(_, s)| s.git_dirty != Some(false))),
+        bug: first.bug.clone(),
+        generator: first.generator,
+        jobs: first.jobs,
+        shard: None,
+        // The series' work: the shards' walls added (they may have run side by side).
+        wall_s: parts.iter().map(|(_, s)| s.wall_s).sum(),
+        shards: Some(
+            parts
+                .iter()
+                .map(|(f, s)| {
+                    json!({"shard": s.shard, "jobs": s.jobs, "wall_s": s.wall_s,
+                           "generated_at": s.generated_at, "runs": s.runs,
+                           "file": f.display().to_string()})
+                })
+                .collect(),
+        ),
+    };
+    let opts = first.options.clone();
+    let s = summarize(meta, &opts, &lines, &shrunk);
+    let out = &harness::util::publish_path(out);
+    if let Some(parent) = out.parent() {
         std::fs::create_dir_all(parent)?;
     }
-    harness::util::write_atomic(path, (serde_json::to_string_pretty(&s)? + "\n").as_bytes())
+    harness::util::write_atomic(out, (serde_json::to_string_pretty(&s)? + "\n").as_bytes())?;
+    println!(
+        "nemesis: joined {} shards: {} runs, {} PASS, {} FAIL, {} ERROR: {}",
+        n,
+        s.runs,
+        s.pass,
+        s.fail,
+        s.error,
+        out.display()
+    );
+    Ok(s.verdict == Verdict::Pass)
 }
