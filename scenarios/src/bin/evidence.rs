@@ -34,6 +34,29 @@ fn read_records(dir: &Path) -> anyhow::Result<Vec<Record>> {
     Ok(out)
 }
 
+/// Every im-06 check under cargo-nextest, its records written to `records_dir`.
+fn run_checks(
+    cargo: &str,
+    records_dir: &Path,
+    root: &Path,
+) -> anyhow::Result<std::process::ExitStatus> {
+    Command::new(cargo)
+        .args([
+            "nextest",
+            "run",
+            "--workspace",
+            "--features",
+            "im-gateway/faults",
+            "--no-fail-fast",
+        ])
+        .args(["-E", "binary(im06)"])
+        .env("IMFAULT_EVIDENCE_DIR", records_dir)
+        .env("RUST_BACKTRACE", "0")
+        .current_dir(root)
+        .status()
+        .context("run cargo nextest (is cargo-nextest installed? `make setup`)")
+}
+
 /// evidence/im-06/result.json, in the order a reader wants it.
 #[derive(serde::Serialize)]
 struct Doc<'a> {
@@ -58,17 +81,24 @@ struct Doc<'a> {
          (evidence sets IMFAULT_EVIDENCE_DIR for the checks it starts.)"
     )
 )]
-struct Args {}
+struct Args {
+    /// Run nothing: judge the records an earlier run of the im-06 checks wrote to this
+    /// directory (`IMFAULT_EVIDENCE_DIR` of that run: `make proof` runs the whole suite
+    /// once with it and writes the evidence from that run). `nextest_exit_code` is then
+    /// null and `environment.records_from` names the directory.
+    #[arg(long, value_name = "DIR")]
+    records: Option<std::path::PathBuf>,
+}
 
 fn main() -> anyhow::Result<()> {
-    let _: Args = clap::Parser::parse();
+    let args: Args = clap::Parser::parse();
     let started = Instant::now();
     let generated_at = rfc3339(SystemTime::now());
     let root = workspace();
     // Each run keeps its records under its own directory; `latest` points at the newest.
     let runs = target_dir().join("imfault-runs");
     let run_dir = runs.join(format!("evidence-{}", generated_at.replace([':', '-'], "")));
-    let records_dir = run_dir.join("records");
+    let records_dir = args.records.clone().unwrap_or_else(|| run_dir.join("records"));
     std::fs::create_dir_all(&records_dir)
         .with_context(|| format!("create {}", records_dir.display()))?;
     let latest = runs.join("latest");
@@ -78,27 +108,22 @@ fn main() -> anyhow::Result<()> {
     }
     eprintln!("evidence: this run's records: {}", run_dir.display());
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!(
-        "evidence: running {} im-06 checks under cargo-nextest",
-        IM06_CHECKS.len()
-    );
-    let status = Command::new(&cargo)
-        .args([
-            "nextest",
-            "run",
-            "--workspace",
-            "--features",
-            "im-gateway/faults",
-            "--no-fail-fast",
-        ])
-        .args(["-E", "binary(im06)"])
-        .env("IMFAULT_EVIDENCE_DIR", &records_dir)
-        .env("RUST_BACKTRACE", "0")
-        .current_dir(&root)
-        .status()
-        .context("run cargo nextest (is cargo-nextest installed? `make setup`)")?;
+    let status = if let Some(dir) = &args.records {
+        eprintln!("evidence: judging the records of {} (nothing run)", dir.display());
+        None
+    } else {
+        eprintln!(
+            "evidence: running {} im-06 checks under cargo-nextest",
+            IM06_CHECKS.len()
+        );
+        Some(run_checks(&cargo, &records_dir, &root)?)
+    };
 
     let mut found = read_records(&records_dir)?;
+    if args.records.is_some() {
+        // The whole suite wrote there: other tests' records are not im-06 checks.
+        found.retain(|r| IM06_CHECKS.iter().any(|c| c.id == r.id));
+    }
     let mut checks: Vec<Record> = Vec::new();
     for info in IM06_CHECKS {
         let (id, test) = (info.id, info.test);
@@ -159,7 +184,7 @@ fn main() -> anyhow::Result<()> {
         summary: json!({
             "total": checks.len(), "pass": pass, "fail": fail, "not_run": not_run,
             "wall_ms": started.elapsed().as_millis() as u64,
-            "nextest_exit_code": status.code(),
+            "nextest_exit_code": status.and_then(|s| s.code()),
         }),
         suite: "im-06",
         design_note: "shared/seed/06-send-ack-and-recoverable-delivery.zh.md (sections 8 and 9)",
@@ -174,6 +199,7 @@ fn main() -> anyhow::Result<()> {
             "arch": std::env::consts::ARCH,
             "gateway_binary": "target/debug/im-gateway (built with --features faults)",
             "run_dir": run_dir.strip_prefix(&root).unwrap_or(&run_dir),
+            "records_from": args.records.as_ref().map(|d| d.strip_prefix(&root).unwrap_or(d).display().to_string()),
         }),
         checks: &checks,
     };
@@ -200,7 +226,7 @@ fn main() -> anyhow::Result<()> {
         );
     }
     println!("  {pass} PASS, {fail} FAIL, {not_run} NOT_RUN");
-    if fail > 0 || !status.success() {
+    if fail > 0 || status.is_some_and(|s| !s.success()) {
         std::process::exit(1);
     }
     Ok(())
