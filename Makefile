@@ -5,7 +5,7 @@ TARGET   := $(or $(CARGO_TARGET_DIR),target)
 # The harness runs target/debug/im-gateway, which must carry the fault points.
 FEATURES := --features im-gateway/faults
 
-.PHONY: setup build test test-containers evidence controls controls-join nemesis nemesis-join mutants fuzz up lint repro bench bench-quick clean report screenshots durability flake proof
+.PHONY: setup build test test-archive test-shard test-containers evidence controls controls-join nemesis nemesis-join mutants fuzz up lint repro bench bench-quick clean report screenshots durability flake proof
 
 setup:
 	@./scripts/setup.sh
@@ -24,6 +24,23 @@ test: build lint
 	@echo "gateway unit tests without the faults feature (IM_FAULT must be refused):"
 	$(CARGO) nextest run -p im-gateway --lib
 	$(CARGO) nextest run --workspace $(FEATURES) --no-fail-fast
+
+# make test-archive: the suite's test binaries in one nextest archive
+# (target/nextest/suite.tar.zst), to run its partitions on other machines of the same
+# checkout path (a CI matrix) without building them there.
+# make test-shard PARTITION=count:k/n [ARCHIVE=target/nextest/suite.tar.zst]: partition k of
+# n (1-based, nextest's own `--partition`) of the suite `make test` runs, from the archive
+# when ARCHIVE names one; its JUnit report goes to target/nextest/shard-k-of-n.xml.
+# `scripts/test-join.sh FILE…` checks the shards' reports against one run: every test of
+# the suite run once, and the pass and fail counts.
+ARCHIVE ?=
+test-archive: build
+	$(CARGO) nextest archive --workspace $(FEATURES) --archive-file $(TARGET)/nextest/suite.tar.zst
+
+test-shard: build
+	NEXTEST_PROFILE=ci $(CARGO) nextest run $(if $(ARCHIVE),--archive-file $(ARCHIVE) --workspace-remap .,--workspace $(FEATURES)) --no-fail-fast --partition $(PARTITION); \
+	  status=$$?; k=$$(echo '$(PARTITION)' | sed 's/.*://; s,/,-of-,'); \
+	  cp $(TARGET)/nextest/ci/junit.xml $(TARGET)/nextest/shard-$$k.xml && exit $$status
 
 # make flake RUNS=n [FILTER='nextest filter']: the whole suite of `make test` n times in a
 # row (default 10), then every test that ever failed with the number of runs it failed in;

@@ -20,9 +20,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-/// Tests re-run in runs 2..N of a caught bug: the checks built to catch it (when they
-/// caught it in run 1), then the quickest other catchers, this many in all.
-const RERUN_TESTS_MAX: usize = 3;
+/// The tests a bug is run against, at most: the checks built to catch it among those that
+/// caught it in its whole-suite run, else the quickest of those ([`pick`]). One reliable
+/// catcher proves the bug caught; every further one multiplies the runs (measured at
+/// 302a352+: no-sweep against its three catchers took 278 s for 10 runs, against the
+/// quickest alone about 20).
+const RERUN_TESTS_MAX: usize = 1;
 /// Version of evidence/controls/result.json.
 const SCHEMA_VERSION: u32 = 1;
 /// The suite a control runs: every im-06 check, the protocol tests, the steady-state repair
@@ -63,7 +66,9 @@ fn designed_catcher(bug: &str) -> &'static [&'static str] {
         }
         "no-dedup" => &["im06_crash_api_after_send_commit", "im06_lost_reply_retry"],
         "cursor-overwrite" => &["im06_ack_monotonic_and_bounded"],
-        "no-sweep" | "cursor-on-sync" => &["im06_lost_push_swept"],
+        // A lost ack is re-hinted only by the sweep: the quickest check of it.
+        "no-sweep" => &["im06_lost_ack_swept", "im06_lost_push_swept"],
+        "cursor-on-sync" => &["im06_lost_push_swept"],
         "seq-gap" => &["im06_crash_send_before_commit"],
         "s1-leak" => &["membership_periods_bound_what_a_device_sees_s1"],
         "slow-sweep" => &["im06_sweep_hint_cadence"],
@@ -142,6 +147,10 @@ struct Opts {
     /// measured, with its commit) and replace only the bugs' `nemesis` entries.
     #[arg(long)]
     nemesis_only: bool,
+    /// Bugs whose suite part runs at once (each its own nextest, running one test at a
+    /// time); the nemesis parts run one after the other.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8))]
+    parallel: u32,
     /// Run every bug's run 1 on the whole suite (recording its catchers anew) instead of
     /// the catchers the record names.
     #[arg(long)]
@@ -528,13 +537,9 @@ fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| workspace().join("evidence/controls/result.json"));
     let record = recorded(&record_file);
-    let mut eta = Eta::new(expected_times(&record_file, &bugs));
-    let mut controls = Vec::new();
-    for (bug, side) in &bugs {
-        eta.next_part();
-        eprintln!("controls: {bug}: {}", eta.line());
-        controls.push(control(&o, bug, side, &bugs_bin, record.get(bug))?);
-    }
+    let mut eta = Eta::new(expected_times(&record_file, &bugs, o.nemesis_seeds > 0));
+    let mut controls = suite_controls(&o, &bugs, &bugs_bin, &record, &mut eta)?;
+    nemesis_controls(&o, &bugs, &bugs_bin, &record, &mut controls, &mut eta)?;
     // The clean side: every test a bug was run against, as many runs, on the clean gateway.
     let tests: BTreeSet<String> = controls
         .iter()
@@ -679,6 +684,20 @@ fn finish(doc: &Value) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The whole list back from round-robin shards: item i is item i / n of shard i % n.
+fn interleave<T: Clone>(shards: &[Vec<T>]) -> anyhow::Result<Vec<T>> {
+    let n = shards.len();
+    let total: usize = shards.iter().map(Vec::len).sum();
+    (0..total)
+        .map(|i| {
+            shards[i % n]
+                .get(i / n)
+                .cloned()
+                .with_context(|| format!("shard {} is short of item {i}", i % n))
+        })
+        .collect()
+}
+
 /// `--join`: the shards' files (`--shard K/N` runs, one per K, all at one commit) as the
 /// one record an unsharded run writes, bugs in the same order, with the shards' provenance
 /// in `environment.shards`.
@@ -738,13 +757,7 @@ fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
         .map(|s| s["controls"].as_array().cloned().unwrap_or_default())
         .collect();
     let total: usize = lists.iter().map(Vec::len).sum();
-    let mut controls = Vec::with_capacity(total);
-    for i in 0..total {
-        let c = lists[i % n]
-            .get(i / n)
-            .with_context(|| format!("shard {} is short of bug {i}", i % n))?;
-        controls.push(c.clone());
-    }
+    let mut controls = interleave(&lists)?;
     let mut tests = BTreeSet::new();
     let mut failed: BTreeMap<String, u64> = BTreeMap::new();
     let (mut anomalies, mut wall, mut clean_wall) = (0u64, 0u64, 0u64);
@@ -808,25 +821,35 @@ fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
     finish(&doc)
 }
 
-/// Each part's expected seconds for the estimate of time left: each bug, then the clean
-/// side, as the last run (the file about to be replaced) took them; 0 where unknown.
-fn expected_times(out: &Path, bugs: &[(String, &str)]) -> Vec<f64> {
+/// Each part's expected seconds for the estimate of time left: each bug's suite part, each
+/// bug's nemesis part, then the clean side, as the last run (the file about to be replaced)
+/// took them; 0 where unknown.
+fn expected_times(out: &Path, bugs: &[(String, &str)], nemesis: bool) -> Vec<f64> {
     let last: Value = std::fs::read(out)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or(Value::Null);
     let ms = |v: &Value| v.as_f64().unwrap_or(0.0) / 1000.0;
-    let mut times = Vec::new();
-    for (bug, _) in bugs {
-        let c = last["controls"]
+    let entry = |bug: &str| {
+        last["controls"]
             .as_array()
-            .and_then(|cs| cs.iter().find(|c| c["bug"] == bug.as_str()));
-        times.push(c.map_or(0.0, |c| {
-            let runs: f64 = c["run_wall_ms"]
+            .and_then(|cs| cs.iter().find(|c| c["bug"] == bug))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let mut times: Vec<f64> = bugs
+        .iter()
+        .map(|(bug, _)| {
+            entry(bug)["run_wall_ms"]
                 .as_array()
-                .map_or(0.0, |w| w.iter().map(ms).sum());
-            runs + ms(&c["nemesis"]["wall_ms"])
-        }));
+                .map_or(0.0, |w| w.iter().map(ms).sum())
+        })
+        .collect();
+    if nemesis {
+        times.extend(
+            bugs.iter()
+                .map(|(bug, _)| ms(&entry(bug)["nemesis"]["wall_ms"])),
+        );
     }
     times.push(ms(&last["clean"]["wall_ms"]));
     times
@@ -951,13 +974,18 @@ fn recorded(file: &Path) -> BTreeMap<String, Recorded> {
     out
 }
 
-/// The tests to run a bug against: its designed catchers among `catchers`, then the
-/// quickest others, [`RERUN_TESTS_MAX`] in all.
+/// The tests to run a bug against: its designed catchers among `catchers` (the quickest
+/// first, [`RERUN_TESTS_MAX`] at most), or when none of them caught it, the quickest
+/// catcher alone.
 fn pick(catchers: &[(String, u64)], designed: &[&str]) -> Vec<(String, u64)> {
     let mut v: Vec<(String, u64)> = catchers.to_vec();
     v.sort_by_key(|(t, d)| (!designed.contains(&t.as_str()), *d));
     v.dedup_by(|a, b| a.0 == b.0);
-    v.truncate(RERUN_TESTS_MAX);
+    let designed_n = v
+        .iter()
+        .filter(|(t, _)| designed.contains(&t.as_str()))
+        .count();
+    v.truncate(designed_n.clamp(1, RERUN_TESTS_MAX));
     v
 }
 
@@ -983,10 +1011,7 @@ fn control(
     bugs_bin: &Path,
     rec: Option<&Recorded>,
 ) -> anyhow::Result<Value> {
-    let mut env = vec![("IM_BUG", bug.to_string())];
-    if side == "gateway" {
-        env.push(("IM_GATEWAY_BIN", bugs_bin.display().to_string()));
-    }
+    let env = bug_env(bug, side, bugs_bin);
     let designed = designed_catcher(bug);
     let head = git(&["rev-parse", "HEAD"]);
     let mut per_run_failed: Vec<Vec<String>> = Vec::new();
@@ -1084,26 +1109,6 @@ fn control(
         .filter_map(|c| c["duration_ms"].as_u64())
         .min();
     eprintln!("  {bug}: caught in {caught_runs}/{runs} runs ({mode})");
-    let nemesis = if o.nemesis_seeds > 0 {
-        eprintln!(
-            "controls: {bug} under the nemesis, up to {} seeds",
-            o.nemesis_seeds
-        );
-        let n = nemesis_control(
-            bug,
-            &env,
-            o.nemesis_seeds,
-            o.nemesis_gateways,
-            rec.and_then(|r| r.nemesis_seed),
-        )?;
-        eprintln!(
-            "  {bug}: nemesis {} after {} seed(s)",
-            n["result"], n["seeds_run"]
-        );
-        n
-    } else {
-        Value::Null
-    };
     let mut kinds: Vec<String> = caught_by
         .iter()
         .flat_map(|c| c["anomaly_kinds"].as_array().cloned().unwrap_or_default())
@@ -1134,8 +1139,89 @@ fn control(
         },
         "targeted_missed": targeted_missed,
         "known_limit": known_limit(bug),
-        "nemesis": nemesis,
+        "nemesis": Value::Null,
     }))
+}
+
+/// The bug's environment: `IM_BUG`, and the bugs binary for a gateway bug.
+fn bug_env(bug: &str, side: &str, bugs_bin: &Path) -> Vec<(&'static str, String)> {
+    let mut env = vec![("IM_BUG", bug.to_string())];
+    if side == "gateway" {
+        env.push(("IM_GATEWAY_BIN", bugs_bin.display().to_string()));
+    }
+    env
+}
+
+/// The suite part of every bug, `o.parallel` bugs at a time (each its own nextest, one
+/// scenario at a time: the cores are far from full), in the order of `bugs`.
+fn suite_controls(
+    o: &Opts,
+    bugs: &[(String, &str)],
+    bugs_bin: &Path,
+    record: &BTreeMap<String, Recorded>,
+    eta: &mut Eta,
+) -> anyhow::Result<Vec<Value>> {
+    let mut out = Vec::with_capacity(bugs.len());
+    for chunk in bugs.chunks(o.parallel.max(1) as usize) {
+        for (bug, _) in chunk {
+            eta.next_part();
+            eprintln!("controls: {bug}: {}", eta.line());
+        }
+        let results: Vec<anyhow::Result<Value>> = std::thread::scope(|s| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|(bug, side)| {
+                    s.spawn(move || control(o, bug, side, bugs_bin, record.get(bug)))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a control thread panicked")))
+                })
+                .collect()
+        });
+        for r in results {
+            out.push(r?);
+        }
+    }
+    Ok(out)
+}
+
+/// The nemesis part of every bug, one after the other (each series runs 4 seeds at once).
+fn nemesis_controls(
+    o: &Opts,
+    bugs: &[(String, &str)],
+    bugs_bin: &Path,
+    record: &BTreeMap<String, Recorded>,
+    controls: &mut [Value],
+    eta: &mut Eta,
+) -> anyhow::Result<()> {
+    if o.nemesis_seeds == 0 {
+        return Ok(());
+    }
+    for ((bug, side), entry) in bugs.iter().zip(controls.iter_mut()) {
+        eta.next_part();
+        eprintln!(
+            "controls: {bug} under the nemesis, up to {} seeds ({})",
+            o.nemesis_seeds,
+            eta.line()
+        );
+        let n = nemesis_control(
+            bug,
+            &bug_env(bug, side, bugs_bin),
+            o.nemesis_seeds,
+            o.nemesis_gateways,
+            record.get(bug).and_then(|r| r.nemesis_seed),
+        )?;
+        eprintln!(
+            "  {bug}: nemesis {} after {} seed(s)",
+            n["result"], n["seeds_run"]
+        );
+        entry["nemesis"] = n;
+    }
+    Ok(())
 }
 
 /// `--merge`: the existing file's entries with this run's in place of those it measured
@@ -1286,4 +1372,66 @@ fn nemesis_only(
     println!("\n{} ({} s)", out.display(), started.elapsed().as_secs());
     print_table(&doc);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// nextest's status lines, with and without `--stress-count`'s iteration.
+    #[test]
+    fn status_lines_name_status_iteration_and_test() {
+        let one = "        PASS [   2.635s] (12/340) scenarios::im06 im06_commit_held_open";
+        assert_eq!(
+            status_line(one),
+            Some(("PASS", 1, 2.635, "im06_commit_held_open".to_string()))
+        );
+        let stress = "        FAIL [   0.620s] [33/40] (1/1) harness client::tests::two_syncs";
+        assert_eq!(
+            status_line(stress),
+            Some(("FAIL", 33, 0.62, "client::tests::two_syncs".to_string()))
+        );
+        assert_eq!(status_line("   SLOW [> 30.000s] scenarios::im06 x"), None);
+        assert_eq!(status_line("  TRY 2 FAIL [ 1.0s] (1/2) b t"), None);
+    }
+
+    /// Round-robin shards (item i in shard i % n) joined give the list back in order;
+    /// a shard short of an item is refused.
+    #[test]
+    fn shards_interleave_back_into_the_whole_list() {
+        let all: Vec<u32> = (0..27).collect();
+        for n in 1..=5 {
+            let shards: Vec<Vec<u32>> = (0..n)
+                .map(|k| {
+                    all.iter()
+                        .copied()
+                        .filter(|i| *i as usize % n == k)
+                        .collect()
+                })
+                .collect();
+            assert_eq!(interleave(&shards).unwrap(), all, "n = {n}");
+        }
+        assert!(interleave(&[vec![0, 2], vec![]]).is_err());
+    }
+
+    /// The picked tests: the designed catchers that caught it (at most RERUN_TESTS_MAX),
+    /// else the quickest catcher alone; each once.
+    #[test]
+    fn pick_prefers_designed_else_the_quickest() {
+        let caught = vec![
+            ("slow".to_string(), 9000),
+            ("designed".to_string(), 20000),
+            ("quick".to_string(), 100),
+            ("mid".to_string(), 500),
+            ("quick".to_string(), 100),
+        ];
+        let names = |v: Vec<(String, u64)>| v.into_iter().map(|(t, _)| t).collect::<Vec<_>>();
+        assert_eq!(names(pick(&caught, &["designed"])), vec!["designed"]);
+        assert_eq!(
+            names(pick(&caught, &["designed", "mid", "slow"])),
+            vec!["mid"]
+        );
+        assert_eq!(names(pick(&caught, &["absent"])), vec!["quick"]);
+        assert!(pick(&[], &["designed"]).is_empty());
+    }
 }

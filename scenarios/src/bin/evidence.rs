@@ -98,7 +98,10 @@ fn main() -> anyhow::Result<()> {
     // Each run keeps its records under its own directory; `latest` points at the newest.
     let runs = target_dir().join("imfault-runs");
     let run_dir = runs.join(format!("evidence-{}", generated_at.replace([':', '-'], "")));
-    let records_dir = args.records.clone().unwrap_or_else(|| run_dir.join("records"));
+    let records_dir = args
+        .records
+        .clone()
+        .unwrap_or_else(|| run_dir.join("records"));
     std::fs::create_dir_all(&records_dir)
         .with_context(|| format!("create {}", records_dir.display()))?;
     let latest = runs.join("latest");
@@ -109,7 +112,10 @@ fn main() -> anyhow::Result<()> {
     eprintln!("evidence: this run's records: {}", run_dir.display());
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = if let Some(dir) = &args.records {
-        eprintln!("evidence: judging the records of {} (nothing run)", dir.display());
+        eprintln!(
+            "evidence: judging the records of {} (nothing run)",
+            dir.display()
+        );
         None
     } else {
         eprintln!(
