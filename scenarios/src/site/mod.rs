@@ -1,14 +1,19 @@
 //! The evidence as a static site (issue 22, `make report`): one self-contained page per
-//! part (the im-06 checks, the nemesis, the controls, the bench) and an index of their
-//! verdicts, when and at which commit each was produced, and which are older than the
-//! code. No script, no font, no request: inline CSS and SVG only.
+//! part (the im-06 checks, the nemesis, the controls, the bench, the durability matrix,
+//! mutation testing, the proof record) and an index of their verdicts, when and at which
+//! commit each was produced, and whether that provenance holds: STALE (older than the
+//! code), UNKNOWN COMMIT, DIRTY, PATCHWORK. No script, no font, no request: inline CSS and
+//! SVG only.
 //!
 //! Owns: reading the committed evidence files (their on-disk schema) and rendering them.
 //! Must not: run anything, or ask git (the caller passes each part's [`Provenance`]), so
 //! that rendering is a pure function of its inputs.
 
 mod bench;
+mod durability;
+mod mutants;
 mod pages;
+mod proof;
 pub mod svg;
 
 use serde_json::Value;
@@ -24,6 +29,9 @@ pub struct PartName {
     pub page: &'static str,
     pub file: &'static str,
     pub kind: Kind,
+    /// A part whose file may not exist yet (the proof record before the first `make
+    /// proof`): then it is "not given", not an error.
+    pub optional: bool,
 }
 
 /// A part's format (evidence/README.md), which says how it is judged and drawn.
@@ -33,52 +41,225 @@ pub enum Kind {
     Nemesis,
     Controls,
     Bench,
+    Durability,
+    Mutants,
+    Proof,
 }
 
 /// The parts, in the index's order.
-pub const PARTS: [PartName; 5] = [
+pub const PARTS: [PartName; 8] = [
     PartName {
         title: "im-06 checks",
         page: "checks.html",
         file: "im-06/result.json",
         kind: Kind::Checks,
+        optional: false,
     },
     PartName {
         title: "Nemesis",
         page: "nemesis.html",
         file: "nemesis/result.json",
         kind: Kind::Nemesis,
+        optional: false,
     },
     PartName {
         title: "Controls",
         page: "controls.html",
         file: "controls/result.json",
         kind: Kind::Controls,
+        optional: false,
     },
     PartName {
         title: "Bench",
         page: "bench.html",
         file: "bench/result.json",
         kind: Kind::Bench,
+        optional: false,
     },
     PartName {
         title: "Nemesis, 3 gateways",
         page: "nemesis-3-gateways.html",
         file: "nemesis/gateways-3.json",
         kind: Kind::Nemesis,
+        optional: false,
+    },
+    PartName {
+        title: "Durability",
+        page: "durability.html",
+        file: "durability/result.json",
+        kind: Kind::Durability,
+        optional: false,
+    },
+    PartName {
+        title: "Mutants",
+        page: "mutants.html",
+        file: "mutants/result.json",
+        kind: Kind::Mutants,
+        optional: false,
+    },
+    PartName {
+        title: "Proof",
+        page: "proof.html",
+        file: "proof/result.json",
+        kind: Kind::Proof,
+        optional: true,
     },
 ];
 
-/// Where a part's file came from: the commit that last wrote it, and the newest commit
-/// that changed code after it (then the part is older than the code).
+/// Where a part's file came from and whether that can be trusted: the commit it ran at,
+/// the newest commit that changed its code after it (then the part is older than the
+/// code), and what git could not vouch for. Made by the caller (`report` asks git); see
+/// [`Provenance::flags`] for how each state reads.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Provenance {
+    /// The commit the part ran at: the one its file records (shown even when git does not
+    /// know it, see `unknown`); when the file records none, the commit that last wrote it.
     pub commit: Option<String>,
+    /// Whether `commit` is the one the file records (false: the last writer's).
+    pub recorded: bool,
+    /// The newest commit that changed the part's code after any commit it ran at.
     pub newer_code: Option<String>,
+    /// Recorded commits git cannot vouch for, each with why: not a commit of this
+    /// repository, or not an ancestor of HEAD. Their staleness cannot be judged.
+    pub unknown: Vec<(String, String)>,
+    /// The file says it ran on a tree with uncommitted changes (`git_dirty` or `dirty`).
+    pub dirty: bool,
+    /// The other commits that parts of the file record (an entry's or a partial run's
+    /// `git_commit` that is not the top-level one), each with where it is recorded.
+    pub patchwork: Vec<(String, String)>,
 }
 
-/// A part's file as read: its JSON, or why it could not be read (missing, not JSON).
-pub type Loaded = Result<Value, String>;
+impl Provenance {
+    /// Each way this provenance falls short, as the words `report` prints and the site
+    /// shows (a caller may grep for STALE, UNKNOWN, DIRTY, PATCHWORK); empty when current.
+    pub fn flags(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (c, why) in &self.unknown {
+            out.push(format!("UNKNOWN COMMIT {} ({why})", short_commit(Some(c))));
+        }
+        if self.dirty {
+            out.push("DIRTY (ran on a tree with uncommitted changes)".into());
+        }
+        if !self.patchwork.is_empty() {
+            let distinct = |run_records: bool, top: Option<&str>| {
+                let mut cs: Vec<&str> = self
+                    .patchwork
+                    .iter()
+                    .filter(|(_, at)| is_run_record(at) == run_records)
+                    .map(|(c, _)| c.as_str())
+                    .chain(top)
+                    .collect();
+                cs.sort_unstable();
+                cs.dedup();
+                cs.len()
+            };
+            let mut f = format!(
+                "PATCHWORK (entries from {} commits",
+                distinct(false, self.commit.as_deref())
+            );
+            if self.patchwork.iter().any(|(_, at)| is_run_record(at)) {
+                let _ = write!(f, ", partial runs from {}", distinct(true, None));
+            }
+            f.push(')');
+            out.push(f);
+        }
+        if let Some(c) = &self.newer_code {
+            out.push(format!("STALE (code changed at {})", short_commit(Some(c))));
+        }
+        out
+    }
+}
+
+/// What a part's file says about where it ran: its commit (`environment.git_commit`,
+/// `git_commit` or `commit` at the top), whether the tree was dirty, and every other
+/// `git_commit` below the top (an entry's, a partial run's) with where it is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recorded {
+    pub commit: Option<String>,
+    pub dirty: bool,
+    pub nested: Vec<(String, String)>,
+}
+
+/// Reads [`Recorded`] from a part's file.
+pub fn recorded(v: &Value) -> Recorded {
+    const TOP: [&str; 3] = ["/environment/git_commit", "/git_commit", "/commit"];
+    let commit = TOP
+        .iter()
+        .find_map(|p| v.pointer(p).and_then(Value::as_str))
+        .map(str::to_string);
+    let dirty = [
+        "/environment/git_dirty",
+        "/git_dirty",
+        "/environment/dirty",
+        "/dirty",
+    ]
+    .iter()
+    .any(|p| v.pointer(p).and_then(Value::as_bool) == Some(true));
+    let mut nested = Vec::new();
+    nested_commits(v, "", &mut nested);
+    nested.retain(|(c, _)| Some(c) != commit.as_ref());
+    Recorded {
+        commit,
+        dirty,
+        nested,
+    }
+}
+
+/// Whether a nested commit's place (see [`Recorded::nested`]) is a record of an earlier
+/// partial run (`environment.partial_runs[]`, the controls'): history whose entries later
+/// runs may have replaced, rather than an entry the file shows.
+pub fn is_run_record(at: &str) -> bool {
+    at.contains("/partial_runs/")
+}
+
+/// Every `git_commit` string below `v` (at `at`), with where it is: its JSON pointer and,
+/// when its object names them, the bug or bugs it is about.
+fn nested_commits(v: &Value, at: &str, out: &mut Vec<(String, String)>) {
+    match v {
+        Value::Object(m) => {
+            if let Some(c) = m.get("git_commit").and_then(Value::as_str) {
+                let about = match (m.get("bug"), m.get("bugs")) {
+                    (Some(b), _) => format!(" ({})", text(b)),
+                    (None, Some(Value::Array(bs))) => {
+                        let names: Vec<String> = bs.iter().map(text).collect();
+                        format!(" ({})", names.join(", "))
+                    }
+                    _ => String::new(),
+                };
+                out.push((c.to_string(), format!("{at}/git_commit{about}")));
+            }
+            for (k, x) in m {
+                nested_commits(x, &format!("{at}/{k}"), out);
+            }
+        }
+        Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                nested_commits(x, &format!("{at}/{i}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Why a part's file could not be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotRead {
+    /// There is no file.
+    Missing(String),
+    /// It could not be read or is not JSON.
+    Invalid(String),
+}
+
+impl std::fmt::Display for NotRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotRead::Missing(why) | NotRead::Invalid(why) => f.write_str(why),
+        }
+    }
+}
+
+/// A part's file as read: its JSON, or why it could not be read.
+pub type Loaded = Result<Value, NotRead>;
 
 /// Reads every part's file below `evidence`.
 pub fn load(evidence: &Path) -> Vec<Loaded> {
@@ -86,11 +267,46 @@ pub fn load(evidence: &Path) -> Vec<Loaded> {
         .iter()
         .map(|p| {
             let path = evidence.join(p.file);
-            let text =
-                std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-            serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", path.display()))
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                let why = format!("{}: {e}", path.display());
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    NotRead::Missing(why)
+                } else {
+                    NotRead::Invalid(why)
+                }
+            })?;
+            serde_json::from_str(&text)
+                .map_err(|e| NotRead::Invalid(format!("{}: not JSON: {e}", path.display())))
         })
         .collect()
+}
+
+/// Whether a part counts as not given: an optional part with no file, or no part at all.
+fn not_given(p: &PartName, l: Option<&Loaded>) -> bool {
+    match l {
+        None => true,
+        Some(Err(NotRead::Missing(_))) => p.optional,
+        Some(_) => false,
+    }
+}
+
+/// A part's state in one line, as `report` prints it: `current`, its flags, `not given`
+/// (an optional part with no file) or `unreadable: why`.
+pub fn status(p: &PartName, l: Option<&Loaded>, prov: &Provenance) -> String {
+    if not_given(p, l) {
+        return "not given".into();
+    }
+    match l {
+        Some(Err(e)) => format!("unreadable: {e}"),
+        _ => {
+            let flags = prov.flags();
+            if flags.is_empty() {
+                "current".into()
+            } else {
+                flags.join("; ")
+            }
+        }
+    }
 }
 
 /// The site: (file name, HTML) for the index and each part's page, from each part's file
@@ -100,16 +316,30 @@ pub fn render(parts: &[Loaded], prov: &[Provenance]) -> Vec<(String, String)> {
     let mut out = vec![("index.html".to_string(), index(parts, prov))];
     for (i, p) in PARTS.iter().enumerate() {
         let body = match parts.get(i) {
+            _ if not_given(p, parts.get(i)) => format!(
+                "<p class=\"NOT_RUN\">Not given: there is no <code>evidence/{}</code> yet.</p>",
+                esc(p.file)
+            ),
             Some(Ok(v)) => match p.kind {
                 Kind::Checks => pages::checks(v),
                 Kind::Nemesis => pages::nemesis(v),
                 Kind::Controls => pages::controls(v),
                 Kind::Bench => bench::page(v),
+                Kind::Durability => durability::page(v),
+                Kind::Mutants => mutants::page(v),
+                Kind::Proof => proof::page(v),
             },
-            Some(Err(why)) => format!("<p class=\"FAIL\">Not readable: {}</p>", esc(why)),
-            None => "<p>Not given.</p>".into(),
+            Some(Err(why)) => format!(
+                "<p class=\"FAIL\">Not readable: {}</p>",
+                esc(&why.to_string())
+            ),
+            None => unreachable!("not_given covers a missing part"),
         };
-        let head = provenance_line(parts.get(i), prov.get(i).unwrap_or(&none));
+        let head = if not_given(p, parts.get(i)) {
+            String::new()
+        } else {
+            provenance_line(parts.get(i), prov.get(i).unwrap_or(&none))
+        };
         out.push((p.page.to_string(), page(p.title, &format!("{head}{body}"))));
     }
     out
@@ -167,19 +397,58 @@ fn provenance_line(part: Option<&Loaded>, p: &Provenance) -> String {
         .and_then(|l| l.as_ref().ok())
         .map(generated_at)
         .unwrap_or_else(|| "-".into());
-    let commit = short_commit(p.commit.as_deref());
-    let stale = match &p.newer_code {
-        Some(c) => format!(
-            " <span class=\"stale\">STALE</span>: code changed after it (commit {})",
-            esc(&short_commit(Some(c)))
-        ),
-        None => String::new(),
+    let whose = if p.recorded {
+        "the commit it records"
+    } else {
+        "no commit recorded: the commit that last wrote the file"
     };
-    format!(
-        "<p class=\"small\">Produced {} (commit <code>{}</code>){stale}.</p>",
+    let flags = p.flags();
+    let mut s = format!(
+        "<p class=\"small\">Produced {} at commit <code>{}</code> ({whose}). {}</p>",
         esc(&generated),
-        esc(&commit)
-    )
+        esc(&short_commit(p.commit.as_deref())),
+        if flags.is_empty() {
+            "Current: no code it depends on changed since.".to_string()
+        } else {
+            flag_spans(&flags)
+        }
+    );
+    if !p.patchwork.is_empty() {
+        // Grouped by commit, in the order they first appear.
+        let mut by_commit: Vec<(&str, Vec<&str>)> = Vec::new();
+        for (c, at) in &p.patchwork {
+            match by_commit.iter_mut().find(|(x, _)| *x == c.as_str()) {
+                Some((_, ats)) => ats.push(at.as_str()),
+                None => by_commit.push((c.as_str(), vec![at.as_str()])),
+            }
+        }
+        let _ = write!(
+            s,
+            "<details class=\"small\"><summary>PATCHWORK: {} other commits than <code>{}</code> \
+             recorded in the file</summary><ul>",
+            by_commit.len(),
+            esc(&short_commit(p.commit.as_deref()))
+        );
+        for (c, ats) in by_commit {
+            let _ = write!(
+                s,
+                "<li><code>{}</code> at <code>{}</code></li>",
+                esc(&short_commit(Some(c))),
+                esc(&ats.join("; "))
+            );
+        }
+        s.push_str("</ul></details>");
+    }
+    s
+}
+
+/// Provenance flags, each marked (`class="stale"`) and escaped.
+fn flag_spans(flags: &[String]) -> String {
+    let spans: Vec<String> = flags
+        .iter()
+        .map(|f| format!("<span class=\"stale\">{}</span>", esc(f)))
+        .collect();
+    spans.join("; ")
 }
 
 /// A commit's first 10 hex digits (`-` for none).
@@ -260,6 +529,9 @@ fn part_verdict(kind: Kind, v: &Value) -> (String, String) {
                 v["targets_missed"].as_array().map_or(0, Vec::len)
             ),
         ),
+        Kind::Durability => durability::verdict(v),
+        Kind::Mutants => mutants::verdict(v),
+        Kind::Proof => proof::verdict(v),
     }
 }
 
@@ -267,29 +539,36 @@ fn index(parts: &[Loaded], prov: &[Provenance]) -> String {
     let none = Provenance::default();
     let mut s = String::from(
         "<p>What the project proves, from the committed files under <code>evidence/</code>. \
-         A part is <span class=\"stale\">STALE</span> when code changed after the commit that \
-         wrote it.</p><table><tr><th>part</th><th>verdict</th><th>what</th><th>produced</th>\
-         <th>commit</th><th>older than the code</th></tr>",
+         A part is <span class=\"stale\">STALE</span> when code it depends on changed after \
+         the commit it ran at, <span class=\"stale\">UNKNOWN COMMIT</span> when git does not \
+         have that commit in HEAD's history, <span class=\"stale\">DIRTY</span> when it ran \
+         on uncommitted changes, and <span class=\"stale\">PATCHWORK</span> when its entries \
+         come from several commits.</p><table><tr><th>part</th><th>verdict</th><th>what</th>\
+         <th>produced</th><th>commit</th><th>provenance</th></tr>",
     );
     for (i, p) in PARTS.iter().enumerate() {
         let pr = prov.get(i).unwrap_or(&none);
+        let given = !not_given(p, parts.get(i));
         let (word, why, when) = match parts.get(i) {
+            _ if !given => ("NOT_RUN".to_string(), "not given".into(), "-".into()),
             Some(Ok(v)) => {
                 let (w, why) = part_verdict(p.kind, v);
                 (w, why, generated_at(v))
             }
-            Some(Err(e)) => ("ERROR".to_string(), e.clone(), "-".into()),
-            None => ("NOT_RUN".to_string(), "no file".into(), "-".into()),
+            Some(Err(e)) => ("ERROR".to_string(), e.to_string(), "-".into()),
+            None => unreachable!("not_given covers a missing part"),
         };
-        let stale = pr.newer_code.as_deref().map_or("no".into(), |c| {
-            format!(
-                "<span class=\"stale\">STALE</span> (code at {})",
-                esc(&short_commit(Some(c)))
-            )
-        });
+        let flags = pr.flags();
+        let state = if !given {
+            "-".to_string()
+        } else if flags.is_empty() {
+            "current".into()
+        } else {
+            flag_spans(&flags)
+        };
         let _ = write!(
             s,
-            "<tr><td><a href=\"{}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td><td>{stale}</td></tr>",
+            "<tr><td><a href=\"{}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td><td>{state}</td></tr>",
             p.page,
             esc(p.title),
             verdict(&word),
