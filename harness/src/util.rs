@@ -354,6 +354,54 @@ pub fn human_s(s: f64) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// Issue 41: evidence/ of a work tree is written only while the tree (evidence/ aside)
+    /// matches HEAD; otherwise the file goes under target/unpublished/. Other paths are
+    /// left alone.
+    #[test]
+    fn evidence_is_published_only_from_a_committed_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let git = |args: &[&str]| {
+            let ok = std::process::Command::new("git")
+                .args([
+                    "-c",
+                    "user.name=t",
+                    "-c",
+                    "user.email=t@t",
+                    "-c",
+                    "commit.gpgsign=false",
+                ])
+                .args(args)
+                .current_dir(root)
+                .output()
+                .unwrap()
+                .status
+                .success();
+            assert!(ok, "git {args:?}");
+        };
+        git(&["init", "-q"]);
+        std::fs::create_dir_all(root.join("evidence/x")).unwrap();
+        std::fs::write(root.join("code.rs"), "fn a() {}\n").unwrap();
+        std::fs::write(root.join("evidence/x/result.json"), "{}\n").unwrap();
+        git(&["add", "-A"]);
+        git(&["commit", "-qm", "one"]);
+        let out = root.join("evidence/x/result.json");
+        assert_eq!(super::publish_path(&out), out, "clean tree");
+        // Evidence itself changing (a run writing it) keeps it publishable.
+        std::fs::write(&out, "{\"new\": 1}\n").unwrap();
+        assert_eq!(super::publish_path(&out), out, "only evidence/ differs");
+        // Code differing from HEAD: not published.
+        std::fs::write(root.join("code.rs"), "fn b() {}\n").unwrap();
+        let to = super::publish_path(&out);
+        assert_eq!(to, root.join("target/unpublished/evidence/x/result.json"));
+        // An untracked file counts too; and a path outside evidence/ is never moved.
+        git(&["checkout", "-q", "code.rs"]);
+        std::fs::write(root.join("new.rs"), "").unwrap();
+        assert_ne!(super::publish_path(&out), out, "untracked file");
+        let elsewhere = root.join("target/report.json");
+        assert_eq!(super::publish_path(&elsewhere), elsewhere);
+    }
+
     /// Issue 22: the estimate follows this run's pace over the parts' expected times.
     #[test]
     fn eta_scales_the_remaining_parts_by_the_pace_so_far() {
