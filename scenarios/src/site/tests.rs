@@ -193,7 +193,7 @@ fn the_durability_page_is_the_matrix_with_each_cells_loss_and_verdict() {
     );
     // Each applicable cell's summary, with its runs.
     assert_eq!(
-        d.split("Each cell")
+        d.split("<h2>Each cell</h2>")
             .nth(1)
             .unwrap()
             .matches("<details>")
@@ -327,8 +327,11 @@ fn entries_of_other_commits_make_a_patchwork() {
     prov[2] = p;
     let site = render(&parts, &prov);
     let page = page_of(&site, "controls.html");
+    assert!(page
+        .contains("PATCHWORK: 2 other commits than <code>1111111111</code> recorded in the file"));
     assert!(page.contains(
-        "PATCHWORK: 3 parts of the file record another commit than <code>1111111111</code>"
+        "<code>2222222222</code> at <code>/controls/1/git_commit (sneaky-bug); \
+         /environment/partial_runs/0/git_commit (sneaky-bug)</code>"
     ));
     assert!(page.contains("<code>3333333333</code> at <code>/controls/1/nemesis/git_commit</code>"));
     // Entries that all record the top-level commit are no patchwork.
