@@ -87,16 +87,11 @@ suite() {
     IMFAULT_EVIDENCE_DIR=$records "$CARGO" nextest run --workspace --features im-gateway/faults --no-fail-fast
 }
 
-mutants_in_diff() {
-  # The last whole mutation run on record: every file, no shard, no in-diff.
-  local since
-  since=$(sed -n 's/^  "commit": "\([0-9a-f]*\)".*/\1/p' evidence/mutants/result.json 2>/dev/null | head -1)
-  if grep -q '"shard": null' evidence/mutants/result.json 2>/dev/null &&
-     grep -q '"in_diff": null' evidence/mutants/result.json 2>/dev/null && [ -n "$since" ]; then
-    make mutants IN_DIFF="$since" OUT=evidence/mutants/in-diff.json
-  else
-    return 3
-  fi
+# The last whole mutation run on record: every file, no shard, no in-diff.
+whole_mutants_commit() {
+  grep -q '"shard": null' evidence/mutants/result.json 2>/dev/null &&
+    grep -q '"in_diff": null' evidence/mutants/result.json &&
+    sed -n 's/^  "commit": "\([0-9a-f]*\)".*/\1/p' evidence/mutants/result.json | head -1
 }
 
 site() {
@@ -107,11 +102,11 @@ part build build
 part suite suite
 part im-06 "$TARGET/debug/evidence" --records "$records"
 part controls make controls
-if [[ " $PARTS " == *" mutants "* ]] && ! { grep -q '"shard": null' evidence/mutants/result.json 2>/dev/null &&
-     grep -q '"in_diff": null' evidence/mutants/result.json 2>/dev/null; }; then
+since=$(whole_mutants_commit || true)
+if [[ " $PARTS " == *" mutants "* ]] && [ -z "$since" ]; then
   not_run mutants "no whole mutation run on record (evidence/mutants/result.json is a shard or an in-diff run): run make mutants ALL=1 once, commit it, then proof runs the mutants in the diff since it"
 else
-  part mutants mutants_in_diff
+  part mutants make mutants IN_DIFF="$since" OUT=evidence/mutants/in-diff.json
 fi
 part nemesis-1 make nemesis SEEDS="$NEMESIS_SEEDS" JOBS="$NEMESIS_JOBS" GATEWAYS=1
 part nemesis-3 make nemesis SEEDS="$NEMESIS_SEEDS" JOBS="$NEMESIS_JOBS" GATEWAYS=3
