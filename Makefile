@@ -126,8 +126,9 @@ nemesis-join: build
 	$(TARGET)/debug/nemesis --join $(SHARDS) --summary evidence/nemesis/$(NEMESIS_FILE)
 
 # make mutants [SHARD=k/n] [IN_DIFF=rev] [FILES='glob …'] [ALL=1] [MERGE='dir …']: mutation
-# testing (cargo-mutants, installed from crates.io when missing) of the gateway and the
-# harness's delivery core, each mutant judged by nextest's `mutants` profile; writes
+# testing of the gateway and the harness's delivery core: cargo-mutants (installed from
+# crates.io when missing) generates the mutants, each runs the tests of nextest's `mutants`
+# profile that a per-test coverage map says execute its lines; writes
 # evidence/mutants/result.json (format: evidence/README.md). scripts/mutants.sh says more.
 mutants: build
 	CARGO='$(CARGO)' TARGET='$(TARGET)' ./scripts/mutants.sh

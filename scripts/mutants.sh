@@ -1,19 +1,37 @@
 #!/usr/bin/env bash
-# make mutants: mutation testing of the gateway and the harness's delivery core with
-# cargo-mutants (https://mutants.rs), every mutant judged by nextest's `mutants` profile
-# (.config/nextest.toml). Writes evidence/mutants/result.json (format: evidence/README.md).
+# make mutants: mutation testing of the gateway and the harness's delivery core. cargo-mutants
+# (https://mutants.rs) generates the mutants; each mutant runs only the tests of nextest's
+# `mutants` profile (.config/nextest.toml) that execute the lines it changes, as measured by
+# a per-test coverage map. Writes evidence/mutants/result.json (format: evidence/README.md).
 #
-#   SHARD=k/n     run only shard k (0-based) of n, round-robin over the mutant list; run the
-#                 other shards elsewhere and merge their mutants.out with MERGE (below)
+#   SHARD=k/n     run only shard k (0-based) of n, round-robin over the mutant list less the
+#                 equivalent mutants; run the other shards elsewhere and merge their outcome
+#                 directories with MERGE (below)
 #   IN_DIFF=REV   only mutants in code changed since git revision REV (a change under review)
 #   FILES='g …'   the --file globs to mutate (default: the files of issue 18, below)
 #   ALL=1         every file: gateway/src/*.rs, the delivery core and the checker
-#   MERGE='d …'   also read these mutants.out directories (shards run elsewhere)
+#   MERGE='d …'   also read these outcome directories (shards run elsewhere: their
+#                 target/mutants/run; cargo-mutants' mutants.out of older runs also reads)
 #   OUT=path      where the evidence goes (default evidence/mutants/result.json)
 #
-# cargo-mutants tests a copy of the tree (sources only; it builds its own target/ there),
-# taken when it starts: edit the tree during a run and the report, which reads the
-# equivalent list and the source lines of the tree as it is then, may disagree with it.
+# Steps:
+#   1. `cargo mutants --list --json --diff`: the mutants, with their diffs.
+#   2. The coverage map, target/mutants/cov/map.json (scripts/mutants-coverage.sh: an
+#      instrumented build and run of every test of the profile, each test's lines, the
+#      gateway's as a child process included). Taken again only when the sources differ
+#      from those it was taken of (a digest of their contents, below). That run
+#      is also the baseline: a test that fails on the unmutated tree stops everything, or
+#      every mutant it is selected for would count as caught.
+#   3. `target/debug/mutants run`: per mutant, in a scratch copy of the sources with its own
+#      target dir kept warm (target/mutants/scratch), the diff applied, only the test
+#      binaries of the selected tests built, those tests run (fail-fast, one retry), the
+#      file restored. A mutant no test reaches is built (so that unviable ones are told
+#      apart) and counted `missed` with the note "no test reaches it".
+#   4. `target/debug/mutants report`: the judgement and the evidence.
+#
+# The run tests a copy of the tree taken when it starts: edit the tree during a run and the
+# report, which reads the equivalent list and the source lines of the tree as it is then,
+# may disagree with it.
 #
 # Exit status: 0 PASS, 1 FAIL (a missed mutant outside mutants/equivalent.txt, or a kill
 # rate below 0.9), 2 when a step could not run.
@@ -44,35 +62,44 @@ if [ -n "${IN_DIFF:-}" ]; then
 fi
 # The whole list (every shard): the report marks other shards' mutants `not_run` until
 # their outcomes are merged in.
-"$CARGO" mutants --list --json "${args[@]}" > "$work/list.json" || exit 2
-[ -n "${SHARD:-}" ] && args+=(--shard "$SHARD" --sharding round-robin)
-exclude=$("$TARGET/debug/mutants" exclude --list "$work/list.json" --equivalent mutants/equivalent.txt) || exit 2
-[ -n "$exclude" ] && args+=(--exclude-re "$exclude")
+"$CARGO" mutants --list --json --diff "${args[@]}" > "$work/list.json" || exit 2
 echo "mutants: $(grep -c '"name"' "$work/list.json" || true) mutants listed (equivalent ones will not run)"
 
-# The unmutated tree must pass the profile first, or every mutant would count as caught.
-export NEXTEST_PROFILE=mutants
-echo "mutants: baseline (the mutants test profile on the unmutated tree)"
-t0=$(date +%s)
-"$CARGO" nextest run -p im-gateway -p harness -p scenarios --features im-gateway/faults \
-  > "$work/baseline.log" 2>&1 || { echo "mutants: the baseline failed: $work/baseline.log" >&2; exit 2; }
-baseline_s=$(( $(date +%s) - t0 ))
-timeout=$(( baseline_s * 3 > 120 ? baseline_s * 3 : 120 ))
-echo "mutants: baseline passed in ${baseline_s} s; test timeout ${timeout} s a mutant"
+# A cold target dir for the coverage build and the scratch one: seeded from the normal
+# build's (a copy, reflinked where the file system can), so the dependencies, which both
+# build exactly as it does, are not compiled again.
+for d in "$TARGET/mutants/cov/target" "$TARGET/mutants/scratch/target"; do
+  if [ ! -d "$d/debug" ] && [ -d "$TARGET/debug" ]; then
+    mkdir -p "$d"; cp -a --reflink=auto "$TARGET/debug" "$d/" || exit 2
+  fi
+done
+
+cov=$TARGET/mutants/cov
+# The map's key: a digest of every source file that can change what a test executes (not
+# the docs, the evidence, the scripts, the equivalent list or this runner's own code).
+key=$(git ls-files -z -co --exclude-standard -- . ':(exclude)evidence' ':(exclude)scripts' \
+  ':(exclude)*.md' ':(exclude)mutants' ':(exclude)scenarios/src/bin/mutants' |
+  xargs -0 -r sha256sum 2>/dev/null | sha256sum | cut -c1-16)
+if [ -f "$cov/map.json" ] && [ "$(cat "$cov/key" 2>/dev/null)" = "$key" ]; then
+  echo "mutants: reusing the coverage map $cov/map.json (taken of this tree)"
+else
+  rm -f "$cov/key"
+  COV=$cov KEY=$key CARGO=$CARGO ./scripts/mutants-coverage.sh || exit 2
+  echo "$key" > "$cov/key"
+fi
 
 started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-t0=$(date +%s)
 status=0
-"$CARGO" mutants "${args[@]}" --baseline skip --timeout "$timeout" --copy-target false \
-  -o "$work" || status=$?
-wall_s=$(( $(date +%s) - t0 ))
-# cargo-mutants: 0 all caught, 2 missed, 3 timeouts; anything else is a failure to run.
-case $status in 0|2|3) ;; *) echo "mutants: cargo mutants exited $status" >&2; exit 2 ;; esac
+"$TARGET/debug/mutants" run --list "$work/list.json" --map "$cov/map.json" \
+  --equivalent mutants/equivalent.txt --scratch "$TARGET/mutants/scratch" --out "$work" \
+  --cargo "$CARGO" ${SHARD:+--shard "$SHARD"} || status=$?
+case $status in 0) ;; 1) echo "mutants: some mutants could not be judged (Failure; see $work/log)" >&2 ;;
+  *) echo "mutants: mutants run exited $status" >&2; exit 2 ;; esac
 
-outcomes=(--outcomes "$work/mutants.out")
+outcomes=(--outcomes "$work")
 for d in ${MERGE:-}; do outcomes+=(--outcomes "$d"); done
 files=(); for f in $FILES; do files+=(--file "$f"); done
 "$TARGET/debug/mutants" report --list "$work/list.json" --equivalent mutants/equivalent.txt \
   "${outcomes[@]}" --out "$OUT" "${files[@]}" ${SHARD:+--shard "$SHARD"} \
-  ${IN_DIFF:+--in-diff "$IN_DIFF"} --baseline-s "$baseline_s" --wall-s "$wall_s" \
+  ${IN_DIFF:+--in-diff "$IN_DIFF"} --coverage-map "$cov/map.json" \
   --started-at "$started" --tool "$("$CARGO" mutants --version)"

@@ -1,7 +1,8 @@
 //! The real `im-gateway` binary as a child process (SPEC sections 2b and 5).
 //!
 //! Owns: finding the binary (and refusing a missing or stale one), the admin and
-//! `migrate` commands, and `serve` processes: a cleared environment plus an allow-list,
+//! `migrate` commands, and `serve` processes: a cleared environment plus an allow-list
+//! (and `PATH` and `LLVM_PROFILE_FILE`, [`crate::util::inherit_allowed`]),
 //! port 0 with the bound address read back from the `listening on ADDR` line, one log
 //! file per process (stderr, plus every stdout line), the recorded exit status, and
 //! SIGKILL on drop.
@@ -279,9 +280,7 @@ async fn run_command(db_url: &str, args: &[&str]) -> anyhow::Result<String> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
-    if let Some(path) = std::env::var_os("PATH") {
-        cmd.env("PATH", path);
-    }
+    crate::util::inherit_allowed(cmd.as_std_mut());
     let child = cmd.spawn().with_context(|| format!("spawn `{shown}`"))?;
     let out = match tokio::time::timeout(COMMAND_TIMEOUT, child.wait_with_output()).await {
         Ok(out) => out.with_context(|| format!("wait for `{shown}`"))?,
@@ -330,9 +329,7 @@ fn serve_command(
 ) -> anyhow::Result<Command> {
     let mut cmd = Command::new(bin);
     cmd.arg("serve").env_clear();
-    if let Some(path) = std::env::var_os("PATH") {
-        cmd.env("PATH", path);
-    }
+    crate::util::inherit_allowed(&mut cmd);
     cmd.env("RUST_LOG", "info")
         .env("RUST_BACKTRACE", "1")
         .env("IM_DATABASE_URL", db_url)

@@ -177,7 +177,19 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Runs `bin args` with a cleared environment plus `PATH` and `env`, stdin closed, killed
+/// The variables a child started with a cleared environment still inherits from ours:
+/// `PATH`, and `LLVM_PROFILE_FILE` (set only by the per-test coverage run of `make
+/// mutants`, scripts/mutants-coverage.sh: an instrumented gateway must write its profile
+/// where the test that started it says, or its lines would count for no test).
+pub fn inherit_allowed(cmd: &mut std::process::Command) {
+    for name in ["PATH", "LLVM_PROFILE_FILE"] {
+        if let Some(value) = std::env::var_os(name) {
+            cmd.env(name, value);
+        }
+    }
+}
+
+/// Runs `bin args` with a cleared environment plus [`inherit_allowed`] and `env`, stdin closed, killed
 /// after `within`: its output and how long it took. An error if it cannot be started or
 /// did not exit in time (then naming the command and what it printed). Its output must fit
 /// in the pipes (it is read after the exit): for short outputs, such as a CLI's.
@@ -195,9 +207,7 @@ pub fn try_run_cleared(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if let Some(path) = std::env::var_os("PATH") {
-        cmd.env("PATH", path);
-    }
+    inherit_allowed(&mut cmd);
     for (k, v) in env {
         cmd.env(k, v);
     }

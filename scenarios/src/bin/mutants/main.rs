@@ -1,5 +1,11 @@
-//! `make mutants`'s reader and judge (scripts/mutants.sh runs cargo-mutants, then this).
+//! `make mutants`'s runner, reader and judge (scripts/mutants.sh lists the mutants with
+//! cargo-mutants, then runs this).
 //!
+//! - `mutants coverage-map` ([`coverage`]): folds the per-test coverage of
+//!   scripts/mutants-coverage.sh into the map of which tests execute each line.
+//! - `mutants run` ([`run`]): runs each mutant of the list against only the tests that
+//!   execute its lines, in a scratch copy of the workspace; writes outcomes in the shape of
+//!   cargo-mutants' own.
 //! - `mutants exclude`: from the mutant list (`cargo mutants --list --json`) and the
 //!   committed list of equivalent mutants (`mutants/equivalent.txt`), the `--exclude-re`
 //!   that keeps equivalent mutants from being run.
@@ -15,6 +21,9 @@
 //! piece of the mutated source line, needed when the name alone matches several mutants)
 //! and `because: REASON` (required). Lines starting with `#` are comments.
 
+mod coverage;
+mod run;
+
 use anyhow::{bail, Context};
 use harness::verdict::Verdict;
 use serde::{Deserialize, Serialize};
@@ -23,7 +32,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// The format of evidence/mutants/result.json written by this version.
-const SCHEMA_VERSION: u32 = 1;
+/// 2 added `selection`, `coverage`, `runs[]`, `selected_tests` and `note` (runs by
+/// `mutants run`); 1 was written for cargo-mutants' own runs of the whole profile.
+const SCHEMA_VERSION: u32 = 2;
 
 /// The verdict's kill-rate floor (issue 18): caught + timeout over everything that ran and
 /// built.
@@ -34,7 +45,8 @@ const KILL_RATE_MIN: f64 = 0.9;
 #[command(
     name = "mutants",
     after_help = "Reads no environment variables.\n\
-                  Exit status: 0 PASS (or exclude printed), 1 FAIL, 2 usage or read error."
+                  Exit status: 0 PASS (or exclude printed, or every mutant run judged), \
+                  1 FAIL (or a mutant run not judged), 2 usage or read error."
 )]
 enum Cmd {
     /// Print the --exclude-re that skips the equivalent mutants of LIST (nothing if none).
@@ -48,6 +60,10 @@ enum Cmd {
     },
     /// Judge the outcomes and write the evidence.
     Report(ReportArgs),
+    /// Fold per-test lcov files into the coverage map (scripts/mutants-coverage.sh).
+    CoverageMap(coverage::MapArgs),
+    /// Run each mutant against the tests that reach its lines.
+    Run(run::RunArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -85,6 +101,9 @@ struct ReportArgs {
     /// cargo-mutants' version line.
     #[arg(long)]
     tool: Option<String>,
+    /// The coverage map the run selected its tests by (its timing is recorded).
+    #[arg(long)]
+    coverage_map: Option<PathBuf>,
 }
 
 /// One mutant as `cargo mutants --list --json` and outcomes.json describe it (the fields
@@ -107,6 +126,9 @@ struct Function {
 #[derive(Debug, Clone, Copy, Deserialize)]
 struct Span {
     start: LineCol,
+    /// Always given by cargo-mutants; optional for the tests' sake.
+    #[serde(default)]
+    end: Option<LineCol>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -118,6 +140,9 @@ struct LineCol {
 #[derive(Debug, Deserialize)]
 struct Outcomes {
     outcomes: Vec<Outcome>,
+    /// `mutants run` only: its wall-clock seconds.
+    #[serde(default)]
+    wall_s: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -126,6 +151,12 @@ struct Outcome {
     summary: Summary,
     diff_path: Option<String>,
     phase_results: Vec<PhaseResult>,
+    /// `mutants run` only: how many tests reach the mutated lines.
+    #[serde(default)]
+    selected_tests: Option<usize>,
+    /// `mutants run` only: why, when not a test's verdict ("no test reaches it").
+    #[serde(default)]
+    note: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -298,6 +329,22 @@ struct Listed {
     /// Why it cannot change behaviour (equivalent mutants).
     #[serde(skip_serializing_if = "Option::is_none")]
     because: Option<String>,
+    /// How many tests reach its lines (runs with test selection).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    selected_tests: Option<usize>,
+    /// Why it has its fate when no test decided it ("no test reaches it").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<String>,
+}
+
+/// One mutant that ran, as `runs[]` lists it.
+#[derive(Debug, Serialize)]
+struct RunEntry {
+    name: String,
+    fate: Fate,
+    selected_tests: Option<usize>,
+    build_s: f64,
+    test_s: f64,
 }
 
 /// Counts per file (and in total).
@@ -331,11 +378,13 @@ impl Counts {
     }
 }
 
-/// What one outcome cost, in seconds.
-#[derive(Debug, Clone, Copy, Default)]
+/// What one outcome cost, in seconds, and what selected its tests.
+#[derive(Debug, Clone, Default)]
 struct Cost {
     build_s: f64,
     test_s: f64,
+    selected_tests: Option<usize>,
+    note: Option<String>,
 }
 
 /// Timing figures of the run (seconds).
@@ -349,8 +398,22 @@ struct Timing {
     per_mutant_wall_s: Option<f64>,
     build_s_median: Option<f64>,
     test_s_median: Option<f64>,
-    /// The unmutated `mutants` test profile, run once before the mutants.
+    /// The unmutated `mutants` test profile, run once before the mutants (null when the
+    /// instrumented run of the coverage map stood for it).
     baseline_test_s: Option<f64>,
+    /// Median over the mutants that built of the tests selected for each.
+    selected_tests_median: Option<f64>,
+}
+
+/// The coverage map a selecting run used (seconds as measured when it was taken).
+#[derive(Debug, Serialize)]
+struct CoverageInfo {
+    generated_at: String,
+    key: String,
+    tests: usize,
+    build_s: Option<f64>,
+    run_s: Option<f64>,
+    export_s: Option<f64>,
 }
 
 fn median(mut xs: Vec<f64>) -> Option<f64> {
@@ -371,6 +434,10 @@ struct Doc {
     dirty: bool,
     tool: Option<String>,
     nextest_profile: &'static str,
+    /// `coverage` (each mutant ran the tests that reach its lines, `mutants run`) or
+    /// `whole profile` (cargo-mutants ran the whole profile for each).
+    selection: &'static str,
+    coverage: Option<CoverageInfo>,
     files: Vec<String>,
     shard: Option<String>,
     in_diff: Option<String>,
@@ -384,6 +451,8 @@ struct Doc {
     missed: Vec<Listed>,
     timeout: Vec<Listed>,
     equivalent: Vec<Listed>,
+    /// Every mutant that ran, with its fate, selection and cost.
+    runs: Vec<RunEntry>,
     /// Equivalent-list entries that matched no mutant of the list (the code moved on).
     stale_equivalent: Vec<String>,
 }
@@ -401,6 +470,14 @@ fn fate_of(s: Summary) -> Option<Fate> {
 /// Every mutant's outcome (by name) and cost, and its diff, from the outcomes directories.
 type Ran = BTreeMap<String, (Fate, Cost, Option<String>)>;
 
+/// What the outcome directories say about the whole: whether `mutants run` wrote them, and
+/// the wall-clock seconds it recorded (summed over directories).
+#[derive(Debug, Default)]
+struct RunsInfo {
+    selected: bool,
+    wall_s: Option<f64>,
+}
+
 /// The mutants to report: the list, and any mutant the outcomes name that the list lacks
 /// (a tree that changed between the list and the run): nothing that ran goes uncounted.
 fn all_mutants(mut list: Vec<Mutant>, outcome_mutants: Vec<Mutant>) -> Vec<Mutant> {
@@ -413,15 +490,30 @@ fn all_mutants(mut list: Vec<Mutant>, outcome_mutants: Vec<Mutant>) -> Vec<Mutan
     list
 }
 
-fn read_outcomes(dirs: &[PathBuf]) -> anyhow::Result<(Ran, Vec<Mutant>)> {
+fn read_outcomes(dirs: &[PathBuf]) -> anyhow::Result<(Ran, Vec<Mutant>, RunsInfo)> {
     let mut ran = Ran::new();
     let mut mutants = Vec::new();
+    let mut info = RunsInfo::default();
     for dir in dirs {
         let o: Outcomes = read_json(&dir.join("outcomes.json"))?;
+        if let Some(w) = o.wall_s {
+            info.selected = true;
+            info.wall_s = Some(info.wall_s.unwrap_or(0.0) + w);
+        }
         for out in o.outcomes {
             let Scenario::Mutant(m) = out.scenario else {
                 continue;
             };
+            if out.summary == Summary::Failure && out.selected_tests.is_some() {
+                // `mutants run` could not judge it (nextest ended otherwise than pass or
+                // fail): reported as not run, with the reason on stderr.
+                eprintln!(
+                    "mutants: {}: not judged ({})",
+                    m.name,
+                    out.note.as_deref().unwrap_or("failure")
+                );
+                continue;
+            }
             let Some(fate) = fate_of(out.summary) else {
                 bail!(
                     "{}: {} has summary {:?}",
@@ -430,7 +522,11 @@ fn read_outcomes(dirs: &[PathBuf]) -> anyhow::Result<(Ran, Vec<Mutant>)> {
                     out.summary
                 );
             };
-            let mut cost = Cost::default();
+            let mut cost = Cost {
+                selected_tests: out.selected_tests,
+                note: out.note,
+                ..Cost::default()
+            };
             for p in &out.phase_results {
                 match p.phase.as_str() {
                     "Test" => cost.test_s += p.duration,
@@ -448,11 +544,18 @@ fn read_outcomes(dirs: &[PathBuf]) -> anyhow::Result<(Ran, Vec<Mutant>)> {
             mutants.push(m);
         }
     }
-    Ok((ran, mutants))
+    Ok((ran, mutants, info))
 }
 
-fn listed(m: &Mutant, diff: Option<String>, because: Option<String>) -> Listed {
+fn listed(
+    m: &Mutant,
+    diff: Option<String>,
+    because: Option<String>,
+    cost: Option<&Cost>,
+) -> Listed {
     Listed {
+        selected_tests: cost.and_then(|c| c.selected_tests),
+        note: cost.and_then(|c| c.note.clone()),
         name: m.name.clone(),
         file: m.file.clone(),
         line: m.span.start.line,
@@ -465,7 +568,7 @@ fn listed(m: &Mutant, diff: Option<String>, because: Option<String>) -> Listed {
 }
 
 fn report(a: ReportArgs) -> anyhow::Result<bool> {
-    let (ran, ran_mutants) = read_outcomes(&a.outcomes)?;
+    let (ran, ran_mutants, info) = read_outcomes(&a.outcomes)?;
     let mutants = all_mutants(read_json(&a.list)?, ran_mutants);
     let text = std::fs::read_to_string(&a.equivalent)
         .with_context(|| format!("read {}", a.equivalent.display()))?;
@@ -474,7 +577,8 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
     let mut totals = Counts::default();
     let mut per_file: BTreeMap<String, Counts> = BTreeMap::new();
     let (mut missed, mut timeout, mut equivalent) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut builds, mut tests) = (Vec::new(), Vec::new());
+    let (mut builds, mut tests, mut selected) = (Vec::new(), Vec::new(), Vec::new());
+    let mut runs = Vec::new();
     for m in &mutants {
         let outcome = ran.get(&m.name);
         let fate = match (outcome, eq_hit.get(&m.name)) {
@@ -488,14 +592,23 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
             builds.push(cost.build_s);
             if fate != Fate::Unviable {
                 tests.push(cost.test_s);
+                selected.extend(cost.selected_tests.map(|n| n as f64));
             }
+            runs.push(RunEntry {
+                name: m.name.clone(),
+                fate,
+                selected_tests: cost.selected_tests,
+                build_s: cost.build_s,
+                test_s: cost.test_s,
+            });
         }
         let diff = || outcome.and_then(|o| o.2.clone());
+        let cost = outcome.map(|o| &o.1);
         let because = eq_hit.get(&m.name).map(|i| eq[*i].because.clone());
         match fate {
-            Fate::Missed => missed.push(listed(m, diff(), because)),
-            Fate::Timeout => timeout.push(listed(m, diff(), None)),
-            Fate::Equivalent => equivalent.push(listed(m, None, because)),
+            Fate::Missed => missed.push(listed(m, diff(), because, cost)),
+            Fate::Timeout => timeout.push(listed(m, diff(), None, cost)),
+            Fate::Equivalent => equivalent.push(listed(m, None, because, None)),
             _ => {}
         }
     }
@@ -515,6 +628,21 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
         _ => {}
     }
     let mutants_run = ran.len();
+    let coverage = match &a.coverage_map {
+        Some(p) => {
+            let map: coverage::CoverageMap = read_json(p)?;
+            Some(CoverageInfo {
+                generated_at: map.generated_at,
+                key: map.key,
+                tests: map.tests.len(),
+                build_s: map.build_s,
+                run_s: map.run_s,
+                export_s: map.export_s,
+            })
+        }
+        None => None,
+    };
+    let wall_s = a.wall_s.or(info.wall_s);
     let doc = Doc {
         schema_version: SCHEMA_VERSION,
         generated_by: "make mutants",
@@ -524,6 +652,12 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
         dirty: scenarios::git(&["status", "--porcelain"]).is_some_and(|s| !s.is_empty()),
         tool: a.tool,
         nextest_profile: "mutants",
+        selection: if info.selected {
+            "coverage"
+        } else {
+            "whole profile"
+        },
+        coverage,
         files: a.files,
         shard: a.shard,
         in_diff: a.in_diff,
@@ -533,19 +667,20 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
         totals: totals.clone(),
         per_file,
         timing: Timing {
-            wall_s: a.wall_s,
+            wall_s,
             mutants_run,
-            per_mutant_wall_s: a
-                .wall_s
+            per_mutant_wall_s: wall_s
                 .filter(|_| mutants_run > 0)
                 .map(|w| (w / mutants_run as f64 * 10.0).round() / 10.0),
             build_s_median: median(builds),
             test_s_median: median(tests),
             baseline_test_s: a.baseline_s,
+            selected_tests_median: median(selected),
         },
         missed,
         timeout,
         equivalent,
+        runs,
         stale_equivalent: stale.iter().map(|i| eq[*i].name.clone()).collect(),
     };
     let json = serde_json::to_string_pretty(&doc)? + "\n";
@@ -572,7 +707,10 @@ fn print_summary(doc: &Doc, out: &Path) {
         t.kill_rate.map_or("n/a".into(), |r| format!("{r}"))
     );
     for m in &doc.missed {
-        eprintln!("  missed: {}", m.name);
+        match &m.note {
+            Some(n) => eprintln!("  missed ({n}): {}", m.name),
+            None => eprintln!("  missed: {}", m.name),
+        }
     }
     for s in &doc.stale_equivalent {
         eprintln!("  stale equivalent entry (matches no mutant): {s}");
@@ -585,6 +723,8 @@ fn main() -> ExitCode {
     let r = match cmd {
         Cmd::Exclude { list, equivalent } => exclude(&list, &equivalent).map(|()| true),
         Cmd::Report(a) => report(a),
+        Cmd::CoverageMap(a) => coverage::build_map(a).map(|()| true),
+        Cmd::Run(a) => run::run(a),
     };
     match r {
         Ok(true) => ExitCode::SUCCESS,
@@ -607,6 +747,7 @@ mod tests {
             function: None,
             span: Span {
                 start: LineCol { line },
+                end: None,
             },
             replacement: String::new(),
             genre: String::new(),

@@ -1,0 +1,591 @@
+//! `mutants run`: each mutant of the list against only the tests that execute its lines.
+//!
+//! cargo-mutants generates the mutants (`cargo mutants --list --json --diff`) but cannot
+//! take a list of tests per mutant, so this runs them: a scratch copy of the workspace's
+//! sources (`<scratch>/tree`, brought up to date file by file, so its target dir,
+//! `<scratch>/target`, stays warm from one run to the next), where every test binary is
+//! built once unmutated; per mutant, its diff applied with `patch`, one `cargo test
+//! --no-run` of only the test binaries that hold the mutated code and run a selected test
+//! (plus `im-gateway::batch`, whose build makes cargo build the gateway binary in the same
+//! invocation, with the same features), then `cargo nextest run --profile mutants` on the
+//! binaries as built (`--binaries-metadata`: no build) with a filter naming the selected
+//! tests, under a time limit; the file is then written back.
+//! Writes `<out>/outcomes.json` in the shape of cargo-mutants' (read by `mutants report`),
+//! each outcome with the tests it ran, and `<out>/diff/`, `<out>/log/`.
+//!
+//! Must not: judge (that is `mutants report`) or touch the workspace itself.
+
+use crate::coverage::{CoverageMap, TestId};
+use anyhow::{bail, Context};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// `cargo mutants --list --json --diff` output.
+    #[arg(long)]
+    list: PathBuf,
+    /// The coverage map (scripts/mutants-coverage.sh).
+    #[arg(long)]
+    map: PathBuf,
+    /// The committed list of equivalent mutants (they are not run).
+    #[arg(long)]
+    equivalent: PathBuf,
+    /// Run only shard k of n (`k/n`, 0-based), round-robin over the list less the
+    /// equivalent mutants.
+    #[arg(long)]
+    shard: Option<String>,
+    /// The scratch directory: `tree/` (the sources) and `target/` (kept warm).
+    #[arg(long)]
+    scratch: PathBuf,
+    /// Where the outcomes go.
+    #[arg(long)]
+    out: PathBuf,
+    /// A mutant's test phase may take this many times the instrumented run's time of its
+    /// selected tests, plus `timeout_extra_s`.
+    #[arg(long, default_value_t = 3.0)]
+    timeout_factor: f64,
+    #[arg(long, default_value_t = 60.0)]
+    timeout_extra_s: f64,
+    #[arg(long, default_value = "cargo")]
+    cargo: String,
+}
+
+/// The cargo arguments of every build and test command: always the same packages and
+/// features, so that cargo never builds the dependencies again for another feature set.
+const PACKAGES: [&str; 8] = [
+    "-p",
+    "im-gateway",
+    "-p",
+    "harness",
+    "-p",
+    "scenarios",
+    "--features",
+    "im-gateway/faults",
+];
+
+/// cargo-mutants' summaries (the names `mutants report` reads).
+#[derive(Debug, Clone, Copy, Serialize)]
+enum Summary {
+    CaughtMutant,
+    MissedMutant,
+    Timeout,
+    Unviable,
+    Failure,
+}
+
+#[derive(Debug, Serialize)]
+struct PhaseResult {
+    phase: &'static str,
+    duration: f64,
+}
+
+/// One outcome, as cargo-mutants' outcomes.json has it, plus the selection.
+#[derive(Debug, Serialize)]
+struct Outcome {
+    scenario: BTreeMap<&'static str, Value>,
+    summary: Summary,
+    diff_path: String,
+    log_path: String,
+    phase_results: Vec<PhaseResult>,
+    /// How many tests reach the mutated lines (and ran, if it built).
+    selected_tests: usize,
+    /// Those tests (`binary-id test-name`).
+    tests: Vec<String>,
+    /// Why it has this summary, when that is not a test's failure or pass.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Outcomes {
+    /// Written by `mutants run` (not cargo-mutants).
+    selected_by: &'static str,
+    wall_s: f64,
+    outcomes: Vec<Outcome>,
+}
+
+fn secs(d: Duration) -> f64 {
+    (d.as_secs_f64() * 10.0).round() / 10.0
+}
+
+/// The workspace's source files (tracked or not, less the ignored ones), relative.
+fn source_files(root: &Path) -> anyhow::Result<BTreeSet<PathBuf>> {
+    let out = Command::new("git")
+        .args(["ls-files", "-z", "-co", "--exclude-standard"])
+        .current_dir(root)
+        .output()
+        .context("run git ls-files")?;
+    if !out.status.success() {
+        bail!("git ls-files: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(out
+        .stdout
+        .split(|b| *b == 0)
+        .filter(|p| !p.is_empty())
+        .map(|p| PathBuf::from(String::from_utf8_lossy(p).into_owned()))
+        .filter(|p| root.join(p).is_file())
+        .collect())
+}
+
+/// Makes `tree` hold exactly the workspace's sources: a file is written only when its
+/// content differs (a fresh mtime, so cargo rebuilds what it must and nothing else), and a
+/// file the workspace no longer has is removed.
+fn sync_tree(root: &Path, tree: &Path) -> anyhow::Result<usize> {
+    let files = source_files(root)?;
+    let mut written = 0;
+    for f in &files {
+        let want = std::fs::read(root.join(f)).with_context(|| format!("read {}", f.display()))?;
+        let dst = tree.join(f);
+        if std::fs::read(&dst).ok().as_ref() != Some(&want) {
+            if let Some(d) = dst.parent() {
+                std::fs::create_dir_all(d)?;
+            }
+            std::fs::write(&dst, &want).with_context(|| format!("write {}", dst.display()))?;
+            written += 1;
+        }
+    }
+    let mut stack = vec![tree.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir)? {
+            let p = e?.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if !files.contains(p.strip_prefix(tree)?) {
+                std::fs::remove_file(&p)?;
+            }
+        }
+    }
+    Ok(written)
+}
+
+/// The cargo target options that build the test binaries `ids` live in.
+fn target_args(ids: &BTreeSet<&str>) -> Vec<String> {
+    let mut out = BTreeSet::new();
+    // The gateway binary: built by cargo for the gateway's integration tests.
+    out.insert("--test=batch".to_string());
+    for id in ids {
+        match id.split_once("::") {
+            None => out.insert("--lib".to_string()),
+            Some((_, t)) => match t.strip_prefix("bin/") {
+                Some(b) => out.insert(format!("--bin={b}")),
+                None => out.insert(format!("--test={t}")),
+            },
+        };
+    }
+    out.into_iter().collect()
+}
+
+/// The scenario test binaries (`scenarios::<name>`, `scenarios::bin/<name>`) whose source
+/// mentions the gateway's library (`im_gateway::` outside a comment).
+fn in_process_binaries(tree: &Path) -> anyhow::Result<BTreeSet<String>> {
+    let mut out = BTreeSet::new();
+    for (sub, prefix) in [
+        ("scenarios/tests", "scenarios::"),
+        ("scenarios/src/bin", "scenarios::bin/"),
+    ] {
+        in_process_in(tree, sub, prefix, &mut out)?;
+    }
+    Ok(out)
+}
+
+fn in_process_in(
+    tree: &Path,
+    sub: &str,
+    prefix: &str,
+    out: &mut BTreeSet<String>,
+) -> anyhow::Result<()> {
+    let dir = tree.join(sub);
+    for e in std::fs::read_dir(&dir).with_context(|| format!("read {}", dir.display()))? {
+        let p = e?.path();
+        let (Some(stem), Some("rs")) = (
+            p.file_stem().and_then(|s| s.to_str()),
+            p.extension().and_then(|s| s.to_str()),
+        ) else {
+            continue;
+        };
+        let text = std::fs::read_to_string(&p)?;
+        if text
+            .lines()
+            .any(|l| !l.trim_start().starts_with("//") && l.contains("im_gateway::"))
+        {
+            out.insert(format!("{prefix}{stem}"));
+        }
+    }
+    Ok(())
+}
+
+/// nextest's filter naming exactly `tests`.
+fn filter(tests: &[&TestId]) -> String {
+    tests
+        .iter()
+        .map(|t| format!("(binary_id(={}) & test(={}))", t.binary_id, t.name))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// Runs `cmd`, its output appended to `log`, killed after `limit`: the exit code (None
+/// when killed at the limit).
+fn run_logged(mut cmd: Command, log: &Path, limit: Duration) -> anyhow::Result<Option<i32>> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    writeln!(f, "$ {cmd:?}")?;
+    let out = f.try_clone()?;
+    let err = f.try_clone()?;
+    let mut child = cmd
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("spawn {cmd:?}"))?;
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(Some(s.code().unwrap_or(-1)));
+        }
+        if Instant::now() > deadline {
+            // The whole group: cargo, nextest, the tests, their gateways and clusters.
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+            writeln!(f, "(killed at the time limit, {limit:?})")?;
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+use std::os::unix::process::CommandExt as _;
+
+struct Runner<'a> {
+    a: &'a RunArgs,
+    tree: PathBuf,
+    target: PathBuf,
+    map: CoverageMap,
+    /// Scenario test binaries that call the gateway's library in their own process (not
+    /// only through the gateway binary): a gateway mutant rebuilds them too.
+    in_process: BTreeSet<String>,
+}
+
+impl Runner<'_> {
+    /// `cargo nextest run` on the binaries built so far (no build: `warm` wrote their list).
+    fn nextest_prebuilt(&self) -> Command {
+        let mut c = Command::new(&self.a.cargo);
+        c.args(["nextest", "run"])
+            .current_dir(&self.tree)
+            .env("CARGO_TARGET_DIR", &self.target)
+            .env_remove("LLVM_PROFILE_FILE")
+            .env_remove("RUSTC_WORKSPACE_WRAPPER")
+            .env("NEXTEST_HIDE_PROGRESS_BAR", "1");
+        c.arg("--binaries-metadata")
+            .arg(self.a.out.join("binaries.json"))
+            .arg("--cargo-metadata")
+            .arg(self.a.out.join("cargo-metadata.json"));
+        c
+    }
+
+    /// Builds every test binary of the profile from the unmutated tree, and writes the
+    /// lists `nextest_prebuilt` runs from.
+    fn warm(&self) -> anyhow::Result<()> {
+        let log = self.a.out.join("log/warm.log");
+        let mut list = self.cargo(&["nextest", "list"]);
+        list.args(["--list-type", "binaries-only", "--message-format", "json"]);
+        let out = list.stderr(std::fs::File::create(&log)?).output()?;
+        if !out.status.success() {
+            bail!("the unmutated tree does not build: {}", log.display());
+        }
+        std::fs::write(self.a.out.join("binaries.json"), &out.stdout)?;
+        let meta = Command::new(&self.a.cargo)
+            .args(["metadata", "--format-version", "1"])
+            .current_dir(&self.tree)
+            .output()?;
+        if !meta.status.success() {
+            bail!("cargo metadata: {}", String::from_utf8_lossy(&meta.stderr));
+        }
+        std::fs::write(self.a.out.join("cargo-metadata.json"), &meta.stdout)?;
+        Ok(())
+    }
+
+    fn cargo(&self, sub: &[&str]) -> Command {
+        let mut c = Command::new(&self.a.cargo);
+        c.args(sub)
+            .args(PACKAGES)
+            .current_dir(&self.tree)
+            .env("CARGO_TARGET_DIR", &self.target)
+            .env_remove("LLVM_PROFILE_FILE")
+            .env_remove("RUSTC_WORKSPACE_WRAPPER")
+            .env("NEXTEST_HIDE_PROGRESS_BAR", "1");
+        c
+    }
+
+    /// One mutant: apply, build, test, restore.
+    fn one(&self, i: usize, raw: &Value, m: &crate::Mutant) -> anyhow::Result<Outcome> {
+        let diff = raw
+            .get("diff")
+            .and_then(Value::as_str)
+            .with_context(|| format!("{}: no diff in the list (list with --diff)", m.name))?;
+        let diff_path = format!("diff/{i}.diff");
+        let log_path = format!("log/{i}.log");
+        std::fs::write(self.a.out.join(&diff_path), diff)?;
+        let log = self.a.out.join(&log_path);
+        let last = m.span.end.map_or(m.span.start.line, |e| e.line);
+        let selected = self.map.tests_reaching(&m.file, m.span.start.line, last);
+        let tests: Vec<&TestId> = selected
+            .iter()
+            .map(|t| &self.map.tests[*t as usize])
+            .collect();
+        // A gateway mutant rebuilds the gateway binary and the test binaries that hold the
+        // gateway's code; every other test binary, built from the unmutated tree before the
+        // first mutant (`warm`), runs as it is. A harness mutant rebuilds every selected one
+        // (harness mutants run after all gateway mutants, so no binary a harness mutant
+        // rebuilt is run for a gateway mutant).
+        let gateway = m.file.starts_with("gateway/");
+        let ids: BTreeSet<&str> = tests
+            .iter()
+            .map(|t| t.binary_id.as_str())
+            .filter(|id| {
+                !gateway
+                    || *id == "im-gateway"
+                    || id.starts_with("im-gateway::")
+                    || self.in_process.contains(*id)
+            })
+            .collect();
+        let targets = target_args(&ids);
+        let mut scenario = BTreeMap::new();
+        let mut mutant = raw.clone();
+        if let Some(o) = mutant.as_object_mut() {
+            o.remove("diff");
+        }
+        scenario.insert("Mutant", mutant);
+        let mut outcome = Outcome {
+            scenario,
+            summary: Summary::Failure,
+            diff_path,
+            log_path,
+            phase_results: Vec::new(),
+            selected_tests: tests.len(),
+            tests: tests
+                .iter()
+                .map(|t| format!("{} {}", t.binary_id, t.name))
+                .collect(),
+            note: None,
+        };
+
+        let original =
+            std::fs::read(self.tree.join(&m.file)).with_context(|| format!("read {}", m.file))?;
+        // cargo-mutants' diffs name the file on the `---` line only: give it to patch.
+        let applied = Command::new("patch")
+            .args(["--quiet", "--forward", "--no-backup-if-mismatch", "-r", "-"])
+            .arg(&m.file)
+            .arg("-i")
+            .arg(self.a.out.join(&outcome.diff_path))
+            .current_dir(&self.tree)
+            .status()
+            .context("run patch")?;
+        if !applied.success() {
+            std::fs::write(self.tree.join(&m.file), &original)?;
+            bail!("{}: the diff does not apply to the tree", m.name);
+        }
+        let result = self.build_and_test(&mut outcome, &targets, &tests, &log);
+        // Written back with a fresh mtime, so the next build cannot take the mutated
+        // build for current.
+        std::fs::write(self.tree.join(&m.file), &original)?;
+        result?;
+        Ok(outcome)
+    }
+
+    fn build_and_test(
+        &self,
+        o: &mut Outcome,
+        targets: &[String],
+        tests: &[&TestId],
+        log: &Path,
+    ) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        let mut build = self.cargo(&["test", "--no-run"]);
+        build.args(targets);
+        let built = run_logged(build, log, Duration::from_secs(1800))?;
+        o.phase_results.push(PhaseResult {
+            phase: "Build",
+            duration: secs(t0.elapsed()),
+        });
+        if built != Some(0) {
+            o.summary = Summary::Unviable;
+            return Ok(());
+        }
+        if tests.is_empty() {
+            o.summary = Summary::MissedMutant;
+            o.note = Some("no test reaches it".into());
+            return Ok(());
+        }
+        let expected: f64 = tests
+            .iter()
+            .map(|t| {
+                let i = self.map.tests.iter().position(|x| x == *t);
+                i.and_then(|i| self.map.test_s[i]).unwrap_or(30.0)
+            })
+            .sum();
+        let limit =
+            Duration::from_secs_f64(expected * self.a.timeout_factor + self.a.timeout_extra_s);
+        let t0 = Instant::now();
+        let mut test = self.nextest_prebuilt();
+        test.args(["--profile", "mutants", "--no-tests=fail", "-E"])
+            .arg(filter(tests));
+        let status = run_logged(test, log, limit)?;
+        o.phase_results.push(PhaseResult {
+            phase: "Test",
+            duration: secs(t0.elapsed()),
+        });
+        o.summary = match status {
+            Some(0) => Summary::MissedMutant,
+            // nextest: 100 a test failed.
+            Some(100) => Summary::CaughtMutant,
+            None => Summary::Timeout,
+            Some(c) => {
+                o.note = Some(format!("cargo nextest exited {c}"));
+                Summary::Failure
+            }
+        };
+        Ok(())
+    }
+}
+
+pub fn run(mut a: RunArgs) -> anyhow::Result<bool> {
+    let started = Instant::now();
+    // cargo and patch run in the scratch tree: every path they are given is absolute.
+    a.out = std::path::absolute(&a.out)?;
+    a.scratch = std::path::absolute(&a.scratch)?;
+    let raw: Vec<Value> = crate::read_json(&a.list)?;
+    let mutants: Vec<crate::Mutant> = raw
+        .iter()
+        .map(|v| serde_json::from_value(v.clone()))
+        .collect::<Result<_, _>>()
+        .context("parse the mutant list")?;
+    let map: CoverageMap = crate::read_json(&a.map)?;
+    let text = std::fs::read_to_string(&a.equivalent)
+        .with_context(|| format!("read {}", a.equivalent.display()))?;
+    let eq = crate::parse_equivalent(&text)?;
+    let root = scenarios::workspace();
+    let (eq_hit, _) = crate::match_equivalents(&root, &mutants, &eq);
+    let (k, n) = match &a.shard {
+        Some(s) => {
+            let (k, n) = s.split_once('/').context("--shard k/n")?;
+            (k.parse::<usize>()?, n.parse::<usize>()?)
+        }
+        None => (0, 1),
+    };
+    if n == 0 || k >= n {
+        bail!("--shard {k}/{n}: k must be below n");
+    }
+    let mut todo: Vec<usize> = (0..mutants.len())
+        .filter(|i| !eq_hit.contains_key(&mutants[*i].name))
+        .enumerate()
+        .filter(|(j, _)| j % n == k)
+        .map(|(_, i)| i)
+        .collect();
+    // Gateway mutants first (see `Runner::one`).
+    todo.sort_by_key(|i| !mutants[*i].file.starts_with("gateway/"));
+    let tree = a.scratch.join("tree");
+    let target = a.scratch.join("target");
+    std::fs::create_dir_all(&tree)?;
+    for d in ["diff", "log"] {
+        let p = a.out.join(d);
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p)?;
+    }
+    let written = sync_tree(&root, &tree)?;
+    eprintln!(
+        "mutants: scratch tree {} ({written} files written); {} mutants to run",
+        tree.display(),
+        todo.len()
+    );
+    let in_process = in_process_binaries(&tree)?;
+    let r = Runner {
+        a: &a,
+        tree,
+        target,
+        map,
+        in_process,
+    };
+    let t0 = Instant::now();
+    r.warm()?;
+    eprintln!(
+        "mutants: unmutated test binaries built in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let mut outcomes = Vec::new();
+    let mut failures = 0;
+    for (done, i) in todo.iter().enumerate() {
+        let m = &mutants[*i];
+        let t0 = Instant::now();
+        let o = r.one(*i, &raw[*i], m)?;
+        if matches!(o.summary, Summary::Failure) {
+            failures += 1;
+        }
+        eprintln!(
+            "mutants: [{}/{}] {:?} {} ({} tests, {:.1} s)",
+            done + 1,
+            todo.len(),
+            o.summary,
+            m.name,
+            o.selected_tests,
+            t0.elapsed().as_secs_f64()
+        );
+        outcomes.push(o);
+        // Written after every mutant: a run cut short still has what it did.
+        let doc = Outcomes {
+            selected_by: "mutants run",
+            wall_s: secs(started.elapsed()),
+            outcomes: std::mem::take(&mut outcomes),
+        };
+        let json = serde_json::to_string_pretty(&doc)? + "\n";
+        harness::util::write_atomic(&a.out.join("outcomes.json"), json.as_bytes())?;
+        outcomes = doc.outcomes;
+    }
+    if todo.is_empty() {
+        let doc = Outcomes {
+            selected_by: "mutants run",
+            wall_s: 0.0,
+            outcomes,
+        };
+        let json = serde_json::to_string_pretty(&doc)? + "\n";
+        harness::util::write_atomic(&a.out.join("outcomes.json"), json.as_bytes())?;
+    }
+    Ok(failures == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_follow_binary_ids() {
+        let ids: BTreeSet<&str> = ["im-gateway", "scenarios::repair", "scenarios::bin/mutants"]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            target_args(&ids),
+            vec!["--bin=mutants", "--lib", "--test=batch", "--test=repair"]
+        );
+    }
+
+    #[test]
+    fn the_filter_names_each_test_in_its_binary() {
+        let t = TestId {
+            binary_id: "scenarios::repair".into(),
+            name: "a::b".into(),
+        };
+        assert_eq!(
+            filter(&[&t, &t]),
+            "(binary_id(=scenarios::repair) & test(=a::b)) | (binary_id(=scenarios::repair) & test(=a::b))"
+        );
+    }
+}
