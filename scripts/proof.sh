@@ -7,8 +7,8 @@
 #               points, then the workspace with them), the im-06 checks' records kept
 #   im-06       evidence/im-06/result.json from those records (nothing run again)
 #   controls    make controls (targeted: each bug against its recorded catchers)
-#   mutants     make mutants IN_DIFF=<the last whole mutation run's commit>, when there is
-#               one on record (evidence/mutants/result.json with no shard and no in_diff);
+#   mutants     make mutants ALL=1 IN_DIFF=<the last whole mutation run's commit>, when there
+#               is one on record (evidence/mutants/result.json with no shard and no in_diff);
 #               NOT_RUN with the reason otherwise
 #   nemesis-1   make nemesis SEEDS=$NEMESIS_SEEDS GATEWAYS=1
 #   nemesis-3   make nemesis SEEDS=$NEMESIS_SEEDS GATEWAYS=3
@@ -106,7 +106,7 @@ since=$(whole_mutants_commit || true)
 if [[ " $PARTS " == *" mutants "* ]] && [ -z "$since" ]; then
   not_run mutants "no whole mutation run on record (evidence/mutants/result.json is a shard or an in-diff run): run make mutants ALL=1 once, commit it, then proof runs the mutants in the diff since it"
 else
-  part mutants make mutants IN_DIFF="$since" OUT=evidence/mutants/in-diff.json
+  part mutants make mutants ALL=1 IN_DIFF="$since" OUT=evidence/mutants/in-diff.json
 fi
 part nemesis-1 make nemesis SEEDS="$NEMESIS_SEEDS" JOBS="$NEMESIS_JOBS" GATEWAYS=1
 part nemesis-3 make nemesis SEEDS="$NEMESIS_SEEDS" JOBS="$NEMESIS_JOBS" GATEWAYS=3

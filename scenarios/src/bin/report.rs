@@ -50,11 +50,14 @@ fn code_of(file: &str) -> Vec<&'static str> {
         // The mutated code and what runs and judges the mutants. Not [`COMMON`] as a whole:
         // the result is about the mutated files; a change to a test elsewhere can change it
         // too, and is not counted (the nextest profile names which tests run).
-        "mutants/result.json" => (
+        "mutants/result.json" | "mutants/in-diff.json" => (
             false,
             &[
-                "scenarios/src/bin/mutants.rs",
+                "scenarios/src/bin/mutants",
                 "scripts/mutants.sh",
+                "scripts/mutants-coverage.sh",
+                "scripts/mutants-cov-runner.sh",
+                "scripts/cov-rustc.sh",
                 ".config/nextest.toml",
                 "mutants/equivalent.txt",
                 "gateway/src",
@@ -176,6 +179,66 @@ fn provenance(file: &str, loaded: &site::Loaded) -> Provenance {
         unknown,
         dirty: rec.dirty,
         patchwork: rec.nested,
+        covered_by: None,
+    }
+}
+
+/// Mutants (issue 41): a whole mutation run (`mutants/result.json` with no shard and no
+/// in-diff) is about the code of its commit, and `make proof` runs the mutants in the diff
+/// since that commit (`mutants/in-diff.json`, whose `in_diff` names it; `since_base` is
+/// that name as git resolves it). When that run is current (`since_prov` has no flag),
+/// not a shard, and took every file the whole run took (a file added since is new code,
+/// in the diff), every change after the whole run has had its mutants run: the whole run
+/// then counts as current, and this says by what. None otherwise.
+fn covered_by(
+    whole: &serde_json::Value,
+    since: &serde_json::Value,
+    since_prov: &Provenance,
+    since_base: Option<&str>,
+) -> Option<String> {
+    let whole_commit = whole["commit"].as_str()?;
+    let since_commit = since_prov.commit.as_deref()?;
+    let whole_run = whole["shard"].is_null() && whole["in_diff"].is_null();
+    let files = |v: &serde_json::Value| -> Vec<String> {
+        v["files"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(site::text)
+            .collect()
+    };
+    let since_files = files(since);
+    let covers = since["shard"].is_null()
+        && files(whole).iter().all(|f| since_files.contains(f))
+        && since_base == Some(whole_commit)
+        && since_prov.flags().is_empty();
+    (whole_run && covers).then(|| {
+        format!(
+            "the code changed since {} had its mutants run at {} (mutants/in-diff.json)",
+            &whole_commit[..whole_commit.len().min(10)],
+            &since_commit[..since_commit.len().min(10)]
+        )
+    })
+}
+
+/// Applies [`covered_by`] to the whole mutation run's provenance.
+fn cover_mutants(parts: &[site::Loaded], prov: &mut [Provenance]) {
+    let at = |file: &str| PARTS.iter().position(|p| p.file == file);
+    let (Some(w), Some(d)) = (at("mutants/result.json"), at("mutants/in-diff.json")) else {
+        return;
+    };
+    if prov[w].newer_code.is_none() {
+        return;
+    }
+    let (Some(Ok(whole)), Some(Ok(since))) = (parts.get(w), parts.get(d)) else {
+        return;
+    };
+    let base = since["in_diff"]
+        .as_str()
+        .and_then(|r| git(&["rev-parse", "--verify", &format!("{r}^{{commit}}")]));
+    if let Some(by) = covered_by(whole, since, &prov[d], base.as_deref()) {
+        prov[w].newer_code = None;
+        prov[w].covered_by = Some(by);
     }
 }
 
@@ -184,11 +247,12 @@ fn main() -> anyhow::Result<()> {
     let evidence = a.evidence.unwrap_or_else(|| workspace().join("evidence"));
     let out = a.out.unwrap_or_else(|| target_dir().join("report"));
     let parts = site::load(&evidence);
-    let prov: Vec<Provenance> = PARTS
+    let mut prov: Vec<Provenance> = PARTS
         .iter()
         .zip(&parts)
         .map(|(p, loaded)| provenance(p.file, loaded))
         .collect();
+    cover_mutants(&parts, &mut prov);
     let pages = site::render(&parts, &prov);
     site::write(&out, &pages)?;
     // Timelines of the failing nemesis runs whose artefacts are still here.
@@ -245,5 +309,56 @@ mod tests {
         );
         let head = git(&["rev-parse", "HEAD"]).expect("a git checkout");
         assert_eq!(not_in_history(&head), None);
+    }
+
+    /// The whole mutation run counts as current only when the run of the diff since it is
+    /// current, whole, over the same files, and starts at the whole run's commit; a shard,
+    /// another base, other files or a stale in-diff run leave it STALE.
+    #[test]
+    fn a_whole_mutation_run_is_covered_only_by_a_current_run_of_the_diff_since_it() {
+        use serde_json::json;
+        let (w, d) = ("a".repeat(40), "b".repeat(40));
+        let whole =
+            json!({"commit": w, "shard": null, "in_diff": null, "files": ["gateway/src/*.rs"]});
+        let since =
+            json!({"commit": d, "shard": null, "in_diff": "a", "files": ["gateway/src/*.rs"]});
+        let current = Provenance {
+            commit: Some(d.clone()),
+            recorded: true,
+            ..Provenance::default()
+        };
+        let by = covered_by(&whole, &since, &current, Some(&w)).expect("covered");
+        assert!(
+            by.contains("aaaaaaaaaa") && by.contains("bbbbbbbbbb"),
+            "{by}"
+        );
+        // Another base: the changes between the two commits had no mutants run.
+        assert_eq!(covered_by(&whole, &since, &current, Some(&d)), None);
+        assert_eq!(covered_by(&whole, &since, &current, None), None);
+        // The in-diff run is itself stale, or dirty.
+        let stale = Provenance {
+            newer_code: Some("c".repeat(40)),
+            ..current.clone()
+        };
+        assert_eq!(covered_by(&whole, &since, &stale, Some(&w)), None);
+        let dirty = Provenance {
+            dirty: true,
+            ..current.clone()
+        };
+        assert_eq!(covered_by(&whole, &since, &dirty, Some(&w)), None);
+        // A shard on either side, or other files.
+        let mut shard = since.clone();
+        shard["shard"] = json!("0/2");
+        assert_eq!(covered_by(&whole, &shard, &current, Some(&w)), None);
+        let mut whole_shard = whole.clone();
+        whole_shard["shard"] = json!("0/3");
+        assert_eq!(covered_by(&whole_shard, &since, &current, Some(&w)), None);
+        let mut other = since.clone();
+        other["files"] = json!(["gateway/src/store.rs"]);
+        assert_eq!(covered_by(&whole, &other, &current, Some(&w)), None);
+        // More files than the whole run (one added since) still cover it.
+        let mut more = since.clone();
+        more["files"] = json!(["gateway/src/*.rs", "gateway/src/new.rs"]);
+        assert!(covered_by(&whole, &more, &current, Some(&w)).is_some());
     }
 }

@@ -47,7 +47,7 @@ pub enum Kind {
 }
 
 /// The parts, in the index's order.
-pub const PARTS: [PartName; 8] = [
+pub const PARTS: [PartName; 9] = [
     PartName {
         title: "im-06 checks",
         page: "checks.html",
@@ -104,6 +104,13 @@ pub const PARTS: [PartName; 8] = [
         kind: Kind::Proof,
         optional: true,
     },
+    PartName {
+        title: "Mutants since the whole run",
+        page: "mutants-in-diff.html",
+        file: "mutants/in-diff.json",
+        kind: Kind::Mutants,
+        optional: true,
+    },
 ];
 
 /// Where a part's file came from and whether that can be trusted: the commit it ran at,
@@ -127,6 +134,10 @@ pub struct Provenance {
     /// The other commits that parts of the file record (an entry's or a partial run's
     /// `git_commit` that is not the top-level one), each with where it is recorded.
     pub patchwork: Vec<(String, String)>,
+    /// The code changed after the part ran, but a current run of another part covers that
+    /// change (the mutants in the diff since a whole mutation run): what covers it. The
+    /// part is then current, and says so.
+    pub covered_by: Option<String>,
 }
 
 impl Provenance {
@@ -300,10 +311,10 @@ pub fn status(p: &PartName, l: Option<&Loaded>, prov: &Provenance) -> String {
         Some(Err(e)) => format!("unreadable: {e}"),
         _ => {
             let flags = prov.flags();
-            if flags.is_empty() {
-                "current".into()
-            } else {
-                flags.join("; ")
+            match (&prov.covered_by, flags.is_empty()) {
+                (Some(by), true) => format!("current ({by})"),
+                (None, true) => "current".into(),
+                _ => flags.join("; "),
             }
         }
     }
@@ -407,7 +418,12 @@ fn provenance_line(part: Option<&Loaded>, p: &Provenance) -> String {
         "<p class=\"small\">Produced {} at commit <code>{}</code> ({whose}). {}</p>",
         esc(&generated),
         esc(&short_commit(p.commit.as_deref())),
-        if flags.is_empty() {
+        if let (true, Some(by)) = (flags.is_empty(), &p.covered_by) {
+            format!(
+                "Current: code it depends on changed since, and {}.",
+                esc(by)
+            )
+        } else if flags.is_empty() {
             "Current: no code it depends on changed since.".to_string()
         } else {
             flag_spans(&flags)
@@ -562,7 +578,10 @@ fn index(parts: &[Loaded], prov: &[Provenance]) -> String {
         let state = if !given {
             "-".to_string()
         } else if flags.is_empty() {
-            "current".into()
+            match &pr.covered_by {
+                Some(by) => format!("current ({})", esc(by)),
+                None => "current".into(),
+            }
         } else {
             flag_spans(&flags)
         };

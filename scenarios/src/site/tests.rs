@@ -39,7 +39,8 @@ fn the_index_gives_each_part_its_verdict_provenance_and_staleness() {
             "nemesis-3-gateways.html",
             "durability.html",
             "mutants.html",
-            "proof.html"
+            "proof.html",
+            "mutants-in-diff.html"
         ]
     );
     let index = &site[0].1;
@@ -380,6 +381,15 @@ fn each_provenance_state_is_shown_on_the_index_the_page_and_the_status_line() {
             Provenance {
                 commit: Some("a".repeat(40)),
                 recorded: true,
+                covered_by: Some("the diff since it ran".into()),
+                ..Provenance::default()
+            },
+            "current (the diff since it ran)",
+        ),
+        (
+            Provenance {
+                commit: Some("a".repeat(40)),
+                recorded: true,
                 dirty: true,
                 newer_code: Some("b".repeat(40)),
                 patchwork: vec![("d".repeat(40), "/controls/0/git_commit".into())],
@@ -403,6 +413,12 @@ fn each_provenance_state_is_shown_on_the_index_the_page_and_the_status_line() {
         }
         if line == "current" {
             assert!(row.contains(">current<") && page.contains("Current: no code"));
+        }
+        if let Some(by) = &p.covered_by {
+            assert!(row.contains(&format!(">current ({by})<")), "index: {row}");
+            assert!(page.contains(&format!(
+                "Current: code it depends on changed since, and {by}."
+            )));
         }
         // The commit shown is the recorded one, never replaced by another.
         assert!(row.contains(&short_commit(p.commit.as_deref())));
