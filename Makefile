@@ -48,12 +48,12 @@ test-shard: build
 flake: build
 	CARGO='$(CARGO)' TARGET='$(TARGET)' RUNS='$(or $(RUNS),10)' FILTER='$(FILTER)' ./scripts/flake.sh
 
-# make proof [PARTS='suite controls'] [NEMESIS_SEEDS=100] [NEMESIS_JOBS=4]: the whole proof at
+# make proof [PARTS='suite controls'] [PROOF_NEMESIS_SEEDS=100] [PROOF_NEMESIS_JOBS=4]: the whole proof at
 # one commit (scripts/proof.sh: build, suite, im-06, controls, mutants since the last whole
 # run, nemesis on 1 and 3 gateways, durability, bench, site), each part's seconds and verdict
 # in evidence/proof/result.json. Refuses a tree with uncommitted changes outside evidence/.
 proof: setup
-	CARGO='$(CARGO)' TARGET='$(TARGET)' $(if $(PARTS),PARTS='$(PARTS)') $(if $(NEMESIS_SEEDS),NEMESIS_SEEDS='$(NEMESIS_SEEDS)') $(if $(NEMESIS_JOBS),NEMESIS_JOBS='$(NEMESIS_JOBS)') ./scripts/proof.sh
+	CARGO='$(CARGO)' TARGET='$(TARGET)' $(if $(PARTS),PARTS='$(PARTS)') ./scripts/proof.sh
 
 # make test-containers: the crash scenarios with PostgreSQL in a container (IMFAULT_PG=container,
 # testcontainers), from an image built here from Debian's packages. Installs docker.io and
