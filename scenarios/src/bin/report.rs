@@ -156,8 +156,13 @@ fn provenance(file: &str, loaded: &site::Loaded) -> Provenance {
     };
     let mut ran_at: Vec<&str> = commit.iter().map(String::as_str).collect();
     // An entry's commit is one the part ran at; a partial run's record is history (its
-    // entries may have been replaced since): shown as PATCHWORK, not judged here.
-    for (c, _) in rec.nested.iter().filter(|(_, at)| !site::is_run_record(at)) {
+    // entries may have been replaced since): shown as PATCHWORK, not judged here; where a
+    // controls entry's catchers were chosen is its input, only listed.
+    for (c, _) in rec
+        .nested
+        .iter()
+        .filter(|(_, at)| !site::is_run_record(at) && !site::is_input_record(at))
+    {
         if !ran_at.contains(&c.as_str()) {
             ran_at.push(c);
         }

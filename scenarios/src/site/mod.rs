@@ -151,10 +151,14 @@ impl Provenance {
         if self.dirty {
             out.push("DIRTY (ran on a tree with uncommitted changes)".into());
         }
-        if !self.patchwork.is_empty() {
+        let flagged: Vec<&(String, String)> = self
+            .patchwork
+            .iter()
+            .filter(|(_, at)| !is_input_record(at))
+            .collect();
+        if !flagged.is_empty() {
             let distinct = |run_records: bool, top: Option<&str>| {
-                let mut cs: Vec<&str> = self
-                    .patchwork
+                let mut cs: Vec<&str> = flagged
                     .iter()
                     .filter(|(_, at)| is_run_record(at) == run_records)
                     .map(|(c, _)| c.as_str())
@@ -168,7 +172,7 @@ impl Provenance {
                 "PATCHWORK (entries from {} commits",
                 distinct(false, self.commit.as_deref())
             );
-            if self.patchwork.iter().any(|(_, at)| is_run_record(at)) {
+            if flagged.iter().any(|(_, at)| is_run_record(at)) {
                 let _ = write!(f, ", partial runs from {}", distinct(true, None));
             }
             f.push(')');
@@ -221,6 +225,15 @@ pub fn recorded(v: &Value) -> Recorded {
 /// runs may have replaced, rather than an entry the file shows.
 pub fn is_run_record(at: &str) -> bool {
     at.contains("/partial_runs/")
+}
+
+/// Whether a nested commit's place is where a controls entry's catchers were chosen
+/// (`controls[].whole_run_catchers`: the whole-suite run whose failing tests the targeted
+/// runs re-run, issue 41). An input of the entry, not a result: the entry's verdict was
+/// observed at its own commit, against the bug and the clean gateway there. Listed on the
+/// page, neither judged (STALE, UNKNOWN COMMIT) nor flagged (PATCHWORK).
+pub fn is_input_record(at: &str) -> bool {
+    at.contains("/whole_run_catchers/")
 }
 
 /// Every `git_commit` string below `v` (at `at`), with where it is: its JSON pointer and,
@@ -440,8 +453,13 @@ fn provenance_line(part: Option<&Loaded>, p: &Provenance) -> String {
         }
         let _ = write!(
             s,
-            "<details class=\"small\"><summary>PATCHWORK: {} other commits than <code>{}</code> \
+            "<details class=\"small\"><summary>{}{} other commits than <code>{}</code> \
              recorded in the file</summary><ul>",
+            if flags.iter().any(|f| f.starts_with("PATCHWORK")) {
+                "PATCHWORK: "
+            } else {
+                ""
+            },
             by_commit.len(),
             esc(&short_commit(p.commit.as_deref()))
         );

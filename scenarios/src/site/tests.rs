@@ -381,6 +381,30 @@ fn each_provenance_state_is_shown_on_the_index_the_page_and_the_status_line() {
             Provenance {
                 commit: Some("a".repeat(40)),
                 recorded: true,
+                patchwork: vec![(
+                    "e".repeat(40),
+                    "/controls/0/whole_run_catchers/git_commit".into(),
+                )],
+                ..Provenance::default()
+            },
+            "current",
+        ),
+        (
+            Provenance {
+                commit: Some("a".repeat(40)),
+                recorded: true,
+                patchwork: vec![
+                    ("e".repeat(40), "/controls/0/whole_run_catchers/git_commit".into()),
+                    ("d".repeat(40), "/controls/1/git_commit".into()),
+                ],
+                ..Provenance::default()
+            },
+            "PATCHWORK (entries from 2 commits)",
+        ),
+        (
+            Provenance {
+                commit: Some("a".repeat(40)),
+                recorded: true,
                 covered_by: Some("the diff since it ran".into()),
                 ..Provenance::default()
             },
@@ -413,6 +437,11 @@ fn each_provenance_state_is_shown_on_the_index_the_page_and_the_status_line() {
         }
         if line == "current" {
             assert!(row.contains(">current<") && page.contains("Current: no code"));
+            // A catcher record is listed, never flagged.
+            assert!(
+                !row.contains("PATCHWORK") && !page.contains("PATCHWORK"),
+                "{page}"
+            );
         }
         if let Some(by) = &p.covered_by {
             assert!(row.contains(&format!(">current ({by})<")), "index: {row}");
