@@ -5,7 +5,7 @@ TARGET   := $(or $(CARGO_TARGET_DIR),target)
 # The harness runs target/debug/im-gateway, which must carry the fault points.
 FEATURES := --features im-gateway/faults
 
-.PHONY: setup build test test-archive test-shard test-containers evidence controls controls-join nemesis nemesis-join mutants fuzz up lint repro bench bench-quick clean report screenshots durability flake proof
+.PHONY: setup build test test-archive test-shard test-containers shard-check evidence controls controls-join nemesis nemesis-join mutants fuzz up lint repro bench bench-quick clean report screenshots durability flake proof
 
 setup:
 	@./scripts/setup.sh
@@ -41,6 +41,13 @@ test-shard: build
 	NEXTEST_PROFILE=ci $(CARGO) nextest run $(if $(ARCHIVE),--archive-file $(ARCHIVE) --workspace-remap .,--workspace $(FEATURES)) --no-fail-fast --partition $(PARTITION); \
 	  status=$$?; k=$$(echo '$(PARTITION)' | sed 's/.*://; s,/,-of-,'); \
 	  cp $(TARGET)/nextest/ci/junit.xml $(TARGET)/nextest/shard-$$k.xml && exit $$status
+
+# make shard-check [PARTS='suite nemesis controls mutants'] [OUT=path]: each sharded part run
+# whole and as 2 shards joined by its merge command, at one commit; the joined record's
+# verdicts and counts compared with the whole run's (scripts/shard-check.sh), into OUT
+# (default target/shard-check/result.json). Exit 1 when a join differs from its whole run.
+shard-check: build
+	CARGO='$(CARGO)' TARGET='$(TARGET)' $(if $(PARTS),PARTS='$(PARTS)') $(if $(OUT),OUT='$(OUT)') ./scripts/shard-check.sh
 
 # make flake RUNS=n [FILTER='nextest filter']: the whole suite of `make test` n times in a
 # row (default 10), then every test that ever failed with the number of runs it failed in;
