@@ -157,6 +157,12 @@ bugs! {
     /// the database lost.
     NoIncarnation = "no-incarnation",
         "epochs: with synchronous_commit=off a crash that lost commits moves no epoch";
+    /// A hello the database could not check (UNAVAILABLE: it is down or slow) is charged to
+    /// the failed-hello throttle as if it had been refused. Breaks the throttle's promise
+    /// (issue 42): an outage puts every device that says hello during it in debt, and honest
+    /// devices are locked out for minutes after the database is back.
+    OutageChargesHello = "outage-charges-hello",
+        "hello throttle: a hello the database could not check is charged as a failed one";
 }
 
 impl fmt::Display for Bug {
@@ -326,7 +332,7 @@ mod tests {
                 "{n}"
             );
         }
-        assert_eq!(Bug::ALL.len(), 24);
+        assert_eq!(Bug::ALL.len(), 25);
         assert_eq!(Bug::ALL[0].name(), "reply-before-commit");
         assert_eq!(Bug::S1Leak.name(), "s1-leak");
         assert_eq!(Bug::NoLocalHandoff.name(), "no-local-handoff");

@@ -344,10 +344,12 @@ impl Hello<'_> {
         let r = state
             .db(move |pool| async move { store::authenticate(&pool, &d, &token, epoch).await })
             .await;
+        // Only a hello the database refused is charged: one it could not check (UNAVAILABLE,
+        // an outage) is not, or an outage would lock honest devices out after it.
         let failed = matches!(
             r,
             Err(WireError::Unauthenticated(_) | WireError::StaleInstall)
-        );
+        ) || (bugs::active(Bug::OutageChargesHello) && r.is_err());
         if failed {
             state.hello_throttle.failed(ip, &device);
         }

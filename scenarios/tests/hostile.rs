@@ -9,6 +9,7 @@ use harness::client::{Client, ClientError, ClientOptions};
 use harness::gateway::GatewayOpts;
 use harness::util::{poll, wait_until};
 use harness::world::World;
+use im_protocol::WireError;
 use scenarios::{alice_and_bob, connect, provision_alice_and_bob, quantile};
 use serde_json::{json, Value};
 use std::net::{Ipv4Addr, SocketAddr};
@@ -1150,6 +1151,66 @@ async fn concurrent_good_hellos_from_one_address_are_not_throttled() {
     let replies = join_all(raws.iter_mut().map(|r| r.hello("b1", &tb, 1))).await;
     let welcomed = replies.iter().filter(|v| v["t"] == "welcome").count();
     assert_eq!(welcomed, 6, "{replies:?}");
+}
+
+/// Issue 42, the failed-hello throttle's charge: only a hello the database refused
+/// (UNAUTHENTICATED, STALE_INSTALL) takes a token; one the gateway could not check because
+/// PostgreSQL is down (UNAVAILABLE, the database's own message) takes none, or an outage
+/// would lock honest devices out after it. Budget: 2 failed hellos per device per minute.
+/// While PostgreSQL is down, b1 says hello with its right token 6 times, from 6 addresses
+/// (so no address bucket is near its limit): each is answered UNAVAILABLE as the database's
+/// outage, none "too many failed hellos". Once PostgreSQL is back b1 is welcome as soon as
+/// the pool reconnects. Charged, the outage leaves b1's bucket 2 tokens in debt: refused
+/// for 90 s, far past the 20 s deadline. Nothing else refuses a right token here.
+#[tokio::test]
+async fn a_database_outage_charges_no_failed_hello() {
+    let mut w = World::start(GatewayOpts {
+        db_timeout_ms: Some(1000),
+        env: env(&[("IM_HELLO_FAILS_PER_DEVICE_PER_MIN", "2")]),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (_ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let addr = w.gw().addr();
+    let throttled =
+        |v: &Value| v["code"] == "UNAVAILABLE" && v["msg"] != WireError::Unavailable.to_string();
+    w.crash_pg().await.unwrap();
+    for i in 0..6u8 {
+        let mut r = Raw::open(addr, Ipv4Addr::new(127, 0, 4, 1 + i))
+            .await
+            .unwrap();
+        let v = r.hello("b1", &tb, 1).await;
+        assert_eq!(
+            v["code"], "UNAVAILABLE",
+            "hello {i} with the database down: {v}"
+        );
+        assert!(
+            !throttled(&v),
+            "hello {i} during the outage was throttled: {v}"
+        );
+    }
+    w.restart_pg().await.unwrap();
+    let mut seen = Vec::new();
+    wait_until(
+        "b1's hello to be welcome",
+        Duration::from_secs(20),
+        async || {
+            let mut r = Raw::open(addr, Ipv4Addr::new(127, 0, 4, 100))
+                .await
+                .unwrap();
+            let v = r.hello("b1", &tb, 1).await;
+            assert!(
+                !throttled(&v),
+                "b1 throttled after the outage (seen before: {seen:?}): {v}"
+            );
+            let welcome = v["t"] == "welcome";
+            seen.push(v.clone());
+            poll(welcome, v).await
+        },
+    )
+    .await
+    .unwrap();
 }
 
 /// Item 5 of issue #8, lock before membership. Proves a non-member's `send` is answered

@@ -104,6 +104,7 @@ fn designed_catcher(bug: &str) -> &'static [&'static str] {
         "no-incarnation" => {
             &["a_crash_that_lost_unflushed_commits_leaves_no_device_silently_wrong"]
         }
+        "outage-charges-hello" => &["a_database_outage_charges_no_failed_hello"],
         _ => &[],
     }
 }
