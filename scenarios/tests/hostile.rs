@@ -1173,8 +1173,14 @@ async fn a_database_outage_charges_no_failed_hello() {
     .unwrap();
     let (_ta, tb) = provision_alice_and_bob(&w).await.unwrap();
     let addr = w.gw().addr();
-    let throttled =
-        |v: &Value| v["code"] == "UNAVAILABLE" && v["msg"] != WireError::Unavailable.to_string();
+    // The protocol's own reading of an error frame: UNAVAILABLE with a limit's message.
+    let throttled = |v: &Value| {
+        let (code, msg) = (v["code"].as_str(), v["msg"].as_str());
+        matches!(
+            WireError::from_wire(code.unwrap_or(""), msg.unwrap_or("")),
+            Ok(WireError::Throttled(_))
+        )
+    };
     w.crash_pg().await.unwrap();
     for i in 0..6u8 {
         let mut r = Raw::open(addr, Ipv4Addr::new(127, 0, 4, 1 + i))
