@@ -25,8 +25,10 @@
 #   3. `target/debug/mutants run`: per mutant, in a scratch copy of the sources with its own
 #      target dir kept warm (target/mutants/scratch), the diff applied, only the test
 #      binaries of the selected tests built, those tests run (fail-fast, one retry), the
-#      file restored. A mutant no test reaches is built (so that unviable ones are told
-#      apart) and counted `missed` with the note "no test reaches it".
+#      file restored. A mutant those tests miss gets a second chance: the other tests that
+#      reach its function, built and run the same way (line coverage can count a decision
+#      on another line than the mutant's). A mutant no test reaches is built (so that
+#      unviable ones are told apart) and counted `missed` with the note "no test reaches it".
 #   4. `target/debug/mutants report`: the judgement and the evidence.
 #
 # The run tests a copy of the tree taken when it starts: edit the tree during a run and the

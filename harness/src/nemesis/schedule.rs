@@ -31,8 +31,9 @@ pub const SCHEDULE_VERSION: u32 = 1;
 /// failover package's kinds (`pg-failover-async`, `pg-failover-sync`, issue 21) are drawn
 /// too, at most one per schedule and none before a fault that needs the LazyFS layer. 6:
 /// the pg_auto_failover kinds (`pg-autofailover`, `pg-autofailover-monitor`, issue 21) are
-/// drawn too, never beside a kind that acts on a cluster the harness runs itself.
-pub const GENERATOR_VERSION: u32 = 6;
+/// drawn too, never beside a kind that acts on a cluster the harness runs itself. 7: one
+/// device re-sends old acks ([`StaleAck`], issue 42), drawn from a stream of its own.
+pub const GENERATOR_VERSION: u32 = 7;
 
 fn generator_one() -> u32 {
     1
@@ -148,7 +149,25 @@ pub struct Workload {
     /// Devices that ack lazily (absent in schedules written before them: none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub lazy_acks: Vec<LazyAck>,
+    /// Devices that also re-send old acks (absent in schedules written before them: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stale_acks: Vec<StaleAck>,
 }
+
+/// A device that also re-sends old acks, as a client does that retries acks from a queue
+/// or acks from a second connection (issue 42): after one step in `one_in`, an explicit
+/// ack of a seq below the last `delivered` the server reported for one of its
+/// conversations. D4: the cursor never goes down, so the reply's `delivered` never falls
+/// below one the device was told before (`d4-decrease`, the checker's rule 8 (b)); an
+/// overwriting ack upsert shows there, in steady state, with no fault needed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StaleAck {
+    pub device: String,
+    pub one_in: u64,
+}
+
+/// A stale acker re-sends an old ack after one step in this many.
+pub const STALE_ACK_ONE_IN: u64 = 4;
 
 /// A device that acks lazily, as a phone in the background does: at most every
 /// `after_ms` (or every [`LAZY_ACK_EVERY`] events), and a sweep hint for what it stored
@@ -223,6 +242,22 @@ impl Schedule {
                 "lazy_acks: {}'s after_ms {} is not within 1..=60000",
                 l.device,
                 l.after_ms
+            );
+        }
+        for a in &self.workload.stale_acks {
+            anyhow::ensure!(
+                self.workload
+                    .device_seeds
+                    .iter()
+                    .any(|(d, _)| *d == a.device),
+                "stale_acks: {} is no device of the workload",
+                a.device
+            );
+            anyhow::ensure!(
+                (1..=1000).contains(&a.one_in),
+                "stale_acks: {}'s one_in {} is not within 1..=1000",
+                a.device,
+                a.one_in
             );
         }
         anyhow::ensure!(
@@ -457,6 +492,20 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
             after_ms: lr.range(5000, 10_000),
         }]
     };
+    // One stale acker, not the lazy one (whose cursor seldom moves), from a stream of its own.
+    let mut sr = root.fork(4);
+    let eager: Vec<&String> = devices
+        .iter()
+        .filter(|d| lazy_acks.iter().all(|l| l.device != **d))
+        .collect();
+    let stale_acks = if eager.is_empty() {
+        Vec::new()
+    } else {
+        vec![StaleAck {
+            device: (*sr.pick(&eager)).clone(),
+            one_in: STALE_ACK_ONE_IN,
+        }]
+    };
 
     let on = Targets {
         devices: &devices,
@@ -475,6 +524,7 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
             membership,
             device_seeds,
             lazy_acks,
+            stale_acks,
         },
         faults,
     };
@@ -641,10 +691,11 @@ mod tests {
         assert_eq!(h, PINNED_SCHEDULES_DIGEST, "{h:#018x}");
     }
 
-    /// Generator 6 (generator 1 gave 0x1761_d812_f730_02f4, generator 2
+    /// Generator 7 (generator 1 gave 0x1761_d812_f730_02f4, generator 2
     /// 0x6147_e705_dcd2_bb52, generator 3 0x2fd1_f324_51cf_f6f4, generator 4
-    /// 0x39ea_82d8_8eac_5812, generator 5 0x6730_d244_1014_0a62).
-    const PINNED_SCHEDULES_DIGEST: u64 = 0x2335_16d0_d858_bb64;
+    /// 0x39ea_82d8_8eac_5812, generator 5 0x6730_d244_1014_0a62, generator 6
+    /// 0x2335_16d0_d858_bb64).
+    const PINNED_SCHEDULES_DIGEST: u64 = 0x58be_12dd_c6a1_fb97;
 
     #[test]
     fn schedules_are_valid_for_many_seeds_and_use_every_kind() {
@@ -660,6 +711,31 @@ mod tests {
             seen.extend(s.faults.iter().map(|f| f.kind.name()));
         }
         assert_eq!(seen.len(), kinds().len(), "{seen:?}");
+    }
+
+    /// Issue 42: every schedule has one stale acker, never its lazy acker (whose cursor
+    /// seldom moves), and validation refuses a stale acker that is no device or never acks.
+    #[test]
+    fn every_schedule_has_one_stale_acker_beside_the_lazy_one() {
+        let mut chosen = std::collections::BTreeSet::new();
+        for seed in 0..100 {
+            let s = generate(seed, &Options::default()).unwrap();
+            let [a] = s.workload.stale_acks.as_slice() else {
+                panic!("seed {seed}: {:?}", s.workload.stale_acks);
+            };
+            assert_eq!(a.one_in, STALE_ACK_ONE_IN);
+            assert!(s.workload.lazy_acks.iter().all(|l| l.device != a.device));
+            chosen.insert(a.device.clone());
+            let mut bad = s.clone();
+            bad.workload.stale_acks[0].device = "nobody".into();
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains("stale_acks: nobody is no device"), "{e}");
+            let mut bad = s.clone();
+            bad.workload.stale_acks[0].one_in = 0;
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains("one_in 0"), "{e}");
+        }
+        assert!(chosen.len() > 3, "{chosen:?}");
     }
 
     #[test]

@@ -57,6 +57,65 @@ fn known_limit(bug: &str) -> Option<&'static str> {
     }
 }
 
+/// What the nemesis would need to expose a bug it misses (issue 42: the reason in the
+/// evidence, per bug it cannot catch): stated from the bug's mechanism, not measured.
+/// Written into a bug's `nemesis.would_need` only when its series missed it; a series that
+/// misses a bug with no statement here says so (`would_need: null`).
+fn nemesis_would_need(bug: &str) -> Option<&'static str> {
+    Some(match bug {
+        "no-feed" => {
+            "the last notification of a conversation lost (a dropped NOTIFY, a crash before \
+             it) with no later send of that conversation before the heal: the workload's next \
+             send brings a notification whose read finds the lost commit too. The tail fault \
+             makes that likely, not certain (3 gateways: caught at seeds 5, 10 and 30 of 60)"
+        }
+        "read-fail-unrecorded" => {
+            "a fan-out read that fails on the last send of a conversation before it falls \
+             quiet: under the continuous workload the conversation's next notification reads \
+             from the same point and repairs it in milliseconds. Needs idle conversations next \
+             to busy ones and a database fault at the moment of a read"
+        }
+        "sticky-member" => {
+            "a check of cost, not of results: a user who left still takes the conversation's \
+             row lock and then gets NOT_MEMBER, as it should. Needs the lock waits of a \
+             non-member's send counted (the scripted check reads pg_locks)"
+        }
+        "forgetful-member" => {
+            "a check of cost, not of results: every send reads the membership first and gets \
+             the same answer. Needs the statements of a member's send counted (the scripted \
+             check counts them)"
+        }
+        "stale-backlog" => {
+            "reinstalls mid-run (a device's install replaced while pushes are queued for the \
+             old one) and a check of what a stale install may still receive: the workload \
+             never reinstalls"
+        }
+        "no-overflow-hint" => {
+            "a slow reader whose outbound queue overflows (a small IM_QUEUE_FRAMES_MAX, a \
+             client that stops reading) and a repair bound shorter than the sweep's: without \
+             the hint the sweep still repairs within D5's bound, which is what is judged"
+        }
+        "no-close-drain" => {
+            "graceful restarts (SIGTERM) under pipelined sends with input unread at the close, \
+             and a check that a gracefully closed connection lost no reply it wrote: the \
+             gateway faults are SIGKILL and crash points, after which lost replies are \
+             expected and the outbox replays them"
+        }
+        "no-local-handoff" => {
+            "a push-latency bound for the sending gateway's own devices while its LISTEN \
+             connection is down: they get their pushes by the NOTIFY round trip instead, \
+             milliseconds later, and the regain pass repairs the rest within D5's bound"
+        }
+        "outage-charges-hello" => {
+            "hellos during a database outage: a device that loses its connection while the \
+             database is down (a client cut or crash over a pg-crash or pg-pause) and retries \
+             through it until IM_HELLO_FAILS_PER_DEVICE_PER_MIN is spent, then a check that \
+             every device is let in again promptly after the heal"
+        }
+        _ => return None,
+    })
+}
+
 /// The check built to catch each bug every time (not by winning a race): it is re-run in
 /// runs 2..N whenever it caught the bug in run 1, so "caught in every run" measures it.
 fn designed_catcher(bug: &str) -> &'static [&'static str] {
@@ -211,6 +270,9 @@ fn nemesis_control(
     let mut n = nemesis_series(bug, env, 1, seeds, gateways)?;
     if let Some(seed) = recorded_seed {
         n["recorded_seed"] = json!(seed);
+    }
+    if n["result"] == "MISSED" {
+        n["would_need"] = json!(nemesis_would_need(bug));
     }
     Ok(n)
 }
@@ -1426,6 +1488,28 @@ mod tests {
             assert_eq!(interleave(&shards).unwrap(), all, "n = {n}");
         }
         assert!(interleave(&[vec![0, 2], vec![]]).is_err());
+    }
+
+    /// Issue 42: a statement of what the nemesis would need is only for a deliberate
+    /// gateway bug that exists, and names what is missing.
+    #[test]
+    fn would_need_names_only_bugs_that_exist() {
+        let names: Vec<&str> = im_gateway::bugs::Bug::ALL
+            .iter()
+            .map(|b| b.name())
+            .collect();
+        let stated: Vec<&str> = names
+            .iter()
+            .copied()
+            .filter(|b| nemesis_would_need(b).is_some())
+            .collect();
+        assert!(stated.len() >= 9, "{stated:?}");
+        for b in &stated {
+            assert!(nemesis_would_need(b).unwrap().len() > 80, "{b}");
+        }
+        for b in ["no-such-bug", "cursor-overwrite", "no-dedup"] {
+            assert_eq!(nemesis_would_need(b), None, "{b}");
+        }
     }
 
     /// The picked tests: the designed catchers that caught it (at most RERUN_TESTS_MAX),

@@ -121,6 +121,9 @@ struct Mutant {
 #[derive(Debug, Clone, Deserialize)]
 struct Function {
     function_name: String,
+    /// The whole function's lines (cargo-mutants gives them; optional for the tests' sake).
+    #[serde(default)]
+    span: Option<Span>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]

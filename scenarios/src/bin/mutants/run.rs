@@ -69,7 +69,7 @@ const PACKAGES: [&str; 8] = [
 ];
 
 /// cargo-mutants' summaries (the names `mutants report` reads).
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 enum Summary {
     CaughtMutant,
     MissedMutant,
@@ -99,6 +99,10 @@ struct Outcome {
     /// Why it has this summary, when that is not a test's failure or pass.
     #[serde(skip_serializing_if = "Option::is_none")]
     note: Option<String>,
+    /// When the tests of its lines missed it: the other tests that reach its function,
+    /// run as its second chance (`Runner::widen`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    widened_tests: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -348,17 +352,37 @@ impl Runner<'_> {
         // (harness mutants run after all gateway mutants, so no binary a harness mutant
         // rebuilt is run for a gateway mutant).
         let gateway = m.file.starts_with("gateway/");
-        let ids: BTreeSet<&str> = tests
-            .iter()
-            .map(|t| t.binary_id.as_str())
-            .filter(|id| {
-                !gateway
-                    || *id == "im-gateway"
-                    || id.starts_with("im-gateway::")
-                    || self.in_process.contains(*id)
+        let targets_of = |tests: &[&TestId]| {
+            let ids: BTreeSet<&str> = tests
+                .iter()
+                .map(|t| t.binary_id.as_str())
+                .filter(|id| {
+                    !gateway
+                        || *id == "im-gateway"
+                        || id.starts_with("im-gateway::")
+                        || self.in_process.contains(*id)
+                })
+                .collect();
+            target_args(&ids)
+        };
+        let targets = targets_of(&tests);
+        // The second chance of a mutant its lines' tests miss: the other tests that reach its
+        // function. Line coverage can put a decision on another line than the one a mutant
+        // names (a match guard's test is counted on the `match` line), so a mutant that
+        // makes a branch run where it did not is reached by tests the lines do not name.
+        let wider: Vec<&TestId> = m
+            .function
+            .as_ref()
+            .and_then(|f| f.span)
+            .map(|f| {
+                let last = f.end.map_or(f.start.line, |e| e.line);
+                self.map.tests_reaching(&m.file, f.start.line, last)
             })
+            .unwrap_or_default()
+            .difference(&selected)
+            .map(|t| &self.map.tests[*t as usize])
             .collect();
-        let targets = target_args(&ids);
+        let wider_targets = targets_of(&wider);
         let mut scenario = BTreeMap::new();
         let mut mutant = raw.clone();
         if let Some(o) = mutant.as_object_mut() {
@@ -377,6 +401,7 @@ impl Runner<'_> {
                 .map(|t| format!("{} {}", t.binary_id, t.name))
                 .collect(),
             note: None,
+            widened_tests: Vec::new(),
         };
 
         let original =
@@ -394,12 +419,27 @@ impl Runner<'_> {
             std::fs::write(self.tree.join(&m.file), &original)?;
             bail!("{}: the diff does not apply to the tree", m.name);
         }
-        let result = self.build_and_test(&mut outcome, &targets, &tests, &log);
+        let result = self
+            .build_and_test(&mut outcome, &targets, &tests, &log)
+            .and_then(|()| self.widen(&mut outcome, &wider_targets, &wider, &log));
         // Written back with a fresh mtime, so the next build cannot take the mutated
         // build for current.
         std::fs::write(self.tree.join(&m.file), &original)?;
         result?;
         Ok(outcome)
+    }
+
+    /// Builds `targets` from the tree as it is: whether they built.
+    fn build(&self, o: &mut Outcome, targets: &[String], log: &Path) -> anyhow::Result<bool> {
+        let t0 = Instant::now();
+        let mut build = self.cargo(&["test", "--no-run"]);
+        build.args(targets);
+        let built = run_logged(build, log, Duration::from_secs(1800))?;
+        o.phase_results.push(PhaseResult {
+            phase: "Build",
+            duration: secs(t0.elapsed()),
+        });
+        Ok(built == Some(0))
     }
 
     fn build_and_test(
@@ -409,15 +449,7 @@ impl Runner<'_> {
         tests: &[&TestId],
         log: &Path,
     ) -> anyhow::Result<()> {
-        let t0 = Instant::now();
-        let mut build = self.cargo(&["test", "--no-run"]);
-        build.args(targets);
-        let built = run_logged(build, log, Duration::from_secs(1800))?;
-        o.phase_results.push(PhaseResult {
-            phase: "Build",
-            duration: secs(t0.elapsed()),
-        });
-        if built != Some(0) {
+        if !self.build(o, targets, log)? {
             o.summary = Summary::Unviable;
             return Ok(());
         }
@@ -426,6 +458,49 @@ impl Runner<'_> {
             o.note = Some("no test reaches it".into());
             return Ok(());
         }
+        o.summary = self.test(o, tests, log)?;
+        Ok(())
+    }
+
+    /// A mutant its lines' tests missed: `wider` (the other tests that reach its function)
+    /// built and run; caught when one of them fails.
+    fn widen(
+        &self,
+        o: &mut Outcome,
+        targets: &[String],
+        wider: &[&TestId],
+        log: &Path,
+    ) -> anyhow::Result<()> {
+        if o.summary != Summary::MissedMutant || wider.is_empty() {
+            return Ok(());
+        }
+        let lines_had = o.selected_tests;
+        o.widened_tests = wider
+            .iter()
+            .map(|t| format!("{} {}", t.binary_id, t.name))
+            .collect();
+        if !self.build(o, targets, log)? {
+            o.summary = Summary::Failure;
+            o.note = Some("the binaries of the tests reaching its function did not build".into());
+            return Ok(());
+        }
+        o.summary = self.test(o, wider, log)?;
+        o.note = Some(match o.summary {
+            Summary::CaughtMutant => format!(
+                "caught by a test that reaches its function, not its lines ({lines_had} \
+                 reaching its lines passed; {} reach its function)",
+                wider.len()
+            ),
+            _ => format!(
+                "{lines_had} tests reach its lines and {} more its function: none failed",
+                wider.len()
+            ),
+        });
+        Ok(())
+    }
+
+    /// Runs `tests` (built): caught when one fails, missed when all pass.
+    fn test(&self, o: &mut Outcome, tests: &[&TestId], log: &Path) -> anyhow::Result<Summary> {
         let expected: f64 = tests
             .iter()
             .map(|t| {
@@ -444,7 +519,7 @@ impl Runner<'_> {
             phase: "Test",
             duration: secs(t0.elapsed()),
         });
-        o.summary = match status {
+        Ok(match status {
             Some(0) => Summary::MissedMutant,
             // nextest: 100 a test failed.
             Some(100) => Summary::CaughtMutant,
@@ -453,8 +528,7 @@ impl Runner<'_> {
                 o.note = Some(format!("cargo nextest exited {c}"));
                 Summary::Failure
             }
-        };
-        Ok(())
+        })
     }
 }
 
