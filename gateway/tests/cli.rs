@@ -114,6 +114,21 @@ fn gateway_usage_errors_exit_2_without_a_backtrace() {
     }
     let (out, _) = run(&bin, &["admin", "frobnicate"], &[], Duration::from_secs(10));
     assert!(text(&out.stderr).contains("unknown or malformed admin command"));
+    // Only an admin command with words after `admin` that clap refused says so: not a
+    // bare `admin`, not another command's usage error, not a help request.
+    for args in [
+        &["admin"][..],
+        &["serve", "--bogus", "x"],
+        &["admin", "--help"],
+        &["admin", "add-user", "--help"],
+    ] {
+        let (out, _) = run(&bin, args, &[], Duration::from_secs(10));
+        let stderr = text(&out.stderr);
+        assert!(
+            !stderr.contains("unknown or malformed admin command"),
+            "{args:?}: {stderr}"
+        );
+    }
     let (out, _) = run(&bin, &["version"], &[], Duration::from_secs(10));
     assert!(out.status.success());
     let (out2, _) = run(&bin, &["--version"], &[], Duration::from_secs(10));
@@ -197,6 +212,27 @@ fn an_unknown_synchronous_commit_is_refused_by_name() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
         stderr.contains("IM_SYNCHRONOUS_COMMIT=sometimes is not one of off, local, remote_write, on, remote_apply"),
+        "{stderr}"
+    );
+}
+
+/// `im-gateway bugs` lists every deliberate bug with its description, and a build without
+/// the `bugs` feature says that it refuses `IM_BUG`.
+#[test]
+fn bugs_lists_every_bug_and_says_whether_this_build_has_them() {
+    let (out, _) = run(&gateway(), &["bugs"], &[], Duration::from_secs(10));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    for b in im_gateway::bugs::Bug::ALL {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{} ", b.name())))
+            .unwrap_or_else(|| panic!("{b} missing:\n{stdout}"));
+        assert!(line.contains(b.describe()), "{line}");
+    }
+    assert_eq!(
+        stderr.contains("this build has no `bugs` feature: IM_BUG is refused"),
+        !im_gateway::bugs::ENABLED,
         "{stderr}"
     );
 }
