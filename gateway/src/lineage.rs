@@ -10,15 +10,17 @@
 //! conversation's sequence epoch in the transaction that records the lineage (several
 //! gateways race: the row lock makes one of them do it), so no reply or push is ever read
 //! from a new lineage under the old epoch. This module remembers the lineage this gateway
-//! has served from; when a connection finds another one, it tells [`watch`]'s task, which
-//! closes every connection of the gateway (1012, service restart): each device reconnects,
-//! and its `subbed` names the new epochs, so an idle device learns of the change too.
+//! has served from; when a connection finds another one, it counts a move ([`Lineage::moved`]),
+//! and the task `crate::server` starts on it closes every connection of the gateway (1012,
+//! service restart): each device reconnects, and its `subbed` names the new epochs, so an
+//! idle device learns of the change too.
 //!
-//! Owns: the lineage this process has seen, and the closing of connections when it moves.
-//! Must not: move epochs itself (the database function does, once per lineage).
+//! Owns: the lineage this process has seen, and the count of its moves. Must not: move
+//! epochs itself (the database function does, once per lineage), or reach the gateway's
+//! shared state or connections (`crate::server` wires the move to them): this module sits
+//! below `state` and `store`, and imports neither.
 
-use crate::state::State;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use tokio::sync::watch;
 
 /// A server's lineage, as `im_check_lineage()` reports it.
@@ -89,24 +91,10 @@ impl Lineage {
     pub fn moves(&self) -> u64 {
         *self.moves.borrow()
     }
-}
 
-/// Closes every connection of the gateway whenever the lineage moves (until shutdown).
-pub async fn watch(state: Arc<State>) {
-    let mut rx = state.lineage.moves.subscribe();
-    loop {
-        tokio::select! {
-            _ = state.cancel.cancelled() => return,
-            r = rx.changed() => if r.is_err() { return },
-        }
-        let conns = state.hub.all();
-        tracing::info!(
-            connections = conns.len(),
-            "lineage moved: closing connections"
-        );
-        for c in conns {
-            c.close(1012, None);
-        }
+    /// The count of moves, to wait on: it changes each time the lineage moves.
+    pub fn moved(&self) -> watch::Receiver<u64> {
+        self.moves.subscribe()
     }
 }
 

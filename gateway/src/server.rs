@@ -13,7 +13,7 @@
 use crate::config::Config;
 use crate::hub::Hub;
 use crate::limits::{AddrCounts, HelloThrottle};
-use crate::lineage::{self, Lineage};
+use crate::lineage::Lineage;
 use crate::observer::Observer;
 use crate::state::{State, FANOUT_POOL_MAX};
 use crate::{batch, conn, fanout, store, sweep};
@@ -57,6 +57,27 @@ fn refuse(state: &State, refusals: &Arc<Semaphore>, tcp: tokio::net::TcpStream, 
         let _ = tokio::time::timeout(Duration::from_secs(1), refuse).await;
         drop(permit);
     });
+}
+
+/// Closes every connection of the gateway whenever the database's lineage moves
+/// ([`Lineage::moved`], issue 21), until shutdown: each device reconnects (1012, service
+/// restart) and its `subbed` names the new epochs.
+async fn close_all_when_the_lineage_moves(state: Arc<State>) {
+    let mut rx = state.lineage.moved();
+    loop {
+        tokio::select! {
+            _ = state.cancel.cancelled() => return,
+            r = rx.changed() => if r.is_err() { return },
+        }
+        let conns = state.hub.all();
+        tracing::info!(
+            connections = conns.len(),
+            "lineage moved: closing connections"
+        );
+        for c in conns {
+            c.close(1012, None);
+        }
+    }
 }
 
 /// Serves on an already bound listener until `cancel` fires, then shuts down gracefully:
@@ -111,7 +132,9 @@ pub async fn serve(
         .tracker
         .spawn(fanout::run(state.clone(), pg_listener, notifier_rx));
     state.tracker.spawn(sweep::run(state.clone()));
-    state.tracker.spawn(lineage::watch(state.clone()));
+    state
+        .tracker
+        .spawn(close_all_when_the_lineage_moves(state.clone()));
 
     let slots = Arc::new(Semaphore::new(state.cfg.connections_max));
     let handshakes = Arc::new(Semaphore::new(state.cfg.handshakes_max));
