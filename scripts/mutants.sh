@@ -46,7 +46,7 @@ OUT=${OUT:-evidence/mutants/result.json}
 FOCUS="gateway/src/store.rs gateway/src/fanout.rs gateway/src/sweep.rs gateway/src/changes.rs
 gateway/src/hub.rs gateway/src/conn.rs gateway/src/server.rs gateway/src/limits.rs
 harness/src/client/delivery.rs"
-EVERYTHING="gateway/src/*.rs harness/src/client/delivery.rs harness/src/checker.rs"
+EVERYTHING="gateway/src/*.rs harness/src/client/delivery.rs check/src/*.rs check/src/history/*.rs"
 if [ -n "${ALL:-}" ]; then FILES=${FILES:-$EVERYTHING}; else FILES=${FILES:-$FOCUS}; fi
 
 if ! "$CARGO" mutants --version 2>/dev/null | grep -qx "cargo-mutants $VERSION"; then

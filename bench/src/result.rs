@@ -2,7 +2,7 @@
 //! `evidence/README.md`; bump [`SCHEMA_VERSION`] on any incompatible change). Plain
 //! structs: no `flatten`, no `untagged`.
 
-pub use harness::verdict::Verdict;
+pub use im_check::Verdict;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

@@ -2,7 +2,7 @@
 //! (`now_us`), a seeded PRNG (no `rand` dependency), latency summaries, the progress line
 //! on stderr, and RFC 3339 time stamps. No I/O besides the progress line.
 
-use harness::util::nearest_rank;
+use im_check::nearest_rank;
 use serde::{Deserialize, Serialize};
 use std::io::{IsTerminal, Write};
 use std::sync::OnceLock;

@@ -382,6 +382,16 @@ pub async fn fault_control(path: &Path, cmd: &str) -> anyhow::Result<String> {
     Ok(r)
 }
 
+/// Whether a frame fault armed on a gateway's control socket (`point:action`) leaves the
+/// sweep's pass alone: a drop or error of a push, a reply or a notification does not delay
+/// it; a delay does, and so does anything at `gw.reply.ack` (the acks the sweep waits for:
+/// a dropped ack reply hides an ack that took effect). Decided here, where frame faults are
+/// armed, for the nemesis's `gw-fault` and for a scripted check's alike, and written into
+/// the fault's history line (`leaves_the_sweep_alone`), which is all the judge reads.
+pub fn frame_fault_leaves_the_sweep_alone(point: im_protocol::FaultPoint, action: &str) -> bool {
+    matches!(action, "drop" | "error") && point != im_protocol::FaultPoint::GwReplyAck
+}
+
 fn next_log_path(log_dir: &Path) -> anyhow::Result<PathBuf> {
     fs::create_dir_all(log_dir).with_context(|| format!("create {}", log_dir.display()))?;
     let n = GATEWAY_COUNTER.fetch_add(1, Ordering::Relaxed);

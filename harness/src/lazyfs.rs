@@ -135,15 +135,9 @@ pub struct Cut {
 }
 
 /// Disk faults in force on the layer (see the module's documentation). The default is none.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct DiskFaults {
-    /// `fsync` fails with `EIO` and the file's unsynced pages are thrown away.
-    pub fsync_eio: bool,
-    /// A write that would extend a file fails with `ENOSPC`.
-    pub enospc: bool,
-    /// Every `fsync` is answered this much later.
-    pub fsync_delay_ms: u64,
-}
+/// One type with the history's `disk-fault` lines, which record it: defined beside them, in
+/// the judge's crate (`im_check::history`), which depends on nothing of the harness.
+pub use im_check::history::DiskFaults;
 
 /// The bytes of a page a torn cut writes: the first four 512-byte sectors.
 const TORN_BYTES: u64 = PAGE / 2;

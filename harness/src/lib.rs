@@ -1,6 +1,5 @@
 pub mod autofailover;
 pub mod balancer;
-pub mod checker;
 pub mod client;
 pub mod container;
 pub mod gateway;
@@ -11,5 +10,4 @@ pub mod pg;
 pub mod process;
 pub mod proxy;
 pub mod util;
-pub mod verdict;
 pub mod world;

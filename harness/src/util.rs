@@ -71,22 +71,12 @@ pub fn poll<S>(cond: bool, seen: S) -> std::future::Ready<Result<(), S>> {
     std::future::ready(if cond { Ok(()) } else { Err(seen) })
 }
 
-/// The `q`-quantile (0..=1) of already sorted values by nearest rank: the value at rank
-/// `ceil(q * n)`, clamped to `1..=n`; `None` when empty.
-pub fn nearest_rank<T: Copy>(sorted: &[T], q: f64) -> Option<T> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let n = sorted.len();
-    let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
-    Some(sorted[rank - 1])
-}
-
-/// The `q`-quantile (0..=1) of `xs` by nearest rank (sorts a copy); `None` when empty.
+/// The `q`-quantile (0..=1) of `xs` by nearest rank ([`im_check::nearest_rank`], on a
+/// sorted copy); `None` when empty.
 pub fn percentile(xs: &[f64], q: f64) -> Option<f64> {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
-    nearest_rank(&v, q)
+    im_check::nearest_rank(&v, q)
 }
 
 /// Issue 41: evidence is published only from a committed tree. When `path` lies in the
@@ -450,7 +440,7 @@ mod tests {
         assert_eq!(percentile(&xs, 1.0), Some(100.0));
         assert_eq!(percentile(&xs, 0.0), Some(1.0));
         assert_eq!(percentile(&[], 0.5), None);
-        assert_eq!(nearest_rank(&[3_i64, 7], 0.5), Some(3));
+        assert_eq!(im_check::nearest_rank(&[3_i64, 7], 0.5), Some(3));
     }
 
     #[tokio::test]

@@ -5,7 +5,7 @@
 
 pub mod site;
 
-pub use harness::verdict::Verdict;
+pub use im_check::Verdict;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -79,7 +79,7 @@ pub struct Record {
     pub duration_ms: u64,
     /// PostgreSQL the check ran against: version, fsync, synchronous_commit.
     pub postgres: Option<Value>,
-    /// The history checker's verdict over the whole run (`harness::checker`): verdict,
+    /// The history checker's verdict over the whole run (`im_check`): verdict,
     /// anomaly counts by kind, the first anomalies, statistics. Null if the check ended
     /// before it was judged.
     #[serde(default)]
@@ -362,10 +362,7 @@ const ANOMALIES_IN_RECORD_MAX: usize = 20;
 
 /// Runs the database-wide invariant checks and the history checker over the whole run
 /// (`World::judge`), records both, and expects zero violations and zero anomalies.
-pub async fn judge(
-    c: &mut Check,
-    w: &harness::world::World,
-) -> anyhow::Result<harness::checker::Report> {
+pub async fn judge(c: &mut Check, w: &harness::world::World) -> anyhow::Result<im_check::Report> {
     let (report, kinds) = judged(c, w).await?;
     c.expect("checker_anomalies", 0, report.anomalies.len());
     c.observe("checker_anomaly_kinds", kinds);
@@ -381,7 +378,7 @@ pub async fn judge(
 pub async fn judge_measure(
     c: &mut Check,
     w: &harness::world::World,
-) -> anyhow::Result<harness::checker::Report> {
+) -> anyhow::Result<im_check::Report> {
     let (report, kinds) = judged(c, w).await?;
     c.observe("checker_anomalies_measured", kinds);
     Ok(report)
@@ -392,7 +389,7 @@ pub async fn judge_measure(
 async fn judged(
     c: &mut Check,
     w: &harness::world::World,
-) -> anyhow::Result<(harness::checker::Report, Value)> {
+) -> anyhow::Result<(im_check::Report, Value)> {
     let v = db_invariant_violations(&w.pool().await?).await?;
     c.expect(
         "db_invariant_violations (P1, D4, S1)",
@@ -414,7 +411,7 @@ async fn judged(
         "anomalies_total": r.anomalies.len(),
         "stats": r.stats,
     }));
-    let kinds: std::collections::BTreeMap<&harness::checker::Kind, &u64> =
+    let kinds: std::collections::BTreeMap<&im_check::Kind, &u64> =
         r.counts.iter().filter(|(_, n)| **n > 0).collect();
     let kinds = json!(kinds);
     Ok((r, kinds))
@@ -445,7 +442,7 @@ pub async fn durability_settings(
 /// For tests outside the im-06 evidence (the protocol tests): judges the run with the
 /// history checker, writes `records_dir()/protocol/<test>.json` (the checker's verdict,
 /// read by `make controls`), and returns the report.
-pub async fn judge_test(w: &harness::world::World) -> anyhow::Result<harness::checker::Report> {
+pub async fn judge_test(w: &harness::world::World) -> anyhow::Result<im_check::Report> {
     judge_test_measuring(w, &[]).await
 }
 
@@ -456,8 +453,8 @@ pub async fn judge_test(w: &harness::world::World) -> anyhow::Result<harness::ch
 /// every kind itself.
 pub async fn judge_test_measuring(
     w: &harness::world::World,
-    measured: &[harness::checker::Kind],
-) -> anyhow::Result<harness::checker::Report> {
+    measured: &[im_check::Kind],
+) -> anyhow::Result<im_check::Report> {
     let j = w.judge().await?;
     let test = std::thread::current()
         .name()

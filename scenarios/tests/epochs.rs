@@ -11,12 +11,12 @@
 //! and no cursor going down (D4). With `IM_BUG=no-epoch` nothing moves and the same run is
 //! `held-lost` and `store-mismatch`.
 
-use harness::checker::Kind;
 use harness::client::Client;
 use harness::gateway::GatewayOpts;
 use harness::pg::ClusterOpts;
 use harness::util::wait_until;
 use harness::world::{Replication, World, WorldOpts};
+use im_check::Kind;
 use scenarios::{connect, judge_test, judge_test_measuring, provision_alice_and_bob};
 use std::time::{Duration, Instant};
 

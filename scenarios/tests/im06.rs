@@ -5,10 +5,10 @@
 use futures_util::future::join_all;
 use harness::client::{Client, ClientError, ClientOptions, CrashAt};
 use harness::gateway::GatewayOpts;
-use harness::history::{Action, Line, Outcome, Recv};
 use harness::pg::ClusterOpts;
 use harness::util::{poll, wait_until};
 use harness::world::{Replication, World, WorldOpts};
+use im_check::history::{Action, Line, Outcome, Recv};
 use scenarios::{
     alice_and_bob, connect, durability_settings, judge, judge_measure, ms, postgres_facts,
     provision_alice_and_bob, quantile, reconnect_after_lineage_move, Check, Through,

@@ -54,7 +54,8 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 
-use crate::history::{History, Life, Line};
+use crate::history::History;
+use im_check::history::{Life, Line};
 use im_protocol::wire::{Reply, Request};
 
 pub use delivery::{AckPolicy, Delivery, HintAck};

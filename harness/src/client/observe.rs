@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use super::transport::Received;
 use super::{field_str, Client, ClientError, Inner};
-use crate::history::{
+use im_check::history::{
     Completion, Done, EventRef, Line, OpName, Recv, Refused, Store, StoredRef, Unsure, Via,
     MALFORMED_REPLY,
 };

@@ -12,7 +12,7 @@ use tokio::task::JoinSet;
 
 use super::delivery::{Hinted, NextPage, Pushed};
 use super::{bugs, ClientError, CrashAt, Inner, State, SYNC_PAGES_MAX};
-use crate::history::{Invoke, Line, Store, Via};
+use im_check::history::{Invoke, Line, Store, Via};
 use im_protocol::wire::{Event, HintWhy, Reply, Request};
 use im_protocol::ServerFrame;
 

@@ -2,8 +2,8 @@
 //! gateway's part of the protocol, so they need neither PostgreSQL nor the binary.
 
 use super::*;
-use crate::history::Invoke;
 use futures_util::{SinkExt, StreamExt};
+use im_check::history::Invoke;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;

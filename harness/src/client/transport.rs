@@ -21,7 +21,8 @@ use im_protocol::{FrameError, ServerFrame};
 
 use super::observe::completion;
 use super::{field_str, pump, push_bounded, Client, ClientError, Inner};
-use crate::history::{Completion, Done, History, Invoke, Life, Line, OpName, Refused};
+use crate::history::History;
+use im_check::history::{Completion, Done, Invoke, Life, Line, OpName, Refused};
 
 /// Pushes waiting for the pump. When full, further pushes are dropped and counted
 /// (`pushes_overflowed`): the protocol repairs lost pushes (gap detection, sweep

@@ -1,12 +1,15 @@
-//! The history of one scenario run: every client operation (invoke, then ok / fail / info),
-//! every push and hint a client received, every event a client persisted, every fault or
-//! nemesis action, and the D1 probes, one JSON object per line in `history.jsonl`
-//! (format: evidence/README.md, "History", `schema_version` [`SCHEMA_VERSION`]).
+//! The history writer of one scenario run: every client operation (invoke, then ok / fail /
+//! info), every push and hint a client received, every event a client persisted, every
+//! fault or nemesis action, and the D1 probes, one JSON object per line in
+//! `history.jsonl`. The line types and the reader are the judge's (`im_check::history`;
+//! format: evidence/README.md, "History", `schema_version`
+//! [`im_check::history::SCHEMA_VERSION`]).
 //!
 //! Owns: the file, the entry numbering and the clocks (monotonic `t_ms` since the history
 //! was opened, and `wall_us`, the machine's real-time clock, comparable with PostgreSQL's
-//! `clock_timestamp()` on the same machine). Must not: judge anything (`crate::checker`
-//! does) or speak the protocol (`crate::client` records through it).
+//! `clock_timestamp()` on the same machine), the D1 probes (read through a pool of their
+//! own) and the stall watchdog. Must not: judge anything (`im_check` does) or speak the
+//! protocol (`crate::client` records through it).
 //!
 //! Writes are serialised by one mutex and flushed line by line, so the order of lines is
 //! the order in which the recorded things happened in this process, and a crash of the
@@ -20,15 +23,9 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
-use serde::{Deserialize, Serialize};
-
-mod line;
-pub use line::*;
-
-/// Version of the history line format; the checker refuses any other. 2: typed lines
-/// (every value a fixed shape, unknown fields refused), `phase` beside `op` on nemesis
-/// lines, `raw` requests, `gw-fault` for faults a scripted check arms.
-pub const SCHEMA_VERSION: u32 = 2;
+use im_check::history::{
+    read, Action, Entry, Line, Meta, Nemesis, Phase, ProbeLine, SCHEMA_VERSION,
+};
 
 /// A recorder that waited this long for the history (a write the kernel held up holds the
 /// lock), or a watchdog tick this late (the process was not run), writes an
@@ -40,50 +37,6 @@ pub const OBSERVER_STALL_MS: f64 = 250.0;
 
 /// The watchdog's period ([`History::watch_stalls`]).
 const WATCH_TICK: std::time::Duration = std::time::Duration::from_millis(50);
-
-/// One line of `history.jsonl`: where and when, then what ([`Line`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Entry {
-    /// Position in the file, from 0.
-    pub i: u64,
-    /// Monotonic milliseconds since the history was opened.
-    pub t_ms: f64,
-    /// Real-time clock, microseconds since the Unix epoch.
-    pub wall_us: i64,
-    /// The device id for client lines, `harness` for nemesis and meta lines, `probe` for
-    /// probes.
-    pub process: String,
-    /// Client instance: 1 for the first client of a device, +1 each time it is loaded
-    /// again from its state file. 0 for non-client lines.
-    pub instance: u64,
-    /// Pairs an invoke with its completion, and a nemesis start with its end. Required
-    /// (null when there is none): a line without it does not parse.
-    #[serde(deserialize_with = "Option::deserialize")]
-    pub op_id: Option<u64>,
-    #[serde(flatten)]
-    pub line: Line,
-}
-
-impl Entry {
-    /// The line's `type`.
-    pub fn kind(&self) -> Type {
-        self.line.kind()
-    }
-
-    /// The line's `op`, as written.
-    pub fn op(&self) -> &'static str {
-        self.line.op()
-    }
-
-    /// The line's `value`, as written (for display).
-    pub fn value_text(&self) -> String {
-        serde_json::to_value(&self.line)
-            .ok()
-            .and_then(|v| v.get("value").cloned())
-            .unwrap_or_default()
-            .to_string()
-    }
-}
 
 struct Writer {
     out: BufWriter<File>,
@@ -357,7 +310,8 @@ impl History {
         .await;
     }
 
-    /// The history as the file holds it: flushed, read back and parsed ([`read`]), under
+    /// The history as the file holds it: flushed, read back and parsed
+    /// ([`im_check::history::read`]), under
     /// the writers' lock, so the judge judges exactly what a reviewer can judge again from
     /// the file. An error when a line could not be written or does not parse.
     pub fn read_back(&self) -> anyhow::Result<Vec<Entry>> {
@@ -400,54 +354,10 @@ impl std::fmt::Debug for History {
     }
 }
 
-/// Reads a `history.jsonl`: every line must parse as a typed [`Entry`], and the first
-/// must be the `open` line of this [`SCHEMA_VERSION`]. Any other line is an error naming
-/// the line and what is wrong with it, never a line skipped: a checker that skipped what
-/// it cannot read would judge a history it has not seen.
-pub fn read(path: &Path) -> anyhow::Result<Vec<Entry>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
-    parse(&text).with_context(|| format!("history {}", path.display()))
-}
-
-/// [`read`] of a history's text.
-pub fn parse(text: &str) -> anyhow::Result<Vec<Entry>> {
-    let mut out = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if n == 0 {
-            let v: serde_json::Value = serde_json::from_str(line)
-                .with_context(|| format!("line 1 is not JSON: {line:.200}"))?;
-            let version = v
-                .get("value")
-                .and_then(|v| v.get("schema_version"))
-                .and_then(serde_json::Value::as_u64);
-            anyhow::ensure!(
-                version == Some(u64::from(SCHEMA_VERSION)),
-                "line 1: history schema_version {version:?}, this checker reads {SCHEMA_VERSION}"
-            );
-        }
-        let e: Entry = serde_json::from_str(line)
-            .with_context(|| format!("line {} is not a history entry: {line:.300}", n + 1))?;
-        anyhow::ensure!(
-            e.i == n as u64,
-            "line {} is numbered i={} (lines are numbered from 0 in order)",
-            n + 1,
-            e.i
-        );
-        if n == 0 {
-            anyhow::ensure!(
-                matches!(e.line, Line::Meta(Meta::Open { .. })),
-                "line 1 is not the `open` line"
-            );
-        }
-        out.push(e);
-    }
-    anyhow::ensure!(!out.is_empty(), "the history is empty (no `open` line)");
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use im_check::history::{Done, HintWhy, Invoke, OpName, Outcome, Recv};
     use serde_json::json;
 
     /// What the recorders write is what the reader reads: every kind of line, from request

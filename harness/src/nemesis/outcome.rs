@@ -4,8 +4,7 @@
 //! Owns: the outcome's fields and the outcome of a run that could not be carried out.
 //! Must not: run or judge anything (the runner and the checker do), or read a run's files.
 
-use crate::checker::{Anomaly, OpCounts, Quantiles};
-use crate::verdict::Verdict;
+use im_check::{Anomaly, OpCounts, Quantiles, Verdict};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;

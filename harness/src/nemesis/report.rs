@@ -6,7 +6,7 @@
 use super::faults::Package as _;
 use super::outcome::Outcome;
 use super::schedule::Schedule;
-use crate::history::{Action, Done, Entry, Invoke, Line, Nemesis, Phase, Recv, Type};
+use im_check::history::{Action, Done, Entry, Invoke, Line, Nemesis, Phase, Recv, Type};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::path::Path;
@@ -58,7 +58,7 @@ fn bands(h: &[Entry], end: f64) -> Vec<Band> {
         }
         let (kind, label) = match action {
             Action::Fault { fault, .. } => {
-                let kind = fault.kind.name().to_string();
+                let kind = fault.kind.clone();
                 let label = format!("#{} {kind} {}", fault.id, fault.target);
                 (kind, label)
             }
@@ -100,7 +100,7 @@ fn bands(h: &[Entry], end: f64) -> Vec<Band> {
 
 /// Writes `dir/report.html` for the run.
 pub fn write_html(dir: &Path, schedule: &Schedule, o: &Outcome) -> anyhow::Result<()> {
-    let h = crate::history::read(&dir.join("history.jsonl")).unwrap_or_default();
+    let h = im_check::history::read(&dir.join("history.jsonl")).unwrap_or_default();
     let html = render(&h, schedule, o);
     crate::util::write_atomic(&dir.join("report.html"), html.as_bytes())
 }
@@ -405,7 +405,7 @@ fn latencies(h: &[Entry]) -> (Vec<(f64, f64)>, Vec<(f64, f64)>) {
 fn quantile_ms(points: &[(f64, f64)], q: f64) -> String {
     let mut v: Vec<f64> = points.iter().map(|p| p.1).collect();
     v.sort_by(f64::total_cmp);
-    crate::util::nearest_rank(&v, q).map_or("-".into(), |x| format!("{x:.0} ms"))
+    im_check::nearest_rank(&v, q).map_or("-".into(), |x| format!("{x:.0} ms"))
 }
 
 /// Each fault as planned and as carried out: kind, target, times, its parameters and what
@@ -562,7 +562,7 @@ mod tests {
     use super::*;
     use crate::history::History;
     use crate::nemesis::schedule::{generate, Options};
-    use crate::verdict::Verdict;
+    use im_check::Verdict;
 
     /// Issue 22 (the nemesis page made readable): a legend names each fault kind that
     /// occurs; faults are a table whose parameters and results are `name=value` text, not
@@ -582,18 +582,18 @@ mod tests {
         {
             let h = History::create(&path).unwrap();
             let id = h.nemesis_start(Action::Fault {
-                fault: f.clone(),
+                fault: f.to_line(),
                 healed: false,
             });
             h.nemesis_end(
                 id,
                 Action::Fault {
-                    fault: f.clone(),
+                    fault: f.to_line(),
                     healed: false,
                 },
             );
         }
-        let h = crate::history::read(&path).unwrap();
+        let h = im_check::history::read(&path).unwrap();
         let mut o = Outcome::error(
             schedule.seed,
             "nemesis --seed 3".into(),

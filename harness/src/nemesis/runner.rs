@@ -16,13 +16,14 @@ use super::faults::{CrashSwitches, FaultCtx, Package};
 use super::outcome::Outcome;
 use super::schedule::{Fault, Membership, Schedule};
 use super::supervisor::{Started, Supervisor};
-use crate::checker::Report;
 use crate::client::{Client, ClientError, ClientOptions, HintAck};
 use crate::gateway::{self, GatewayOpts};
-use crate::history::{Action, History, Join};
-use crate::verdict::Verdict;
+use crate::history::History;
 use crate::world::{World, WorldOpts};
 use anyhow::Context;
+use im_check::history::{Action, Join};
+use im_check::Report;
+use im_check::Verdict;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -676,7 +677,7 @@ fn timeline(schedule: &Schedule) -> Vec<(u64, Event)> {
 
 fn fault_action(f: &Fault, healed: bool) -> Action {
     Action::Fault {
-        fault: f.clone(),
+        fault: f.to_line(),
         healed,
     }
 }

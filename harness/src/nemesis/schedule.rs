@@ -113,6 +113,29 @@ pub struct Fault<K = FaultKind> {
     pub kind: K,
 }
 
+impl<K: Package> Fault<K> {
+    /// The fault as its history line keeps it (issue 43): plain data, the fields of
+    /// `schedule.json` (its kind's name and parameters beside the timing and target) and
+    /// what the judge must know of it, which its package decides here
+    /// ([`Package::leaves_the_sweep_alone`]): `im_check` knows no fault kinds.
+    pub fn to_line(&self) -> im_check::history::FaultLine {
+        let mut params = match serde_json::to_value(&self.kind) {
+            Ok(serde_json::Value::Object(m)) => m,
+            other => panic!("a fault kind serialises as an object with its kind: {other:?}"),
+        };
+        params.remove("kind");
+        im_check::history::FaultLine {
+            id: self.id,
+            at_ms: self.at_ms,
+            end_ms: self.end_ms,
+            target: self.target.clone(),
+            kind: self.kind.name().to_string(),
+            params,
+            leaves_the_sweep_alone: self.kind.leaves_the_sweep_alone(),
+        }
+    }
+}
+
 /// A user and their devices.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct User {
@@ -641,6 +664,53 @@ mod tests {
 
     /// Issue 10: the same seed gives the same schedule, byte for byte; another seed
     /// another one; and the bytes read back are the same schedule.
+    /// Issue 43: a fault's history line is its `schedule.json` object plus what the judge
+    /// must know, decided by its package: a frame dropped or refused anywhere but at the
+    /// ack's reply, and a client crash, leave the sweep alone; a delay, a dropped ack reply,
+    /// a pause do not. The line reads back as the same plain data.
+    #[test]
+    fn a_fault_line_is_the_schedule_fault_plus_what_the_judge_must_know() {
+        use crate::nemesis::faults::client::ClientFault;
+        use crate::nemesis::faults::process::ProcessFault;
+        use im_protocol::FaultPoint;
+        let fault = |kind| Fault {
+            id: 4,
+            at_ms: 10,
+            end_ms: 20,
+            target: "gateway".into(),
+            kind,
+        };
+        let gw = |point, action: &str| {
+            FaultKind::Process(ProcessFault::GwFault {
+                point,
+                action: action.into(),
+            })
+        };
+        for (kind, leaves) in [
+            (gw(FaultPoint::GwPush, "drop"), true),
+            (gw(FaultPoint::SendAfterCommitBeforeNotify, "error"), true),
+            (gw(FaultPoint::GwReplyAck, "drop"), false),
+            (gw(FaultPoint::GwPush, "delay(300)"), false),
+            (FaultKind::Process(ProcessFault::GwPause), false),
+            (FaultKind::Client(ClientFault::ClientCrash), true),
+            (FaultKind::Database(DatabaseFault::PgCrash), false),
+        ] {
+            let f = fault(kind);
+            let line = f.to_line();
+            assert_eq!(line.leaves_the_sweep_alone, leaves, "{f:?}");
+            assert_eq!(line.kind, f.kind.name());
+            let mut written = serde_json::to_value(&line).unwrap();
+            let read: im_check::history::FaultLine =
+                serde_json::from_value(written.clone()).unwrap();
+            assert_eq!(read, line);
+            written
+                .as_object_mut()
+                .unwrap()
+                .remove("leaves_the_sweep_alone");
+            assert_eq!(written, serde_json::to_value(&f).unwrap());
+        }
+    }
+
     #[test]
     fn same_seed_same_bytes() {
         let o = Options::default();

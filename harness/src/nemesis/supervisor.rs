@@ -12,10 +12,10 @@
 
 use crate::balancer::Balancer;
 use crate::gateway::{self, GatewayOpts};
-use crate::history::Action;
 use crate::proxy::{Condition, Proxy};
 use crate::world::World;
 use anyhow::Context;
+use im_check::history::Action;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

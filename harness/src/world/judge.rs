@@ -199,7 +199,7 @@ impl World {
             })
             .collect();
         Ok(json!({
-            "schema_version": crate::checker::FINAL_SCHEMA_VERSION,
+            "schema_version": checker::FINAL_SCHEMA_VERSION,
             "t_ms": self.hist.now_ms(),
             "wall_us": history::wall_us_now(),
             "sweep_ms": sweep_ms,
@@ -226,7 +226,7 @@ impl World {
 
 /// Devices whose client is connected and subscribed at the end of the history: per device
 /// and instance, `sub` ok subscribes, `connect` ok / `disconnect` / `crash` unsubscribe.
-fn live_devices(entries: &[history::Entry]) -> BTreeSet<String> {
+fn live_devices(entries: &[im_check::history::Entry]) -> BTreeSet<String> {
     let mut subscribed: HashMap<(String, u64), bool> = HashMap::new();
     for e in entries {
         let key = (e.process.clone(), e.instance);

@@ -20,12 +20,13 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::checker::{self, Report};
 use crate::client::Client;
 use crate::gateway::{self, Gateway, GatewayOpts};
-use crate::history::{self, Action, Done, History, Join, Life, Line, Meta, Outcome};
+use crate::history::{self, History};
 use crate::pg::{Cluster, ClusterOpts};
 use crate::proxy::Proxy;
+use im_check::history::{Action, Done, Join, Life, Line, Meta, Outcome};
+use im_check::{self as checker, Report};
 use im_protocol::FaultPoint;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap};

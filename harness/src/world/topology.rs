@@ -342,6 +342,7 @@ impl World {
             .to_string();
         self.gw_at(i).control(&format!("arm {spec}")).await?;
         let armed = Action::GwFault {
+            leaves_the_sweep_alone: gateway::frame_fault_leaves_the_sweep_alone(point, &action),
             point,
             action,
             spec: spec.to_string(),

@@ -1,5 +1,5 @@
 //! `imfault-check DIR`: judges one scenario run again from its files. DIR holds
-//! `history.jsonl` and `final.json`; the report (`harness::checker::Report`) goes to stdout
+//! `history.jsonl` and `final.json`; the report (`im_check::Report`) goes to stdout
 //! as pretty JSON, one summary line to stderr. Exit status: 0 PASS, 1 anomalies, 2 usage error
 //! or ERROR (the files cannot be read or a history line does not parse).
 
@@ -7,7 +7,7 @@ use std::io::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
-use harness::checker::{judge_dir, Verdict};
+use im_check::{judge_dir, Verdict};
 
 /// Judge one scenario run again from its files: DIR holds history.jsonl and final.json.
 /// Prints the report as JSON on stdout and one summary line on stderr.

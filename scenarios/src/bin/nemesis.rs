@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use harness::nemesis::shrink::{shrink, ShrinkOpts, Shrunk};
 use harness::nemesis::{generate, run, Options, Outcome, Schedule};
-use harness::verdict::Verdict;
+use im_check::Verdict;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -134,9 +134,9 @@ struct RunLine {
     expected_loss: u64,
     faults: BTreeMap<String, u64>,
     /// Client operations by how they ended.
-    ops: BTreeMap<String, harness::checker::OpCounts>,
+    ops: BTreeMap<String, im_check::OpCounts>,
     gateway_starts: u64,
-    repair_ms: harness::checker::Quantiles,
+    repair_ms: im_check::Quantiles,
     wall_ms: u64,
     /// The run's directory, when kept.
     dir: Option<String>,
@@ -776,7 +776,7 @@ fn summarize(meta: Meta, opts: &Options, lines: &[RunLine], shrunk: &[ShrinkLine
         faults_by_kind: faults,
         ops,
         repair_ms: json!({"repairs": repairs,
-            "median_of_run_p50": harness::util::nearest_rank(&p50s, 0.5),
+            "median_of_run_p50": im_check::nearest_rank(&p50s, 0.5),
             "max": max}),
         per_run: lines.to_vec(),
         shrunk: shrunk.to_vec(),

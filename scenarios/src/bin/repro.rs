@@ -14,10 +14,10 @@
 
 use anyhow::Context;
 use clap::Parser;
-use harness::checker::Report;
 use harness::client::ClientError;
 use harness::gateway::GatewayOpts;
 use harness::world::World;
+use im_check::Report;
 use serde_json::{json, Value};
 use std::process::ExitCode;
 use std::time::Duration;

@@ -7,6 +7,7 @@
 //! Must not: touch the database or the network.
 
 use super::{Drawn, FaultCtx, Package, Targets};
+use crate::gateway::frame_fault_leaves_the_sweep_alone;
 use crate::nemesis::rng::Rng;
 use anyhow::Context;
 use im_protocol::FaultPoint;
@@ -94,13 +95,6 @@ pub fn gateway_index(target: &str) -> anyhow::Result<usize> {
         .strip_prefix("gateway-")
         .and_then(|i| i.parse().ok())
         .with_context(|| format!("{target:?} names no gateway (gateway, gateway-0, gateway-1, …)"))
-}
-
-/// Whether a frame fault leaves the sweep's pass alone: a drop or error of a push, a reply
-/// or a notification does not delay it; a delay does, and so does anything at
-/// `gw.reply.ack` (the acks the sweep waits for). Shared with im-06's scripted frame faults.
-pub fn frame_fault_leaves_the_sweep_alone(point: FaultPoint, action: &str) -> bool {
-    matches!(action, "drop" | "error") && point != FaultPoint::GwReplyAck
 }
 
 impl Package for ProcessFault {

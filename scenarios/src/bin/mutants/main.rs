@@ -25,7 +25,7 @@ mod coverage;
 mod run;
 
 use anyhow::{bail, Context};
-use harness::verdict::Verdict;
+use im_check::Verdict;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

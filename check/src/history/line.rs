@@ -6,13 +6,14 @@
 //! `"phase"`. Every value struct refuses unknown fields and every field the checker reads
 //! is required, so a line written by another version, or a field renamed, does not parse:
 //! reading such a history fails loudly ([`super::read`]), and the judgement is ERROR,
-//! never a rule that skips the line. Must not: record (`super::History` does) or judge
-//! (`crate::checker` does).
+//! never a rule that skips the line. Must not: record (the harness's `History` does) or
+//! judge ([`crate::check`] does). A line is plain data: what the judge must know about a
+//! fault (whether it leaves the sweep alone) is written in the line by whoever made the
+//! fault, never looked up here.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::nemesis::schedule::Fault;
 use im_protocol::wire::{Event, Reply};
 use im_protocol::{FaultPoint, FrameError, ServerFrame};
 
@@ -600,6 +601,47 @@ impl Outcome {
     }
 }
 
+/// A fault of a nemesis schedule as the history keeps it: plain data, written by the
+/// nemesis from its schedule's fault (same fields as in `schedule.json`, plus what the judge
+/// must know). The judge reads only `leaves_the_sweep_alone` (and the line's phase and op
+/// id); `kind`, `target` and the parameters are for people (the run's report), and the
+/// judge makes no decision by them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FaultLine {
+    /// Position in the generated schedule.
+    pub id: u32,
+    /// Start and end, offsets from the start of the workload (`end_ms == at_ms`: an
+    /// instant).
+    pub at_ms: u64,
+    pub end_ms: u64,
+    /// What it acts on: `gateway`, `postgres`, `gateway->postgres`, a device id...
+    pub target: String,
+    /// The fault's kind, as `schedule.json` names it (`gw-kill`, `net-db`...).
+    pub kind: String,
+    /// The kind's parameters (`point`, `skip`, `action`...), beside `kind` as
+    /// `schedule.json` writes them; opaque to the judge.
+    #[serde(flatten)]
+    pub params: serde_json::Map<String, Value>,
+    /// Whether the fault can neither delay the sweep's pass or its hints nor move a cursor
+    /// without the client hearing of it (a client crash; a frame dropped or refused at any
+    /// point but the ack's reply), decided by the fault's package when the line is
+    /// written: `d5-sweep-late` still judges hint gaps while it is in force. Required since
+    /// schema_version 3 (the reader fills it in for version 2).
+    pub leaves_the_sweep_alone: bool,
+}
+
+/// Disk faults in force on the database's LazyFS layer (issue 21). The default is none.
+/// The layer (the harness's `lazyfs`) is switched with this type; the history records it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskFaults {
+    /// `fsync` fails with `EIO` and the file's unsynced pages are thrown away.
+    pub fsync_eio: bool,
+    /// A write that would extend a file fails with `ENOSPC`.
+    pub enospc: bool,
+    /// Every `fsync` is answered this much later.
+    pub fsync_delay_ms: u64,
+}
+
 /// A membership change made by the harness.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -668,21 +710,23 @@ pub enum Action {
     /// Disk faults on the database's LazyFS layer (issue 21): a period, its start and end
     /// carrying the same faults.
     DiskFault {
-        faults: crate::lazyfs::DiskFaults,
+        faults: DiskFaults,
     },
     /// A fault of a nemesis schedule (start and end carry the same fault; `healed`: ended
     /// by the heal, not by its schedule).
     Fault {
-        fault: Fault,
+        fault: FaultLine,
         healed: bool,
     },
     /// A frame fault a scripted check armed on gateway `gateway` (`spec` in `IM_FAULT`
-    /// syntax).
+    /// syntax). `leaves_the_sweep_alone` as in [`FaultLine`], decided by whoever armed it
+    /// (schema_version 3).
     GwFault {
         point: FaultPoint,
         action: String,
         spec: String,
         gateway: usize,
+        leaves_the_sweep_alone: bool,
     },
     Membership {
         action: Join,

@@ -57,7 +57,7 @@ pub(super) struct PendingHint {
 /// `1.5 × sweep_ms`. Keeps every gap for the statistics.
 pub(super) fn d5_sweep_late(cx: &Ctx, out: &mut Findings) {
     let stalls = observer_stalls(cx.h);
-    let mut world = Disturbance::default();
+    let mut disturbance = Disturbance::default();
     // device → (conv, instance) → the last sweep hint.
     let mut pending: HashMap<&str, HashMap<(&str, u64), PendingHint>> = HashMap::new();
     // (device, conv, sweep_ms) → (gaps, hint lines), for the median rule.
@@ -66,9 +66,9 @@ pub(super) fn d5_sweep_late(cx: &Ctx, out: &mut Findings) {
     for e in cx.h {
         let device = e.process.as_str();
         match &e.line {
-            // Every nemesis line updates `world`; some start a new series.
-            Line::Nemesis(nem) if world.starts_a_new_series(e.op_id, nem) => pending.clear(),
-            Line::Recv(Recv::Hint { .. }) if world.in_force() => {}
+            // Every nemesis line updates `disturbance`; some start a new series.
+            Line::Nemesis(nem) if disturbance.starts_a_new_series(e.op_id, nem) => pending.clear(),
+            Line::Recv(Recv::Hint { .. }) if disturbance.in_force() => {}
             Line::Client(Life::Disconnect {} | Life::Crash {} | Life::Restart {}) => {
                 pending.remove(device);
             }
@@ -87,7 +87,7 @@ pub(super) fn d5_sweep_late(cx: &Ctx, out: &mut Findings) {
                     t_ms: e.t_ms,
                     line: e.i,
                     head,
-                    sweep_ms: world.sweep_ms.unwrap_or(cx.fin.sweep_ms),
+                    sweep_ms: disturbance.sweep_ms.unwrap_or(cx.fin.sweep_ms),
                 };
                 let prev = pending
                     .entry(device)
@@ -230,16 +230,19 @@ impl Disturbance {
     }
 }
 
-/// Whether a nemesis fault (the start of its `fault` period) can neither delay the sweep or
-/// its hints nor move a cursor without the client hearing of it: a `client-crash`, or a
-/// `gw-fault` that drops a frame or answers it with an error at any point but
-/// `gw.reply.ack`.
-/// The nemesis's faults say so themselves (their package's `leaves_the_sweep_alone`);
-/// im-06's scripted frame faults are judged by the same rule as the nemesis's `gw-fault`.
+/// Whether a fault (the start of its `fault` or `gw-fault` period) can neither delay the
+/// sweep or its hints nor move a cursor without the client hearing of it: a `client-crash`,
+/// or a frame fault that drops a frame or answers it with an error at any point but
+/// `gw.reply.ack`. The judge does not decide it: the line says so
+/// (`leaves_the_sweep_alone`, written by whoever made the fault: the nemesis's fault
+/// packages, or a scripted check arming a frame fault, by one rule).
 pub(super) fn fault_leaves_the_sweep_alone(action: &Action) -> bool {
     match action {
-        Action::Fault { fault, .. } => fault.kind.leaves_the_sweep_alone(),
-        Action::GwFault { point, action, .. } => frame_fault_leaves_the_sweep_alone(*point, action),
+        Action::Fault { fault, .. } => fault.leaves_the_sweep_alone,
+        Action::GwFault {
+            leaves_the_sweep_alone,
+            ..
+        } => *leaves_the_sweep_alone,
         _ => false,
     }
 }

@@ -89,3 +89,14 @@ pub(super) fn stats(cx: &Ctx, info_sends: InfoSends, gaps: Vec<f64>) -> Stats {
         },
     }
 }
+
+/// The `q`-quantile (0..=1) of already sorted values by nearest rank: the value at rank
+/// `ceil(q * n)`, clamped to `1..=n`; `None` when empty.
+pub fn nearest_rank<T: Copy>(sorted: &[T], q: f64) -> Option<T> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let n = sorted.len();
+    let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
+    Some(sorted[rank - 1])
+}

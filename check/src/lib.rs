@@ -1,16 +1,24 @@
-//! The checker: judges one scenario run from its history (`history.jsonl`, written by
-//! [`crate::history`]) and the final read of the database and of every client's state file
+//! `im-check`, the judge: judges one scenario run from its history (`history.jsonl`, read
+//! by [`history`]) and the final read of the database and of every client's state file
 //! (`final.json`, the [`Final`] type here), and says which invariants (D1…D6, P1, S1) the
 //! run broke, with the history lines that prove it ([`Report`]).
 //!
-//! Owns: the `final.json` format ([`Final`], `final_read.rs`), the report format
-//! ([`Report`], [`Anomaly`], `report.rs`), the table of anomaly kinds (`kinds.rs`), the
-//! witnesses that prove them (`witness.rs`) and the rules of the checker contract
-//! ([`RULES`]), one small function each, one file per family: `delivery.rs`, `order.rs`,
-//! `cursor.rs`, `membership.rs`, `sweep.rs`, `commit.rs`; `stats.rs` counts.
-//! Must not: do I/O other than [`load_dir`], speak the protocol (`crate::client` does), or
-//! touch the database (the judge that takes the final read does). [`check`] is a pure
-//! function of its two arguments, so a run can be judged again, later, from its files.
+//! A library that knows only histories, in the manner of Elle: the harness writes a history
+//! and takes the final read, then calls [`check`]; `imfault-check DIR` calls [`judge_dir`]
+//! on a kept run; a reader can learn the rules without learning the system that produced
+//! the history. Whatever a rule must know about a fault comes in the fault's line.
+//!
+//! Owns: the history's line types and reader ([`history`]), the `final.json` format
+//! ([`Final`], `final_read.rs`), the report format ([`Report`], [`Anomaly`], `report.rs`),
+//! the verdict type of every record the project writes ([`verdict`]), the table of anomaly
+//! kinds (`kinds.rs`), the witnesses that prove them (`witness.rs`) and the rules of the
+//! checker contract ([`RULES`]), one small function each, one file per family:
+//! `delivery.rs`, `order.rs`, `cursor.rs`, `membership.rs`, `sweep.rs`, `commit.rs`;
+//! `stats.rs` counts.
+//! Must not: do I/O other than reading files ([`history::read`], [`load_dir`]), speak the
+//! protocol, touch the database, or depend on anything that does (its dependencies are the
+//! protocol's types, serde and anyhow). [`check`] is a pure function of its two arguments,
+//! so a run can be judged again, later, from its files.
 //!
 //! Cost: every rule is one or two walks over the history with hash maps keyed by device,
 //! conversation and seq, so a history of tens of thousands of lines is judged in
@@ -28,9 +36,6 @@ use crate::history::{
     Action, Done, Entry, EventRef, HintWhy, Invoke, Life, Line, Nemesis, Phase, ProbeLine, Recv,
     Store, Type, Via, MALFORMED_REPLY,
 };
-use crate::nemesis::faults::process::frame_fault_leaves_the_sweep_alone;
-use crate::nemesis::faults::Package as _;
-use crate::util::nearest_rank;
 
 /// Version of the `final.json` format; [`load_dir`] refuses any other.
 pub const FINAL_SCHEMA_VERSION: u32 = 1;
@@ -39,6 +44,9 @@ pub const REPORT_SCHEMA_VERSION: u32 = 2;
 
 /// Longest list of seqs spelled out in a message.
 const LIST_MAX: usize = 10;
+
+pub mod history;
+pub mod verdict;
 
 mod commit;
 mod cursor;
@@ -57,13 +65,14 @@ mod witness;
 pub use final_read::*;
 pub use kinds::Kind;
 pub use report::*;
+pub use stats::nearest_rank;
 pub use witness::{Named, Witness};
 
 // ---------------------------------------------------------------------------------------
 // Loading
 // ---------------------------------------------------------------------------------------
 
-/// Reads `DIR/history.jsonl` (through [`crate::history::read`]) and `DIR/final.json`,
+/// Reads `DIR/history.jsonl` (through [`history::read`]) and `DIR/final.json`,
 /// refusing another schema version of either.
 pub fn load_dir(dir: &Path) -> anyhow::Result<(Vec<Entry>, Final)> {
     let history = crate::history::read(&dir.join("history.jsonl"))?;
@@ -101,7 +110,7 @@ pub fn judge_dir(dir: &Path) -> Report {
 pub struct Rule {
     /// The rule's name (its function).
     pub name: &'static str,
-    /// The file of `checker/` it lives in: delivery, order, cursor, membership, sweep,
+    /// The file of `check/src/` it lives in: delivery, order, cursor, membership, sweep,
     /// commit.
     pub family: &'static str,
     /// The kinds of anomaly it may report.
