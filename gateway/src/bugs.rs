@@ -163,6 +163,25 @@ bugs! {
     /// devices are locked out for minutes after the database is back.
     OutageChargesHello = "outage-charges-hello",
         "hello throttle: a hello the database could not check is charged as a failed one";
+    /// The ack statements (the batched one production runs, and the single one its fallback
+    /// runs) write the cursor of an ack whose install was replaced; the ack is still answered
+    /// STALE_INSTALL. Breaks D3 (only the device's own install's ack moves its cursor) and so
+    /// D5 for the new install (issue 42): the cursor it inherits stands past messages it
+    /// never got, so neither its `sub` nor the sweep ever brings them.
+    ReplacedInstallAcks = "replaced-install-acks",
+        "D3: an ack from a replaced install moves the device's cursor (answered STALE_INSTALL)";
+    /// The sweep's visible head of a member who left is one past the last event of their
+    /// period (`to_seq` instead of `to_seq - 1`). Breaks D5 for members who left (issue 42):
+    /// they are hinted at an event they may not see, can never ack it (CURSOR_AHEAD), and
+    /// are hinted about it for ever.
+    HintPastLeave = "hint-past-leave",
+        "D5: the sweep hints a member who left at one past the last event they may see";
+    /// After one failed look, the commit feed stops for the rest of its LISTEN session (it
+    /// forgets its mark instead of asking again from it). Breaks D5 (issue 42): a commit whose
+    /// notification is lost after that is found only by the routine full pass, 60 sweep
+    /// intervals later.
+    FeedGivesUp = "feed-gives-up",
+        "D5: after one failed look the commit feed stops until LISTEN is regained";
 }
 
 impl fmt::Display for Bug {
@@ -332,12 +351,15 @@ mod tests {
                 "{n}"
             );
         }
-        assert_eq!(Bug::ALL.len(), 25);
+        assert_eq!(Bug::ALL.len(), 28);
         assert_eq!(Bug::ALL[0].name(), "reply-before-commit");
         assert_eq!(Bug::S1Leak.name(), "s1-leak");
         assert_eq!(Bug::NoLocalHandoff.name(), "no-local-handoff");
         assert_eq!(Bug::NoEpoch.name(), "no-epoch");
         assert_eq!(Bug::NoIncarnation.name(), "no-incarnation");
+        assert_eq!(Bug::ReplacedInstallAcks.name(), "replaced-install-acks");
+        assert_eq!(Bug::HintPastLeave.name(), "hint-past-leave");
+        assert_eq!(Bug::FeedGivesUp.name(), "feed-gives-up");
     }
 
     #[test]

@@ -742,6 +742,30 @@ const CURSOR_OVERWRITE_EDITS: &[(&str, &str)] = &[(
     "EXCLUDED.delivered_seq",
 )];
 
+/// What the `replaced-install-acks` bug changes in [`ACK_SQL`]: the install check of the
+/// write (the answer's check, in [`ack_answer`], stays).
+const REPLACED_INSTALL_ACK_EDITS: &[(&str, &str)] = &[(
+    "WHERE chk.install_epoch = $4 AND chk.member",
+    "WHERE chk.member",
+)];
+
+/// The same in [`ACK_BATCH_SQL`].
+const REPLACED_INSTALL_ACK_BATCH_EDITS: &[(&str, &str)] =
+    &[("WHERE install_epoch = epoch AND member", "WHERE member")];
+
+/// An ack statement as the build runs it: `sql`, or in the controls build with
+/// `cursor-overwrite` or `replaced-install-acks` active, that bug's rewrite of it
+/// (`replaced` is the latter's edit of this statement).
+fn ack_sql(sql: &'static str, replaced: &[(&str, &str)]) -> Cow<'static, str> {
+    if bugs::active(Bug::CursorOverwrite) {
+        bugs::rewrite(sql, CURSOR_OVERWRITE_EDITS).into()
+    } else if bugs::active(Bug::ReplacedInstallAcks) {
+        bugs::rewrite(sql, replaced).into()
+    } else {
+        sql.into()
+    }
+}
+
 /// `ack`: one statement that checks the install epoch, membership and the head, and upserts
 /// the cursor with GREATEST, returning the merged value.
 ///
@@ -749,11 +773,7 @@ const CURSOR_OVERWRITE_EDITS: &[(&str, &str)] = &[(
 /// D4: GREATEST never lowers it; an ack above the user's visible head is CURSOR_AHEAD and
 /// writes nothing. S1: a user without any membership period gets NOT_MEMBER.
 pub async fn ack(pool: &PgPool, who: &Principal, conv: &str, seq: i64) -> Result<i64, WireError> {
-    let sql: Cow<'static, str> = if bugs::active(Bug::CursorOverwrite) {
-        bugs::rewrite(ACK_SQL, CURSOR_OVERWRITE_EDITS).into()
-    } else {
-        ACK_SQL.into()
-    };
+    let sql = ack_sql(ACK_SQL, REPLACED_INSTALL_ACK_EDITS);
     let row = sqlx::query(&sql)
         .bind(&who.device)
         .bind(conv)
@@ -968,11 +988,7 @@ pub async fn ack_batch(
     pool: &PgPool,
     rows: &[AckRow<'_>],
 ) -> Result<Vec<Result<i64, WireError>>, WireError> {
-    let sql: Cow<'static, str> = if bugs::active(Bug::CursorOverwrite) {
-        bugs::rewrite(ACK_BATCH_SQL, CURSOR_OVERWRITE_EDITS).into()
-    } else {
-        ACK_BATCH_SQL.into()
-    };
+    let sql = ack_sql(ACK_BATCH_SQL, REPLACED_INSTALL_ACK_BATCH_EDITS);
     let devices: Vec<&str> = rows.iter().map(|r| r.who.device.as_str()).collect();
     let convs: Vec<&str> = rows.iter().map(|r| r.conv).collect();
     let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
@@ -1372,8 +1388,21 @@ WITH pairs AS (
          FROM memberships m JOIN devices d ON d.user_id = m.user_id
          WHERE m.conv_id = ANY ($1::text[])),";
 
+/// What the `hint-past-leave` bug changes in [`LAGGING_TAIL`]: the end of a closed period
+/// in the visible head (the filter that drops empty periods stays).
+const HINT_PAST_LEAVE_EDITS: &[(&str, &str)] = &[(
+    "MAX(LEAST(c.next_seq - 1, COALESCE(m.to_seq - 1,",
+    "MAX(LEAST(c.next_seq - 1, COALESCE(m.to_seq,",
+)];
+
 /// The SQL of a sweep query: `pairs` (one of the three above) and [`LAGGING_TAIL`].
 pub fn lagging_sql(pairs: &str) -> String {
+    if bugs::active(Bug::HintPastLeave) {
+        return format!(
+            "{pairs}{}",
+            bugs::rewrite(LAGGING_TAIL, HINT_PAST_LEAVE_EDITS)
+        );
+    }
     format!("{pairs}{LAGGING_TAIL}")
 }
 
@@ -1567,6 +1596,20 @@ mod tests {
         assert!(
             !s.contains("GREATEST") && s.contains("SET delivered_seq = EXCLUDED.delivered_seq")
         );
+        for (sql, edits) in [
+            (ACK_SQL, REPLACED_INSTALL_ACK_EDITS),
+            (ACK_BATCH_SQL, REPLACED_INSTALL_ACK_BATCH_EDITS),
+        ] {
+            let s = bugs::rewrite(sql, CURSOR_OVERWRITE_EDITS);
+            assert!(!s.contains("GREATEST"), "{s}");
+            let s = bugs::rewrite(sql, edits);
+            assert!(
+                s.contains("WHERE") && !s.contains("= epoch AND") && !s.contains("= $4 AND"),
+                "{s}"
+            );
+        }
+        let s = bugs::rewrite(LAGGING_TAIL, HINT_PAST_LEAVE_EDITS);
+        assert!(s.contains("COALESCE(m.to_seq, c.next_seq - 1)))"), "{s}");
         let s = bugs::rewrite(&events_with_audience_sql(), S1_LEAK_EDITS);
         assert!(!s.contains("from_seq") && !s.contains("to_seq"), "{s}");
     }

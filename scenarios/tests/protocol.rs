@@ -632,6 +632,88 @@ async fn sweep_stops_hinting_a_device_that_caught_up() {
     assert_invariants(&w).await;
 }
 
+/// D5 with S1, the sweep's visible head of a member who left: bob leaves c1 after seq 2 (his
+/// period ends there) and alice sends two more while b1 is away. When b1 subscribes (raw:
+/// the client does not sync by itself), the new subscription's pass finds it lagging and
+/// hints it at the last event bob may see, seq 2, never one past it (bug `hint-past-leave`),
+/// which b1 could never ack (CURSOR_AHEAD) and so would be hinted about for ever. Then b1
+/// acks 2 and the hints stop: a1, which never acks, is the clock (hinted every interval),
+/// and b1 gets no hint after a1's second one after the ack.
+#[tokio::test]
+async fn the_sweep_hints_a_member_who_left_at_the_last_event_they_may_see() {
+    let w = World::start(GatewayOpts {
+        sweep_ms: Some(200),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
+    let never_ack = || ClientOptions {
+        auto_ack: false,
+        ..Default::default()
+    };
+    let a = connect(&w, "a1", &ta)
+        .await
+        .unwrap()
+        .with_options(never_ack());
+    a.sub().await.unwrap();
+    for m in ["m1", "m2"] {
+        a.send("c1", m, "x", T).await.unwrap();
+    }
+    w.leave("c1", "bob").await.unwrap();
+    for m in ["m3", "m4"] {
+        a.send("c1", m, "x", T).await.unwrap();
+    }
+    let b = connect(&w, "b1", &tb)
+        .await
+        .unwrap()
+        .with_options(never_ack());
+    b.request(json!({"t":"sub"}), T).await.unwrap(); // raw sub: the client does not sync by itself
+    let sweep_hints = |c: &Client| -> Vec<(Instant, Value)> {
+        c.frames()
+            .into_iter()
+            .filter(|(_, f)| f["t"] == "hint" && f["why"] == "sweep" && f["conv"] == "c1")
+            .collect()
+    };
+    b.wait_for("b1's first sweep hint", T, |c| !sweep_hints(c).is_empty())
+        .await
+        .unwrap();
+    let heads: Vec<Value> = sweep_hints(&b)
+        .into_iter()
+        .map(|(_, f)| f["head"].clone())
+        .collect();
+    assert!(
+        heads.iter().all(|h| *h == 2),
+        "b1 was hinted at {heads:?}, not at seq 2, the last event bob may see"
+    );
+    b.ack("c1", 2, T).await.unwrap();
+    let acked = Instant::now();
+    let a_hints = |c: &Client| -> Vec<Instant> {
+        c.frames()
+            .into_iter()
+            .filter(|(t, f)| *t > acked && f["t"] == "hint" && f["why"] == "sweep")
+            .map(|(t, _)| t)
+            .collect()
+    };
+    a.wait_for("four sweep hints to a1 after b1's ack", T, |c| {
+        a_hints(c).len() >= 4
+    })
+    .await
+    .unwrap();
+    let second = a_hints(&a)[1];
+    let late: Vec<Value> = sweep_hints(&b)
+        .into_iter()
+        .filter(|(t, _)| *t > second)
+        .map(|(_, f)| f)
+        .collect();
+    assert!(
+        late.is_empty(),
+        "b1 was hinted after it acked its last event: {late:?}"
+    );
+    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(2));
+    assert_invariants(&w).await;
+}
+
 /// D5, the commit feed: an event committed by SQL without any notification (what another
 /// writer of the database, or a gateway that died between COMMIT and NOTIFY, leaves behind)
 /// is found by the gateway's commit feed at its next look and pushed: b1, subscribed and

@@ -12,11 +12,13 @@
 //! | dropped push | `gw.push:drop:0:1` (receiver's gateway) | the sweep asks about pushed, unacked pairs | sweep hint, sync |
 //! | dropped NOTIFY | `send.after_commit_before_notify:drop:0:1` (sender's) | the commit feed | push |
 //! | failed NOTIFY | `fanout.notify:error:0:1` (sender's) | the commit feed | push |
+//! | failed feed look | `fanout.feed:error:0:1` (receiver's), then m1's NOTIFY dropped (sender's) | the commit feed, which goes on after a failed look | push |
 //! | failed fan-out read | `fanout.read:error` (receiver's) | the sweep asks about the conversation | sweep hint, sync |
 //! | failed sweep query | `gw.push:drop:0:1`, `device_cursors` locked until the sweep's question fails (receiver's) | the full pass the failure asks for | sweep hint, sync |
 //! | lost LISTEN | LISTEN backend terminated, `fanout.listen:error` (receiver's); on one gateway also `fanout.notify:drop:0:1` (its local hand-off) | full pass when LISTEN is regained | sweep hint, sync |
 //! | stale install | the same, and the receiver reinstalled meanwhile | full pass closes the stale install | close; the new install syncs |
 //! | stale request | the same; the old install sends before any pass | the request's own install check | STALE_INSTALL, close |
+//! | stale ack | the same; the old install acks a message it never got | the ack statement's own install check (D3) | STALE_INSTALL, cursor unmoved; the new install syncs |
 //! | overflow | `gw.push:delay(40)`, 4 queued frames (receiver's) | overflow hint once the queue drained | overflow hint, sync |
 
 use harness::client::{Client, ClientStats};
@@ -263,6 +265,41 @@ async fn feed_repairs(two: bool, spec: &str) -> anyhow::Result<()> {
     s.judge().await
 }
 
+/// The commit feed after a failed look: the receiver's gateway's feed fails one look
+/// (`fanout.feed:error:0:1`); then m1's NOTIFY is dropped. The feed must go on looking, from
+/// where the failed look would have, for the rest of its LISTEN session: it finds m1 at its
+/// next look and fan-out pushes it within the bound. A feed that stopped (bug
+/// `feed-gives-up`) leaves m1 to the routine full pass, 60 intervals away, and nothing else
+/// can repair it sooner: the LISTEN connection stays up and b1 is idle.
+async fn failed_feed_look(two: bool) -> anyhow::Result<()> {
+    let s = Steady::start(two, &[]).await?;
+    let before = s.b.stats();
+    let look = s.w.arm_fault(s.rx, "fanout.feed:error:0:1").await?;
+    let gw = s.w.gw_at(s.rx);
+    wait_until("the receiver's commit feed to fail a look", T, async || {
+        if gw.log_text().contains("fault fired: point=fanout.feed") {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await?;
+    s.w.disarm_fault(look).await?;
+    let f =
+        s.w.arm_fault(0, "send.after_commit_before_notify:drop:0:1")
+            .await?;
+    let (seq, t0) = s.send("m1").await?;
+    s.repaired(seq, t0, bound()).await?;
+    s.w.disarm_fault(f).await?;
+    let d = delta(&before, &s.b.stats());
+    anyhow::ensure!(
+        d.pushes == 1 && d.synced == 0,
+        "the feed's push delivers m1: {:?}",
+        s.b.stats()
+    );
+    s.judge().await
+}
+
 fn f_point(spec: &str) -> &str {
     spec.split(':').next().unwrap_or(spec)
 }
@@ -460,6 +497,66 @@ async fn stale_request(two: bool) -> anyhow::Result<()> {
         "the stale install wrote nothing (only the warm-up is in c1)"
     );
     s.w.disarm_fault(f).await?;
+    s.judge().await
+}
+
+/// A stale install's ack (D3, and D5 for the install that replaced it): b1 is reinstalled
+/// while its gateway does not listen, so nothing closes its old install, and m1 is sent
+/// after the reinstall, so the old install never gets it. The old install then acks m1. The
+/// ack statement's own install check must refuse the write, not only the answer: the answer
+/// is STALE_INSTALL either way, but a cursor written from a replaced install is the
+/// device's cursor, which the new install inherits, so it would stand past m1 and neither
+/// the new install's `sub` nor the sweep would ever bring m1 (bug `replaced-install-acks`).
+/// Checked where only that check acts: in the database (the cursor stays at the warm-up),
+/// and by D5 for the new install (it stores m1, by its `sub`'s sync, within the bound).
+async fn stale_ack(two: bool) -> anyhow::Result<()> {
+    let s = Steady::start(two, &[]).await?;
+    let warm = s.w.cursor("b1", "c1").await?;
+    let f = s.lose_listen().await?;
+    let token = s.w.reinstall_device("b1").await?;
+    let (seq, _) = s.send("m1").await?;
+    s.idle(2).await;
+    anyhow::ensure!(
+        s.b.is_connected() && !s.b.stored_seqs("c1").contains(&seq),
+        "the old install is connected and never got m1: {:?}",
+        s.b.stats()
+    );
+    let r = s.b.ack("c1", seq, T).await;
+    anyhow::ensure!(
+        r.as_ref().err().and_then(|e| e.code()) == Some("STALE_INSTALL"),
+        "the old install's ack of m1: {r:?}"
+    );
+    let after = s.w.cursor("b1", "c1").await?;
+    anyhow::ensure!(
+        after == warm,
+        "D3: the replaced install's ack moved b1's cursor in c1 from {warm:?} to {after:?}"
+    );
+    s.w.disarm_fault(f).await?;
+    s.b.wait_closed(RELISTEN_MAX + bound()).await?;
+    let mut fresh = s.w.create_client("b1-new", "b1", &token, 2)?;
+    fresh
+        .connect(&s.w.ws_url_at(s.rx))
+        .await
+        .map_err(|e| anyhow::anyhow!("connect the new install: {e}"))?;
+    let t0 = Instant::now();
+    fresh.sub().await.map_err(|e| anyhow::anyhow!("sub: {e}"))?;
+    wait_until("the new install to store m1", bound(), async || {
+        if fresh.stored_seqs("c1").contains(&seq) {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await
+    .map_err(|e| {
+        anyhow::anyhow!(
+            "D5: the new install has no m1 {:?} after its sub ({e}): {:?}",
+            t0.elapsed(),
+            fresh.stats()
+        )
+    })?;
+    let mut s = s;
+    s.b = fresh;
     s.judge().await
 }
 
@@ -668,6 +765,11 @@ both!(
     failed_notify
 );
 both!(
+    repair_failed_feed_look_one_gateway,
+    repair_failed_feed_look_two_gateways,
+    failed_feed_look
+);
+both!(
     repair_failed_read_one_gateway,
     repair_failed_read_two_gateways,
     failed_read
@@ -691,6 +793,11 @@ both!(
     repair_stale_request_one_gateway,
     repair_stale_request_two_gateways,
     stale_request
+);
+both!(
+    repair_stale_ack_one_gateway,
+    repair_stale_ack_two_gateways,
+    stale_ack
 );
 both!(
     repair_overflow_one_gateway,
