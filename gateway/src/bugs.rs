@@ -182,6 +182,11 @@ bugs! {
     /// intervals later.
     FeedGivesUp = "feed-gives-up",
         "D5: after one failed look the commit feed stops until LISTEN is regained";
+    /// The sweep's stale-install look-up compares epochs with `<>`, so a device that no longer
+    /// exists (NULL) is never found stale. Breaks the install rule (issue 42, S1's guard): a
+    /// removed device whose removal notification was lost keeps its open connections.
+    GoneDeviceStays = "gone-device-stays",
+        "installs: the sweep never finds a removed device stale; its connections stay open";
 }
 
 impl fmt::Display for Bug {
@@ -351,7 +356,7 @@ mod tests {
                 "{n}"
             );
         }
-        assert_eq!(Bug::ALL.len(), 28);
+        assert_eq!(Bug::ALL.len(), 29);
         assert_eq!(Bug::ALL[0].name(), "reply-before-commit");
         assert_eq!(Bug::S1Leak.name(), "s1-leak");
         assert_eq!(Bug::NoLocalHandoff.name(), "no-local-handoff");
@@ -360,6 +365,7 @@ mod tests {
         assert_eq!(Bug::ReplacedInstallAcks.name(), "replaced-install-acks");
         assert_eq!(Bug::HintPastLeave.name(), "hint-past-leave");
         assert_eq!(Bug::FeedGivesUp.name(), "feed-gives-up");
+        assert_eq!(Bug::GoneDeviceStays.name(), "gone-device-stays");
     }
 
     #[test]

@@ -292,6 +292,19 @@ pub async fn install_epoch(pool: &PgPool, device: &str) -> Result<Option<i64>, s
         .await
 }
 
+/// [`stale_installs`]: a device that is gone has no row, so its epoch is NULL, which only
+/// `IS DISTINCT FROM` tells apart from the install's.
+const STALE_INSTALLS_SQL: &str = "SELECT s.device_id, d.install_epoch::bigint
+         FROM unnest($1::text[], $2::bigint[]) AS s(device_id, epoch)
+         LEFT JOIN devices d ON d.device_id = s.device_id
+         WHERE d.install_epoch IS DISTINCT FROM s.epoch";
+
+/// What the `gone-device-stays` bug changes in [`STALE_INSTALLS_SQL`].
+const GONE_DEVICE_STAYS_EDITS: &[(&str, &str)] = &[(
+    "d.install_epoch IS DISTINCT FROM s.epoch",
+    "d.install_epoch <> s.epoch",
+)];
+
 /// Of these `(device, epoch)` installs, the ones that are no longer current, with the
 /// current epoch (`None`: the device is gone). The sweep closes their connections, which
 /// covers a reinstall notification lost with the LISTEN connection.
@@ -300,16 +313,16 @@ pub async fn stale_installs(
     devices: &[String],
     epochs: &[i64],
 ) -> Result<Vec<(String, Option<i64>)>, sqlx::Error> {
-    let rows = sqlx::query(
-        "SELECT s.device_id, d.install_epoch::bigint
-         FROM unnest($1::text[], $2::bigint[]) AS s(device_id, epoch)
-         LEFT JOIN devices d ON d.device_id = s.device_id
-         WHERE d.install_epoch IS DISTINCT FROM s.epoch",
-    )
-    .bind(devices)
-    .bind(epochs)
-    .fetch_all(pool)
-    .await?;
+    let sql: Cow<'static, str> = if bugs::active(Bug::GoneDeviceStays) {
+        bugs::rewrite(STALE_INSTALLS_SQL, GONE_DEVICE_STAYS_EDITS).into()
+    } else {
+        STALE_INSTALLS_SQL.into()
+    };
+    let rows = sqlx::query(&sql)
+        .bind(devices)
+        .bind(epochs)
+        .fetch_all(pool)
+        .await?;
     Ok(rows.into_iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
@@ -1608,6 +1621,8 @@ mod tests {
                 "{s}"
             );
         }
+        let s = bugs::rewrite(STALE_INSTALLS_SQL, GONE_DEVICE_STAYS_EDITS);
+        assert!(!s.contains("DISTINCT"), "{s}");
         let s = bugs::rewrite(LAGGING_TAIL, HINT_PAST_LEAVE_EDITS);
         assert!(s.contains("COALESCE(m.to_seq, c.next_seq - 1)))"), "{s}");
         let s = bugs::rewrite(&events_with_audience_sql(), S1_LEAK_EDITS);

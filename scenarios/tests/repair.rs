@@ -18,6 +18,7 @@
 //! | lost LISTEN | LISTEN backend terminated, `fanout.listen:error` (receiver's); on one gateway also `fanout.notify:drop:0:1` (its local hand-off) | full pass when LISTEN is regained | sweep hint, sync |
 //! | stale install | the same, and the receiver reinstalled meanwhile | full pass closes the stale install | close; the new install syncs |
 //! | stale request | the same; the old install sends before any pass | the request's own install check | STALE_INSTALL, close |
+//! | removed device | the same, and b1 removed (its rows deleted) instead of reinstalled | full pass finds a device with no row stale | close |
 //! | stale ack | the same; the old install acks a message it never got | the ack statement's own install check (D3) | STALE_INSTALL, cursor unmoved; the new install syncs |
 //! | overflow | `gw.push:delay(40)`, 4 queued frames (receiver's) | overflow hint once the queue drained | overflow hint, sync |
 
@@ -462,6 +463,45 @@ async fn stale_install(two: bool) -> anyhow::Result<()> {
     s.judge().await
 }
 
+/// Removed device: as for the stale install, but b1 is removed (its cursor and device rows
+/// deleted by SQL, as an operator would; the `im_admin` notification the removal sends is
+/// lost with the LISTEN connection). The full pass at the regained LISTEN must find a
+/// device that has no row stale and close its connection within the bound (bug
+/// `gone-device-stays`: compared with `<>`, a NULL epoch is never stale, and the connection
+/// of a device that no longer exists stays open, pushed to until it sends a request).
+/// Nothing else closes it: b1 sends nothing. The history checker is not run: it has no line
+/// for a cursor deleted by hand; the database invariants are checked.
+async fn removed_device(two: bool) -> anyhow::Result<()> {
+    let s = Steady::start(two, &[]).await?;
+    let f = s.lose_listen().await?;
+    let pool = s.w.pool().await?;
+    let mut tx = pool.begin().await?;
+    sqlx::query("DELETE FROM device_cursors WHERE device_id = 'b1'")
+        .execute(&mut *tx)
+        .await?;
+    let gone = sqlx::query("DELETE FROM devices WHERE device_id = 'b1'")
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    anyhow::ensure!(gone.rows_affected() == 1, "b1 removed");
+    s.idle(2).await;
+    anyhow::ensure!(
+        s.b.is_connected(),
+        "nothing but the sweep may close the removed device (its notification was lost)"
+    );
+    let t0 = Instant::now();
+    s.w.disarm_fault(f).await?;
+    s.b.wait_closed(RELISTEN_MAX + bound()).await.map_err(|e| {
+        anyhow::anyhow!(
+            "the removed device's connection after {:?}: {e}",
+            t0.elapsed()
+        )
+    })?;
+    let v = db_invariant_violations(&pool).await?;
+    anyhow::ensure!(v.is_empty(), "database invariants violated: {v:?}");
+    Ok(())
+}
+
 /// A stale install's request (S1): b1 is reinstalled while its gateway does not listen, so
 /// no notification closes its old install and no full pass is due (the one at the regained
 /// LISTEN waits for the disarm). The old install's next request must still be refused at
@@ -788,6 +828,11 @@ both!(
     repair_stale_install_one_gateway,
     repair_stale_install_two_gateways,
     stale_install
+);
+both!(
+    repair_removed_device_one_gateway,
+    repair_removed_device_two_gateways,
+    removed_device
 );
 both!(
     repair_stale_request_one_gateway,

@@ -113,10 +113,15 @@ fn nemesis_would_need(bug: &str) -> Option<&'static str> {
              every device is let in again promptly after the heal"
         }
         "feed-gives-up" => {
-            "a failed commit-feed look (the nemesis has no fanout.feed fault) and then, in the \
-             same LISTEN session, the last notification of a conversation lost with no later \
-             send of it before the heal, as for no-feed: the feed is the only repair then, and \
-             the workload's next send of the conversation repairs it otherwise"
+            "a failed commit-feed look and then, in the same LISTEN session, the last \
+             notification of a conversation lost with no later send of it before the heal, \
+             as for no-feed: the feed is the only repair then. The nemesis has no fanout.feed \
+             fault, so a look fails only by a database fault at that moment: by chance"
+        }
+        "gone-device-stays" => {
+            "devices removed in the workload (the nemesis never removes one) while their \
+             gateway's LISTEN connection is lost, so that only the sweep's look-up can close \
+             them, and a check that a removed device's connections close within D5's bound"
         }
         "replaced-install-acks" => {
             "reinstalls in the workload (the nemesis never reinstalls a device), an old \
@@ -191,6 +196,10 @@ fn designed_catcher(bug: &str) -> &'static [&'static str] {
         "feed-gives-up" => &[
             "repair_failed_feed_look_one_gateway",
             "repair_failed_feed_look_two_gateways",
+        ],
+        "gone-device-stays" => &[
+            "repair_removed_device_one_gateway",
+            "repair_removed_device_two_gateways",
         ],
         _ => &[],
     }

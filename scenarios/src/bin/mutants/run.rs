@@ -9,7 +9,9 @@
 //! (plus `im-gateway::batch`, whose build makes cargo build the gateway binary in the same
 //! invocation, with the same features), then `cargo nextest run --profile mutants` on the
 //! binaries as built (`--binaries-metadata`: no build) with a filter naming the selected
-//! tests, under a time limit; the file is then written back.
+//! tests, under a time limit, in two stages: the likeliest catchers first (the tests that
+//! caught a mutant of the same function or file earlier in the run, then the quickest), the
+//! rest only when none of those failed; the file is then written back.
 //! Writes `<out>/outcomes.json` in the shape of cargo-mutants' (read by `mutants report`),
 //! each outcome with the tests it ran, and `<out>/diff/`, `<out>/log/`.
 //!
@@ -277,6 +279,78 @@ struct Runner<'a> {
     /// Scenario test binaries that call the gateway's library in their own process (not
     /// only through the gateway binary): a gateway mutant rebuilds them too.
     in_process: BTreeSet<String>,
+    /// Every test that caught a mutant so far in this run, with that mutant's file and
+    /// function: the likeliest catchers of the next mutant there ([`first_stage`]).
+    killers: std::cell::RefCell<Vec<Killer>>,
+    /// The file and function of the mutant being run.
+    current: std::cell::RefCell<(String, String)>,
+}
+
+/// A test that caught a mutant of `file`, in `function`.
+#[derive(Debug, Clone)]
+struct Killer {
+    file: String,
+    function: String,
+    test: TestId,
+}
+
+/// At most this many tests run first, the likeliest catchers; the rest only when none of
+/// them fails.
+const FIRST_STAGE_MAX: usize = 6;
+
+/// Splits a mutant's tests in two stages, the likeliest catchers first, so that a mutant
+/// that is caught (most are) usually costs a handful of tests, not every test that reaches
+/// it (a gateway function run at start-up is reached by a hundred): first the tests that
+/// caught a mutant of the same function, then of the same file, then any mutant, each
+/// group quickest first, then the rest quickest first. A mutant that survives runs both
+/// stages, so every selected test still runs before it is called missed; a short selection
+/// (at most `FIRST_STAGE_MAX` + 2 tests) runs in one stage.
+fn first_stage<'t>(
+    tests: &[&'t TestId],
+    killers: &[Killer],
+    (file, function): (&str, &str),
+    seconds: impl Fn(&TestId) -> f64,
+) -> (Vec<&'t TestId>, Vec<&'t TestId>) {
+    let class = |t: &TestId| {
+        let mut c = 3u8;
+        for k in killers.iter().filter(|k| k.test == *t) {
+            let here = if k.file != file {
+                2
+            } else if k.function != function {
+                1
+            } else {
+                0
+            };
+            c = c.min(here);
+        }
+        c
+    };
+    let mut sorted = tests.to_vec();
+    sorted.sort_by(|a, b| {
+        class(a)
+            .cmp(&class(b))
+            .then(seconds(a).total_cmp(&seconds(b)))
+            .then(a.cmp(b))
+    });
+    if sorted.len() <= FIRST_STAGE_MAX + 2 {
+        return (sorted, Vec::new());
+    }
+    let rest = sorted.split_off(FIRST_STAGE_MAX);
+    (sorted, rest)
+}
+
+/// The tests of `tests` that nextest reports failed in `log` (a `FAIL` status line ending
+/// with the test's binary id and name).
+fn failed_in(log: &str, tests: &[&TestId]) -> Vec<TestId> {
+    tests
+        .iter()
+        .filter(|t| {
+            let tail = format!("{} {}", t.binary_id, t.name);
+            log.lines()
+                .any(|l| l.contains("FAIL [") && l.trim_end().ends_with(&tail))
+        })
+        .map(|t| (*t).clone())
+        .collect()
 }
 
 impl Runner<'_> {
@@ -404,6 +478,13 @@ impl Runner<'_> {
             widened_tests: Vec::new(),
         };
 
+        *self.current.borrow_mut() = (
+            m.file.clone(),
+            m.function
+                .as_ref()
+                .map(|f| f.function_name.clone())
+                .unwrap_or_default(),
+        );
         let original =
             std::fs::read(self.tree.join(&m.file)).with_context(|| format!("read {}", m.file))?;
         // cargo-mutants' diffs name the file on the `---` line only: give it to patch.
@@ -499,15 +580,54 @@ impl Runner<'_> {
         Ok(())
     }
 
-    /// Runs `tests` (built): caught when one fails, missed when all pass.
+    /// The instrumented run's time of `t` (30 s when it has none).
+    fn seconds(&self, t: &TestId) -> f64 {
+        let i = self.map.tests.iter().position(|x| x == t);
+        i.and_then(|i| self.map.test_s[i]).unwrap_or(30.0)
+    }
+
+    /// Runs `tests` (built) in two stages ([`first_stage`]): caught when one fails, missed
+    /// when all pass. The tests that failed are remembered as killers of this mutant's
+    /// file and function.
     fn test(&self, o: &mut Outcome, tests: &[&TestId], log: &Path) -> anyhow::Result<Summary> {
-        let expected: f64 = tests
-            .iter()
-            .map(|t| {
-                let i = self.map.tests.iter().position(|x| x == *t);
-                i.and_then(|i| self.map.test_s[i]).unwrap_or(30.0)
-            })
-            .sum();
+        let (file, function) = self.current.borrow().clone();
+        let (first, rest) = {
+            let killers = self.killers.borrow();
+            first_stage(tests, &killers, (&file, &function), |t| self.seconds(t))
+        };
+        for stage in [first, rest] {
+            if stage.is_empty() {
+                continue;
+            }
+            let before = std::fs::metadata(log).map_or(0, |m| m.len() as usize);
+            let summary = self.test_stage(o, &stage, log)?;
+            if summary == Summary::CaughtMutant {
+                let text = std::fs::read(log).unwrap_or_default();
+                let new = String::from_utf8_lossy(text.get(before..).unwrap_or_default());
+                let mut killers = self.killers.borrow_mut();
+                for test in failed_in(&new, &stage) {
+                    killers.push(Killer {
+                        file: file.clone(),
+                        function: function.clone(),
+                        test,
+                    });
+                }
+            }
+            if summary != Summary::MissedMutant {
+                return Ok(summary);
+            }
+        }
+        Ok(Summary::MissedMutant)
+    }
+
+    /// Runs one stage of `tests`: caught when one fails, missed when all pass.
+    fn test_stage(
+        &self,
+        o: &mut Outcome,
+        tests: &[&TestId],
+        log: &Path,
+    ) -> anyhow::Result<Summary> {
+        let expected: f64 = tests.iter().map(|t| self.seconds(t)).sum();
         let limit =
             Duration::from_secs_f64(expected * self.a.timeout_factor + self.a.timeout_extra_s);
         let t0 = Instant::now();
@@ -588,6 +708,8 @@ pub fn run(mut a: RunArgs) -> anyhow::Result<bool> {
         target,
         map,
         in_process,
+        killers: Default::default(),
+        current: Default::default(),
     };
     let t0 = Instant::now();
     r.warm()?;
@@ -649,6 +771,45 @@ mod tests {
             target_args(&ids),
             vec!["--bin=mutants", "--lib", "--test=batch", "--test=repair"]
         );
+    }
+
+    fn t(name: &str) -> TestId {
+        TestId {
+            binary_id: "scenarios::x".into(),
+            name: name.into(),
+        }
+    }
+
+    /// The likeliest catchers first (same function, same file, any), each group quickest
+    /// first; a short selection in one stage; nothing is left out.
+    #[test]
+    fn the_first_stage_is_the_likeliest_catchers() {
+        let tests: Vec<TestId> = (0..12).map(|i| t(&format!("t{i}"))).collect();
+        let refs: Vec<&TestId> = tests.iter().collect();
+        let k = |file: &str, function: &str, i: usize| Killer {
+            file: file.into(),
+            function: function.into(),
+            test: tests[i].clone(),
+        };
+        let killers = vec![k("a.rs", "g", 9), k("a.rs", "f", 11), k("b.rs", "f", 10)];
+        // t0 is the quickest; the killers are the slowest.
+        let secs = |x: &TestId| x.name[1..].parse::<f64>().unwrap();
+        let (first, rest) = first_stage(&refs, &killers, ("a.rs", "f"), secs);
+        let names = |v: &[&TestId]| v.iter().map(|x| x.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&first), ["t11", "t9", "t10", "t0", "t1", "t2"]);
+        assert_eq!(names(&rest), ["t3", "t4", "t5", "t6", "t7", "t8"]);
+        let (first, rest) = first_stage(&refs[..8], &killers, ("a.rs", "f"), secs);
+        assert_eq!(first.len(), 8);
+        assert!(rest.is_empty());
+    }
+
+    /// A test is a killer when its FAIL line names it; a pass or another test's failure
+    /// does not count.
+    #[test]
+    fn failed_in_reads_the_fail_lines() {
+        let (a, b, c) = (t("a"), t("b"), t("c"));
+        let log = "        PASS [   1.0s] scenarios::x a\n        FAIL [   2.0s] scenarios::x b\n";
+        assert_eq!(failed_in(log, &[&a, &b, &c]), vec![b.clone()]);
     }
 
     #[test]
