@@ -24,8 +24,10 @@
 #      every mutant it is selected for would count as caught.
 #   3. `target/debug/mutants run`: per mutant, in a scratch copy of the sources with its own
 #      target dir kept warm (target/mutants/scratch), the diff applied, only the test
-#      binaries of the selected tests built, those tests run (fail-fast, one retry), the
-#      file restored. A mutant those tests miss gets a second chance: the other tests that
+#      binaries of the selected tests built, those tests run (fail-fast, one retry) in two
+#      stages: first the likeliest catchers (at most 6: the tests that caught a mutant of
+#      the same function, then of the same file, then any, each quickest first), the rest
+#      only when none of those failed; the file restored. A mutant those tests miss gets a second chance: the other tests that
 #      reach its function, built and run the same way (line coverage can count a decision
 #      on another line than the mutant's). A mutant no test reaches is built (so that
 #      unviable ones are told apart) and counted `missed` with the note "no test reaches it".

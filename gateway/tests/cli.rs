@@ -136,6 +136,38 @@ fn gateway_usage_errors_exit_2_without_a_backtrace() {
     assert!(text(&out.stdout).starts_with("im-gateway "));
 }
 
+/// An armed `IM_FAULT` is announced on stderr before anything else (the faults build; the
+/// build without fault points refuses it, exit 2), so an operator sees that a gateway runs
+/// with fault points; without `IM_FAULT` nothing is announced.
+#[test]
+fn armed_fault_points_are_announced_before_anything_else() {
+    let bin = gateway();
+    let url = format!("postgres://im@127.0.0.1:{}/im", dead_port());
+    let spec = "send.before_commit:halt";
+    let env = [
+        ("IM_DATABASE_URL", url.as_str()),
+        ("IM_LISTEN", "127.0.0.1:0"),
+    ];
+    let (out, _) = run(
+        &bin,
+        &["serve"],
+        &[env[0], env[1], ("IM_FAULT", spec)],
+        Duration::from_secs(10),
+    );
+    let stderr = text(&out.stderr);
+    if cfg!(feature = "faults") {
+        let first = format!("im-gateway: fault points armed: {spec}");
+        assert_eq!(stderr.lines().next(), Some(first.as_str()), "{stderr}");
+        assert_eq!(out.status.code(), Some(1), "then the database: {stderr}");
+    } else {
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+    }
+    let (out, _) = run(&bin, &["serve"], &env, Duration::from_secs(10));
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("fault points armed"), "{stderr}");
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+}
+
 /// The fail crate's `FAILPOINTS` arms nothing here: it is refused (exit 2) with a message
 /// naming `IM_FAULT`, before any connection.
 #[test]

@@ -121,8 +121,10 @@ async fn an_async_failover_that_lost_held_messages_leaves_no_device_silently_wro
 /// The world of the crash checks below: one gateway whose sessions run under
 /// `synchronous_commit`, on a cluster whose WAL writer sleeps 10 s (an acknowledged commit
 /// that was not flushed stays in shared memory until then: an immediate shutdown loses it).
+/// The gateway warns its operator at start when the setting does not keep D6 (`off` here),
+/// and only then (`on`).
 async fn crash_world(synchronous_commit: &str) -> anyhow::Result<World> {
-    World::start_with(
+    let w = World::start_with(
         WorldOpts {
             cluster: ClusterOpts {
                 settings: vec![("wal_writer_delay".into(), "10000".into())],
@@ -136,7 +138,17 @@ async fn crash_world(synchronous_commit: &str) -> anyhow::Result<World> {
             ..Default::default()
         },
     )
-    .await
+    .await?;
+    let warned = w
+        .gw_at(0)
+        .log_text()
+        .contains("IM_SYNCHRONOUS_COMMIT is weaker than on");
+    anyhow::ensure!(
+        warned == (synchronous_commit == "off"),
+        "synchronous_commit={synchronous_commit}: the D6 warning was {}logged",
+        if warned { "" } else { "not " }
+    );
+    Ok(w)
 }
 
 /// `c1`'s epoch and the lineage's moves.
