@@ -187,6 +187,11 @@ bugs! {
     /// removed device whose removal notification was lost keeps its open connections.
     GoneDeviceStays = "gone-device-stays",
         "installs: the sweep never finds a removed device stale; its connections stay open";
+    /// A push or hint is offered to the byte budget at no cost, so only the frame count
+    /// (`IM_QUEUE_FRAMES_MAX`) bounds what a slow reader's queue holds. Breaks the byte bound
+    /// (issue 42): 256 large pushes can queue where `IM_QUEUE_BYTES_MAX` allows a few.
+    PushesUncharged = "pushes-uncharged",
+        "bounds: pushes are not charged to the byte budget; only the frame count bounds them";
 }
 
 impl fmt::Display for Bug {
@@ -356,7 +361,7 @@ mod tests {
                 "{n}"
             );
         }
-        assert_eq!(Bug::ALL.len(), 29);
+        assert_eq!(Bug::ALL.len(), 30);
         assert_eq!(Bug::ALL[0].name(), "reply-before-commit");
         assert_eq!(Bug::S1Leak.name(), "s1-leak");
         assert_eq!(Bug::NoLocalHandoff.name(), "no-local-handoff");
@@ -366,6 +371,7 @@ mod tests {
         assert_eq!(Bug::HintPastLeave.name(), "hint-past-leave");
         assert_eq!(Bug::FeedGivesUp.name(), "feed-gives-up");
         assert_eq!(Bug::GoneDeviceStays.name(), "gone-device-stays");
+        assert_eq!(Bug::PushesUncharged.name(), "pushes-uncharged");
     }
 
     #[test]

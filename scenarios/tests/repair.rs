@@ -21,6 +21,7 @@
 //! | removed device | the same, and b1 removed (its rows deleted) instead of reinstalled | full pass finds a device with no row stale | close |
 //! | stale ack | the same; the old install acks a message it never got | the ack statement's own install check (D3) | STALE_INSTALL, cursor unmoved; the new install syncs |
 //! | overflow | `gw.push:delay(40)`, 4 queued frames (receiver's) | overflow hint once the queue drained | overflow hint, sync |
+//! | overflow by bytes | the same with 256 queued frames and a 4 KiB byte budget, 1 KB messages | the pushes' charge to the byte budget | overflow hint, sync |
 
 use harness::client::{Client, ClientStats};
 use harness::gateway::GatewayOpts;
@@ -627,6 +628,54 @@ async fn overflow(two: bool) -> anyhow::Result<()> {
     s.judge().await
 }
 
+/// Overflow by bytes: as above, but the frame count is the default (256) and the byte budget
+/// its least (`IM_QUEUE_BYTES_MAX=4096`), and each message carries 1 KB: only the pushes'
+/// charge to the byte budget can overflow the queue (bug `pushes-uncharged`: 30 such
+/// pushes fit 256 frames, and the slow reader's queue holds 30 KB against a 4 KiB bound).
+/// The pushes that fit are delivered, the rest by the overflow hint's sync, within D5's
+/// bound.
+async fn overflow_by_bytes(two: bool) -> anyhow::Result<()> {
+    let total = 30;
+    let s = Steady::start(
+        two,
+        &[
+            ("IM_QUEUE_BYTES_MAX", "4096"),
+            ("IM_SYNC_PAGE_MAX_BYTES", "2048"),
+        ],
+    )
+    .await?;
+    let before = s.b.stats();
+    let f = s.w.arm_fault(s.rx, "gw.push:delay(40)").await?;
+    let body = "b".repeat(1000);
+    let mut last = (0, Instant::now());
+    for i in 0..total {
+        let r =
+            s.a.send("c1", &format!("big-{i}"), &body, T)
+                .await
+                .map_err(|e| anyhow::anyhow!("send big-{i}: {e}"))?;
+        let seq = r["seq"]
+            .as_i64()
+            .ok_or_else(|| anyhow::anyhow!("no seq in {r}"))?;
+        last = (seq, Instant::now());
+    }
+    let (seq, t0) = last;
+    s.repaired(seq, t0, bound()).await?;
+    s.w.disarm_fault(f).await?;
+    let d = delta(&before, &s.b.stats());
+    anyhow::ensure!(
+        d.overflow_hints >= 1 && d.pushes < total,
+        "the byte budget overflowed the queue (an overflow hint, fewer pushes than \
+         messages): {:?}",
+        s.b.stats()
+    );
+    anyhow::ensure!(
+        s.b.stored_seqs("c1") == (1..=seq).collect::<Vec<_>>(),
+        "every event stored: {:?}",
+        s.b.stored_seqs("c1")
+    );
+    s.judge().await
+}
+
 /// The commit feed after a promotion: the standby that replaces the primary never got the
 /// primary's last 300 transactions (its replication link was cut before them), so it hands
 /// out those transaction ids again. The gateway regains LISTEN on the new primary and its
@@ -843,6 +892,11 @@ both!(
     repair_stale_ack_one_gateway,
     repair_stale_ack_two_gateways,
     stale_ack
+);
+both!(
+    repair_overflow_by_bytes_one_gateway,
+    repair_overflow_by_bytes_two_gateways,
+    overflow_by_bytes
 );
 both!(
     repair_overflow_one_gateway,

@@ -123,6 +123,12 @@ fn nemesis_would_need(bug: &str) -> Option<&'static str> {
              gateway's LISTEN connection is lost, so that only the sweep's look-up can close \
              them, and a check that a removed device's connections close within D5's bound"
         }
+        "pushes-uncharged" => {
+            "a slow reader sent messages large enough that its queue reaches the byte bound \
+             long before the frame count (256), and a check of the bytes a connection's \
+             queue holds, or of an overflow where only the byte bound can give one: the bug \
+             loses nothing, the frame count still overflows the queue in the end"
+        }
         "replaced-install-acks" => {
             "reinstalls in the workload (the nemesis never reinstalls a device), an old \
              install that acks after its reinstall while nothing has closed it yet (its \
@@ -200,6 +206,10 @@ fn designed_catcher(bug: &str) -> &'static [&'static str] {
         "gone-device-stays" => &[
             "repair_removed_device_one_gateway",
             "repair_removed_device_two_gateways",
+        ],
+        "pushes-uncharged" => &[
+            "repair_overflow_by_bytes_one_gateway",
+            "repair_overflow_by_bytes_two_gateways",
         ],
         _ => &[],
     }
