@@ -192,6 +192,12 @@ bugs! {
     /// (issue 42): 256 large pushes can queue where `IM_QUEUE_BYTES_MAX` allows a few.
     PushesUncharged = "pushes-uncharged",
         "bounds: pushes are not charged to the byte budget; only the frame count bounds them";
+    /// The commit feed takes every transaction id below its mark's `xmax` as seen, so a
+    /// transaction in flight when the feed looked is never reported once it commits. Breaks
+    /// D5 (issue 42): such a commit whose notification is lost is found only by the routine
+    /// full pass, 60 sweep intervals later.
+    FeedWindow = "feed-window",
+        "D5: the commit feed skips a commit that was in flight when it looked";
 }
 
 impl fmt::Display for Bug {
@@ -361,7 +367,7 @@ mod tests {
                 "{n}"
             );
         }
-        assert_eq!(Bug::ALL.len(), 30);
+        assert_eq!(Bug::ALL.len(), 31);
         assert_eq!(Bug::ALL[0].name(), "reply-before-commit");
         assert_eq!(Bug::S1Leak.name(), "s1-leak");
         assert_eq!(Bug::NoLocalHandoff.name(), "no-local-handoff");
@@ -372,6 +378,7 @@ mod tests {
         assert_eq!(Bug::FeedGivesUp.name(), "feed-gives-up");
         assert_eq!(Bug::GoneDeviceStays.name(), "gone-device-stays");
         assert_eq!(Bug::PushesUncharged.name(), "pushes-uncharged");
+        assert_eq!(Bug::FeedWindow.name(), "feed-window");
     }
 
     #[test]

@@ -1322,6 +1322,14 @@ UNION ALL
  GROUP BY e.conv_id
  LIMIT $2)";
 
+/// What the `feed-window` bug changes in [`COMMITS_SINCE_SQL`]: every transaction id below
+/// the mark's `xmax` is taken as seen, those in flight when the mark was taken included.
+const FEED_WINDOW_EDITS: &[(&str, &str)] = &[(
+    "WHERE e.xid >= pg_snapshot_xmin($1::text::pg_snapshot)
+   AND NOT pg_visible_in_snapshot(e.xid, $1::text::pg_snapshot)",
+    "WHERE e.xid >= pg_snapshot_xmax($1::text::pg_snapshot)",
+)];
+
 /// The commit feed's first mark of a LISTEN session, taken on that connection just before
 /// its LISTEN (`fanout::listen`).
 pub async fn feed_mark(
@@ -1346,7 +1354,12 @@ pub async fn commits_since(
     since: &FeedMark,
     max: usize,
 ) -> Result<(FeedMark, Option<Vec<FeedRow>>), sqlx::Error> {
-    let rows = sqlx::query(COMMITS_SINCE_SQL)
+    let sql: Cow<'static, str> = if bugs::active(Bug::FeedWindow) {
+        bugs::rewrite(COMMITS_SINCE_SQL, FEED_WINDOW_EDITS).into()
+    } else {
+        COMMITS_SINCE_SQL.into()
+    };
+    let rows = sqlx::query(&sql)
         .bind(&since.0)
         .bind(i64::try_from(max.saturating_add(1)).unwrap_or(i64::MAX))
         .fetch_all(pool)
@@ -1621,6 +1634,8 @@ mod tests {
                 "{s}"
             );
         }
+        let s = bugs::rewrite(COMMITS_SINCE_SQL, FEED_WINDOW_EDITS);
+        assert!(!s.contains("pg_visible_in_snapshot"), "{s}");
         let s = bugs::rewrite(STALE_INSTALLS_SQL, GONE_DEVICE_STAYS_EDITS);
         assert!(!s.contains("DISTINCT"), "{s}");
         let s = bugs::rewrite(LAGGING_TAIL, HINT_PAST_LEAVE_EDITS);

@@ -12,6 +12,7 @@
 //! | dropped push | `gw.push:drop:0:1` (receiver's gateway) | the sweep asks about pushed, unacked pairs | sweep hint, sync |
 //! | dropped NOTIFY | `send.after_commit_before_notify:drop:0:1` (sender's) | the commit feed | push |
 //! | failed NOTIFY | `fanout.notify:error:0:1` (sender's) | the commit feed | push |
+//! | commit in flight at a look | `send.before_commit:delay(1000):0:1` and `send.after_commit_before_notify:drop:0:1` (sender's) | the commit feed's window: a look leaves what is in flight to the next | push |
 //! | failed feed look | `fanout.feed:error:0:1` (receiver's), then m1's NOTIFY dropped (sender's) | the commit feed, which goes on after a failed look | push |
 //! | failed fan-out read | `fanout.read:error` (receiver's) | the sweep asks about the conversation | sweep hint, sync |
 //! | failed sweep query | `gw.push:drop:0:1`, `device_cursors` locked until the sweep's question fails (receiver's) | the full pass the failure asks for | sweep hint, sync |
@@ -293,6 +294,67 @@ async fn failed_feed_look(two: bool) -> anyhow::Result<()> {
     let (seq, t0) = s.send("m1").await?;
     s.repaired(seq, t0, bound()).await?;
     s.w.disarm_fault(f).await?;
+    let d = delta(&before, &s.b.stats());
+    anyhow::ensure!(
+        d.pushes == 1 && d.synced == 0,
+        "the feed's push delivers m1: {:?}",
+        s.b.stats()
+    );
+    s.judge().await
+}
+
+/// The commit feed's window: m1's transaction is held open for four sweep intervals before
+/// its COMMIT (`send.before_commit:delay(1000):0:1`, sender's gateway), so every gateway's
+/// feed looks while it is in flight, and its NOTIFY is then dropped
+/// (`send.after_commit_before_notify:drop:0:1`); meanwhile another transaction commits, as
+/// under any load, so the looks' marks list m1's as in flight below their xmax. A look must
+/// leave a transaction in flight at its mark to the next look (visible in that snapshot or
+/// not, not `xid >= xmax`): the first look after the COMMIT finds m1 and fan-out pushes it
+/// within the bound of its reply. A feed that takes every id below its mark as seen (bug `feed-window`) never
+/// reports it, and the routine full pass is 60 intervals away.
+async fn feed_window(two: bool) -> anyhow::Result<()> {
+    let s = Steady::start(two, &[]).await?;
+    let before = s.b.stats();
+    let held =
+        s.w.arm_fault(0, "send.before_commit:delay(1000):0:1")
+            .await?;
+    let f =
+        s.w.arm_fault(0, "send.after_commit_before_notify:drop:0:1")
+            .await?;
+    let pool = s.w.pool().await?;
+    let gw = s.w.gw_at(0);
+    let t_send = Instant::now();
+    let other = async {
+        wait_until("m1's commit to be held", T, async || {
+            if gw
+                .log_text()
+                .contains("fault fired: point=send.before_commit")
+            {
+                Ok(())
+            } else {
+                Err(())
+            }
+        })
+        .await?;
+        // Another transaction takes an id after m1's and commits while m1's is open: a
+        // snapshot's xmax is one past the latest completed id, so only then is m1's id
+        // below the next look's xmax, listed as in flight.
+        sqlx::query("SELECT pg_current_xact_id()")
+            .execute(&pool)
+            .await?;
+        anyhow::Ok(())
+    };
+    let (sent, other) = tokio::join!(s.send("m1"), other);
+    other?;
+    let (seq, t0) = sent?;
+    anyhow::ensure!(
+        t_send.elapsed() >= Duration::from_millis(1000),
+        "m1's commit was held ({:?})",
+        t_send.elapsed()
+    );
+    s.repaired(seq, t0, bound()).await?;
+    s.w.disarm_fault(f).await?;
+    s.w.disarm_fault(held).await?;
     let d = delta(&before, &s.b.stats());
     anyhow::ensure!(
         d.pushes == 1 && d.synced == 0,
@@ -852,6 +914,11 @@ both!(
     repair_failed_notify_one_gateway,
     repair_failed_notify_two_gateways,
     failed_notify
+);
+both!(
+    repair_feed_window_one_gateway,
+    repair_feed_window_two_gateways,
+    feed_window
 );
 both!(
     repair_failed_feed_look_one_gateway,

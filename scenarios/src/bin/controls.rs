@@ -123,6 +123,12 @@ fn nemesis_would_need(bug: &str) -> Option<&'static str> {
              gateway's LISTEN connection is lost, so that only the sweep's look-up can close \
              them, and a check that a removed device's connections close within D5's bound"
         }
+        "feed-window" => {
+            "a send whose transaction is open across a commit-feed look (a slow commit) and \
+             whose notification is then lost, with no later send of its conversation before \
+             the heal, as for no-feed: the workload's next send of the conversation brings a \
+             notification whose read finds the skipped commit too"
+        }
         "pushes-uncharged" => {
             "a slow reader sent messages large enough that its queue reaches the byte bound \
              long before the frame count (256), and a check of the bytes a connection's \
@@ -206,6 +212,10 @@ fn designed_catcher(bug: &str) -> &'static [&'static str] {
         "gone-device-stays" => &[
             "repair_removed_device_one_gateway",
             "repair_removed_device_two_gateways",
+        ],
+        "feed-window" => &[
+            "repair_feed_window_one_gateway",
+            "repair_feed_window_two_gateways",
         ],
         "pushes-uncharged" => &[
             "repair_overflow_by_bytes_one_gateway",
