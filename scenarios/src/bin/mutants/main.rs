@@ -27,7 +27,7 @@ mod run;
 use anyhow::{bail, Context};
 use im_check::Verdict;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -264,7 +264,9 @@ fn source_line(root: &Path, m: &Mutant) -> Option<String> {
 }
 
 /// For each mutant, the equivalent-list entry it matches (index into `list`), and the
-/// entries that match no mutant (stale: the code changed under them).
+/// entries of the listed mutants' files that match no mutant (stale: the code changed
+/// under them). An entry of a file no mutant of the list is in (a run of other files) is
+/// not judged.
 fn match_equivalents(
     root: &Path,
     mutants: &[Mutant],
@@ -283,7 +285,15 @@ fn match_equivalents(
             hit.insert(m.name.clone(), i);
         }
     }
-    let stale = (0..list.len()).filter(|i| !used[*i]).collect();
+    let files: BTreeSet<&str> = mutants.iter().map(|m| m.file.as_str()).collect();
+    let examined = |e: &Equivalent| {
+        e.name
+            .split_once(": ")
+            .is_some_and(|(file, _)| files.contains(file))
+    };
+    let stale = (0..list.len())
+        .filter(|i| !used[*i] && examined(&list[*i]))
+        .collect();
     (hit, stale)
 }
 
@@ -787,6 +797,10 @@ mod tests {
         assert!(stale.is_empty());
         let (hit, stale) = match_equivalents(dir.path(), &ms[1..], &eq);
         assert!(hit.is_empty() && stale == vec![0]);
+        // A run of another file does not judge the entry.
+        let other = [mutant("c/d.rs:1:1: replace < with <= in h", "c/d.rs", 1)];
+        let (hit, stale) = match_equivalents(dir.path(), &other, &eq);
+        assert!(hit.is_empty() && stale.is_empty(), "{stale:?}");
     }
 
     #[test]
