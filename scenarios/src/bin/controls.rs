@@ -112,6 +112,14 @@ fn nemesis_would_need(bug: &str) -> Option<&'static str> {
              through it until IM_HELLO_FAILS_PER_DEVICE_PER_MIN is spent, then a check that \
              every device is let in again promptly after the heal"
         }
+        "batch-fails-innocents" => {
+            "a check that a send fails only for its own reasons: a batch that failed answers \
+             its innocent rows with the batch's error, their clients retry the same cmid (D2) \
+             and nothing acknowledged is lost or doubled, so the checker sees no anomaly; \
+             only a late retry that misses D5's bound is seen (d5-not-repaired, at seed 2 of \
+             generator 6), by chance. It would need a fault on one row of a batch (a \
+             conversation locked or a row refused) and the outcome of every other row judged"
+        }
         "feed-gives-up" => {
             "a failed commit-feed look and then, in the same LISTEN session, the last \
              notification of a conversation lost with no later send of it before the heal, \
