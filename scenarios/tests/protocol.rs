@@ -570,6 +570,17 @@ async fn sweep_hints_a_device_that_missed_events() {
     assert_invariants(&w).await;
 }
 
+/// `device` connected as a client that never acks by itself.
+async fn never_acking(w: &World, device: &str, token: &str) -> Client {
+    connect(w, device, token)
+        .await
+        .unwrap()
+        .with_options(ClientOptions {
+            auto_ack: false,
+            ..Default::default()
+        })
+}
+
 /// D5, the other half: once a lagging device acks up to the head the sweep hinted, the
 /// hints stop (the sweep keeps a lagging pair in memory and drops it on the ack). a1 and b1
 /// never ack by themselves; a1 sends one message, so both lag and are hinted every interval.
@@ -584,18 +595,8 @@ async fn sweep_stops_hinting_a_device_that_caught_up() {
     .await
     .unwrap();
     let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
-    let never_ack = || ClientOptions {
-        auto_ack: false,
-        ..Default::default()
-    };
-    let a = connect(&w, "a1", &ta)
-        .await
-        .unwrap()
-        .with_options(never_ack());
-    let b = connect(&w, "b1", &tb)
-        .await
-        .unwrap()
-        .with_options(never_ack());
+    let a = never_acking(&w, "a1", &ta).await;
+    let b = never_acking(&w, "b1", &tb).await;
     a.sub().await.unwrap();
     b.sub().await.unwrap();
     a.send("c1", "m1", "x", T).await.unwrap();
@@ -648,14 +649,7 @@ async fn the_sweep_hints_a_member_who_left_at_the_last_event_they_may_see() {
     .await
     .unwrap();
     let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
-    let never_ack = || ClientOptions {
-        auto_ack: false,
-        ..Default::default()
-    };
-    let a = connect(&w, "a1", &ta)
-        .await
-        .unwrap()
-        .with_options(never_ack());
+    let a = never_acking(&w, "a1", &ta).await;
     a.sub().await.unwrap();
     for m in ["m1", "m2"] {
         a.send("c1", m, "x", T).await.unwrap();
@@ -664,10 +658,7 @@ async fn the_sweep_hints_a_member_who_left_at_the_last_event_they_may_see() {
     for m in ["m3", "m4"] {
         a.send("c1", m, "x", T).await.unwrap();
     }
-    let b = connect(&w, "b1", &tb)
-        .await
-        .unwrap()
-        .with_options(never_ack());
+    let b = never_acking(&w, "b1", &tb).await;
     b.request(json!({"t":"sub"}), T).await.unwrap(); // raw sub: the client does not sync by itself
     let sweep_hints = |c: &Client| -> Vec<(Instant, Value)> {
         c.frames()

@@ -220,6 +220,31 @@ fn swept_not_pushed(s: &Steady, before: &ClientStats) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The commit feed's repair: m1 came by one push and no sync.
+fn pushed_not_swept(s: &Steady, before: &ClientStats) -> anyhow::Result<()> {
+    let d = delta(before, &s.b.stats());
+    anyhow::ensure!(
+        d.pushes == 1 && d.synced == 0,
+        "the feed's push delivers m1: {:?}",
+        s.b.stats()
+    );
+    Ok(())
+}
+
+/// Waits until gateway `i`'s log says the fault point `point` fired.
+async fn fired(s: &Steady, i: usize, point: &str) -> anyhow::Result<()> {
+    let gw = s.w.gw_at(i);
+    let line = format!("fault fired: point={point}");
+    wait_until(&format!("{point} to fire on gateway {i}"), T, async || {
+        if gw.log_text().contains(&line) {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await
+}
+
 /// Dropped push: the receiver's gateway drops the one push of m1. Only the sweep's check of
 /// pairs fan-out pushed and no ack reached can find it (no notification was lost, nothing
 /// failed): a sweep hint within one interval, then a sync.
@@ -259,12 +284,7 @@ async fn feed_repairs(two: bool, spec: &str) -> anyhow::Result<()> {
         s.w.gw_at(0).log_text().contains(&fired),
         "{spec} never fired"
     );
-    let d = delta(&before, &s.b.stats());
-    anyhow::ensure!(
-        d.pushes == 1 && d.synced == 0,
-        "the feed's push delivers m1: {:?}",
-        s.b.stats()
-    );
+    pushed_not_swept(&s, &before)?;
     s.judge().await
 }
 
@@ -278,15 +298,7 @@ async fn failed_feed_look(two: bool) -> anyhow::Result<()> {
     let s = Steady::start(two, &[]).await?;
     let before = s.b.stats();
     let look = s.w.arm_fault(s.rx, "fanout.feed:error:0:1").await?;
-    let gw = s.w.gw_at(s.rx);
-    wait_until("the receiver's commit feed to fail a look", T, async || {
-        if gw.log_text().contains("fault fired: point=fanout.feed") {
-            Ok(())
-        } else {
-            Err(())
-        }
-    })
-    .await?;
+    fired(&s, s.rx, "fanout.feed").await?;
     s.w.disarm_fault(look).await?;
     let f =
         s.w.arm_fault(0, "send.after_commit_before_notify:drop:0:1")
@@ -294,12 +306,7 @@ async fn failed_feed_look(two: bool) -> anyhow::Result<()> {
     let (seq, t0) = s.send("m1").await?;
     s.repaired(seq, t0, bound()).await?;
     s.w.disarm_fault(f).await?;
-    let d = delta(&before, &s.b.stats());
-    anyhow::ensure!(
-        d.pushes == 1 && d.synced == 0,
-        "the feed's push delivers m1: {:?}",
-        s.b.stats()
-    );
+    pushed_not_swept(&s, &before)?;
     s.judge().await
 }
 
@@ -310,8 +317,8 @@ async fn failed_feed_look(two: bool) -> anyhow::Result<()> {
 /// under any load, so the looks' marks list m1's as in flight below their xmax. A look must
 /// leave a transaction in flight at its mark to the next look (visible in that snapshot or
 /// not, not `xid >= xmax`): the first look after the COMMIT finds m1 and fan-out pushes it
-/// within the bound of its reply. A feed that takes every id below its mark as seen (bug `feed-window`) never
-/// reports it, and the routine full pass is 60 intervals away.
+/// within the bound of its reply. A feed that takes every id below its mark as seen (bug
+/// `feed-window`) never reports it, and the routine full pass is 60 intervals away.
 async fn feed_window(two: bool) -> anyhow::Result<()> {
     let s = Steady::start(two, &[]).await?;
     let before = s.b.stats();
@@ -322,20 +329,9 @@ async fn feed_window(two: bool) -> anyhow::Result<()> {
         s.w.arm_fault(0, "send.after_commit_before_notify:drop:0:1")
             .await?;
     let pool = s.w.pool().await?;
-    let gw = s.w.gw_at(0);
     let t_send = Instant::now();
     let other = async {
-        wait_until("m1's commit to be held", T, async || {
-            if gw
-                .log_text()
-                .contains("fault fired: point=send.before_commit")
-            {
-                Ok(())
-            } else {
-                Err(())
-            }
-        })
-        .await?;
+        fired(&s, 0, "send.before_commit").await?;
         // Another transaction takes an id after m1's and commits while m1's is open: a
         // snapshot's xmax is one past the latest completed id, so only then is m1's id
         // below the next look's xmax, listed as in flight.
@@ -355,12 +351,7 @@ async fn feed_window(two: bool) -> anyhow::Result<()> {
     s.repaired(seq, t0, bound()).await?;
     s.w.disarm_fault(f).await?;
     s.w.disarm_fault(held).await?;
-    let d = delta(&before, &s.b.stats());
-    anyhow::ensure!(
-        d.pushes == 1 && d.synced == 0,
-        "the feed's push delivers m1: {:?}",
-        s.b.stats()
-    );
+    pushed_not_swept(&s, &before)?;
     s.judge().await
 }
 
