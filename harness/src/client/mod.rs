@@ -301,6 +301,12 @@ impl State {
         self.bug == Some(name)
     }
 
+    /// Whether `conv`'s epoch is still `epoch`, the one a request about it was decided
+    /// under (issue 21: a move discards what the request was about).
+    fn still_under(&self, conv: &str, epoch: Option<i64>) -> bool {
+        self.file.convs.get(conv).and_then(|c| c.epoch) == epoch
+    }
+
     fn cursor(&self, conv: &str) -> i64 {
         self.delivery.cursor(conv)
     }

@@ -136,11 +136,18 @@ impl Inner {
                     seq,
                     explicit,
                 },
-                |st| explicit || st.file.convs.get(conv).and_then(|c| c.epoch) == chosen_under,
+                |st| explicit || st.still_under(conv, chosen_under),
             )
             .await;
         {
             let mut st = self.lock();
+            if !st.still_under(conv, chosen_under) {
+                // Issue 21: the epoch moved while the ack was on its way; the core forgot
+                // what it covered, and its answer is about a conversation that is gone.
+                drop(st);
+                self.notify();
+                return r.map(|r| r.value);
+            }
             match &r {
                 Ok(reply) => match reply.reply() {
                     Some(&Reply::Acked { delivered, .. }) => {
@@ -360,7 +367,7 @@ impl Inner {
     }
 
     /// The first half of [`Inner::auto_ack`]: the seq to ack, if any, and the timeout.
-    fn begin_auto_ack(&self, conv: &str) -> Option<(i64, Duration, Option<i64>)> {
+    pub(super) fn begin_auto_ack(&self, conv: &str) -> Option<(i64, Duration, Option<i64>)> {
         let mut st = self.lock();
         if !st.opts.auto_ack {
             return None;
@@ -376,7 +383,7 @@ impl Inner {
 
     /// The second half of [`Inner::auto_ack`]: sends the ack [`Inner::begin_auto_ack`]
     /// chose and reports the answer to the delivery core.
-    async fn finish_auto_ack(
+    pub(super) async fn finish_auto_ack(
         &self,
         conv: &str,
         target: i64,
@@ -393,7 +400,12 @@ impl Inner {
             if self.crash_point(&mut st, CrashAt::AfterAck(n)) {
                 return;
             }
-            if let Err(e) = &r {
+            // An ack chosen under an epoch that has since moved failed because of the move
+            // (it never left) or on its own; either way it is not the new epoch's ack, and
+            // reporting it would cancel the new epoch's coalesced ack (the `ack_failed` of
+            // a non-retryable error clears the timer): its seqs would never be acked.
+            let moved = !st.still_under(conv, chosen_under);
+            if let (Err(e), false) = (&r, moved) {
                 tracing::debug!(conv, seq = target, error = %e, "automatic ack failed");
                 st.delivery
                     .ack_failed(conv, e.is_retryable(), Instant::now());
