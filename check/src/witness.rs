@@ -168,52 +168,102 @@ fn periods_text(periods: &[(i64, Option<i64>)]) -> String {
         .join(" ")
 }
 
+/// What the final read has where a device holds a message.
+fn row_text(row: &Option<FinalEvent>) -> String {
+    match row {
+        Some(r) => format!("the row has mid {}", r.mid),
+        None => "the final read has no such row".to_string(),
+    }
+}
+
+fn sent_not_kept(devices: &[String], sent: &Named, row: &Option<FinalEvent>) -> String {
+    let Named {
+        conv,
+        seq,
+        mid,
+        line,
+    } = sent;
+    let who = devices.join(", ");
+    let first = line.unwrap_or_default();
+    match row {
+        Some(r) => format!(
+            "{who} got sent {conv}:{seq} (mid {mid}, line {first}) but row {conv}:{seq} has mid {}",
+            r.mid
+        ),
+        None => format!(
+            "{who} got sent {conv}:{seq} (mid {mid}, line {first}) but the final read has no row {conv}:{seq}"
+        ),
+    }
+}
+
+fn rows_of_one_cmid(user: &str, cmid: &str, rows: &[FinalEvent]) -> String {
+    let names: Vec<String> = rows
+        .iter()
+        .map(|r| format!("{}:{} (mid {})", r.conv, r.seq, r.mid))
+        .collect();
+    format!(
+        "{} rows for (sender {user}, cmid {cmid}): {}",
+        rows.len(),
+        names.join(", ")
+    )
+}
+
+fn answers_of_one_cmid(device: &str, cmid: &str, answers: &[Named]) -> String {
+    let names: Vec<String> = answers
+        .iter()
+        .map(|a| {
+            let line = a.line.unwrap_or_default();
+            format!("{}:{} (mid {}, line {line})", a.conv, a.seq, a.mid)
+        })
+        .collect();
+    format!(
+        "{device}'s cmid {cmid} was answered sent with {}",
+        names.join(" and ")
+    )
+}
+
+fn seq_gap(conv: &str, head: i64, missing: &[i64], extra: &[i64]) -> String {
+    let mut msg = format!("{conv} has head {head} but");
+    if !missing.is_empty() {
+        let _ = write!(msg, " no rows for seqs {}", list(missing));
+    }
+    if !extra.is_empty() {
+        if !missing.is_empty() {
+            msg.push_str(" and");
+        }
+        let _ = write!(msg, " rows outside 1..={head}: {}", list(extra));
+    }
+    msg
+}
+
+fn cursor_unexplained(w: &CursorWrite, first_ack: Option<(u64, i64)>) -> String {
+    let old = w.old.map_or("none".to_string(), |o| o.to_string());
+    let mut msg = format!(
+        "cursor of {} in {} moved {old} -> {} at wall_us {} with no earlier ack of {} by {}",
+        w.device, w.conv, w.new, w.wall_us, w.new, w.device
+    );
+    if let Some((i, later)) = first_ack {
+        let _ = write!(
+            msg,
+            " (its first ack of {} is line {i}, {later} us later)",
+            w.new
+        );
+    }
+    msg
+}
+
 impl Witness {
-    /// The one-sentence explanation (the anomaly's `msg`).
+    /// The one-sentence explanation (the anomaly's `msg`): one sentence per shape, each
+    /// written by the function named after it.
     pub fn explain(&self) -> String {
         match self {
-            Witness::SentNotKept { devices, sent, row } => {
-                let Named { conv, seq, mid, line } = sent;
-                let who = devices.join(", ");
-                let first = line.unwrap_or_default();
-                match row {
-                    Some(r) => format!(
-                        "{who} got sent {conv}:{seq} (mid {mid}, line {first}) but row {conv}:{seq} has mid {}",
-                        r.mid
-                    ),
-                    None => format!(
-                        "{who} got sent {conv}:{seq} (mid {mid}, line {first}) but the final read has no row {conv}:{seq}"
-                    ),
-                }
-            }
-            Witness::RowsOfOneCmid { user, cmid, rows } => {
-                let names: Vec<String> = rows
-                    .iter()
-                    .map(|r| format!("{}:{} (mid {})", r.conv, r.seq, r.mid))
-                    .collect();
-                format!(
-                    "{} rows for (sender {user}, cmid {cmid}): {}",
-                    rows.len(),
-                    names.join(", ")
-                )
-            }
+            Witness::SentNotKept { devices, sent, row } => sent_not_kept(devices, sent, row),
+            Witness::RowsOfOneCmid { user, cmid, rows } => rows_of_one_cmid(user, cmid, rows),
             Witness::AnswersOfOneCmid {
                 device,
                 cmid,
                 answers,
-            } => {
-                let names: Vec<String> = answers
-                    .iter()
-                    .map(|a| {
-                        let line = a.line.unwrap_or_default();
-                        format!("{}:{} (mid {}, line {line})", a.conv, a.seq, a.mid)
-                    })
-                    .collect();
-                format!(
-                    "{device}'s cmid {cmid} was answered sent with {}",
-                    names.join(" and ")
-                )
-            }
+            } => answers_of_one_cmid(device, cmid, answers),
             Witness::RowNeverSent { row: r } => format!(
                 "row {}:{} (mid {}, sender {}/{}, cmid {}) was never sent by {}",
                 r.conv, r.seq, r.mid, r.sender_user, r.sender_device, r.cmid, r.sender_device
@@ -223,19 +273,7 @@ impl Witness {
                 head,
                 missing,
                 extra,
-            } => {
-                let mut msg = format!("{conv} has head {head} but");
-                if !missing.is_empty() {
-                    let _ = write!(msg, " no rows for seqs {}", list(missing));
-                }
-                if !extra.is_empty() {
-                    if !missing.is_empty() {
-                        msg.push_str(" and");
-                    }
-                    let _ = write!(msg, " rows outside 1..={head}: {}", list(extra));
-                }
-                msg
-            }
+            } => seq_gap(conv, *head, missing, extra),
             Witness::AckBeyondStore {
                 device,
                 conv,
@@ -246,20 +284,8 @@ impl Witness {
                 "{device} acked {conv}:{seq} while it had stored contiguously only through {through}, not {conv}:{} (line {line})",
                 through + 1
             ),
-            Witness::CursorUnexplained { write: w, first_ack } => {
-                let old = w.old.map_or("none".to_string(), |o| o.to_string());
-                let mut msg = format!(
-                    "cursor of {} in {} moved {old} -> {} at wall_us {} with no earlier ack of {} by {}",
-                    w.device, w.conv, w.new, w.wall_us, w.new, w.device
-                );
-                if let Some((i, later)) = first_ack {
-                    let _ = write!(
-                        msg,
-                        " (its first ack of {} is line {i}, {later} us later)",
-                        w.new
-                    );
-                }
-                msg
+            Witness::CursorUnexplained { write, first_ack } => {
+                cursor_unexplained(write, *first_ack)
             }
             Witness::CursorWrittenDown { write: w } => format!(
                 "cursor of {} in {} was written down from {} to {} at wall_us {}",
@@ -289,6 +315,20 @@ impl Witness {
             } => format!(
                 "final cursor of {device} in {conv} is {delivered}, outside 0..={head} (head)"
             ),
+            w @ (Witness::OutsidePeriods { .. }
+            | Witness::NotRepaired { .. }
+            | Witness::SweepGap { .. }
+            | Witness::SweepMedian { .. }) => w.explain_delivery(),
+            w @ (Witness::TwoMessagesAtOneSeq { .. }
+            | Witness::HeldNotKept { .. }
+            | Witness::StoredNotKept { .. }
+            | Witness::NotVisible { .. }) => w.explain_held(),
+        }
+    }
+
+    /// [`Witness::explain`] of what a device was delivered and when (S1, D5).
+    fn explain_delivery(&self) -> String {
+        match self {
             Witness::OutsidePeriods {
                 device,
                 user,
@@ -332,6 +372,14 @@ impl Witness {
                 "{device}'s sweep hints for {conv} came every {median_ms} ms (median of {gaps} gaps), over {} × sweep_ms {sweep_ms}",
                 super::sweep::SWEEP_MEDIAN_FACTOR
             ),
+            other => unreachable!("not a delivery witness: {other:?}"),
+        }
+    }
+
+    /// [`Witness::explain`] of what a device holds against the database (the store and
+    /// the probes).
+    fn explain_held(&self) -> String {
+        match self {
             Witness::TwoMessagesAtOneSeq {
                 device,
                 first,
@@ -345,21 +393,16 @@ impl Witness {
                 second.mid,
                 second.line.unwrap_or_default()
             ),
-            Witness::HeldNotKept { device, held, row } => {
-                let what = match row {
-                    Some(r) => format!("the row has mid {}", r.mid),
-                    None => "the final read has no such row".to_string(),
-                };
-                format!(
-                    "{device} received {}:{} = mid {} (line {}) but {what}, and no epoch \
-                     change of {} reached it afterwards",
-                    held.conv,
-                    held.seq,
-                    held.mid,
-                    held.line.unwrap_or_default(),
-                    held.conv
-                )
-            }
+            Witness::HeldNotKept { device, held, row } => format!(
+                "{device} received {}:{} = mid {} (line {}) but {}, and no epoch change of {} \
+                 reached it afterwards",
+                held.conv,
+                held.seq,
+                held.mid,
+                held.line.unwrap_or_default(),
+                row_text(row),
+                held.conv
+            ),
             Witness::StoredNotKept {
                 device,
                 stored,
@@ -368,13 +411,12 @@ impl Witness {
                 let when = stored
                     .line
                     .map_or(String::new(), |l| format!(" (stored at line {l})"));
-                let what = match row {
-                    Some(r) => format!("the row has mid {}", r.mid),
-                    None => "the final read has no such row".to_string(),
-                };
                 format!(
-                    "{device}'s state file holds {}:{} = mid {}{when} but {what}",
-                    stored.conv, stored.seq, stored.mid
+                    "{device}'s state file holds {}:{} = mid {}{when} but {}",
+                    stored.conv,
+                    stored.seq,
+                    stored.mid,
+                    row_text(row)
                 )
             }
             Witness::NotVisible {
@@ -395,6 +437,7 @@ impl Witness {
                     expected.line.unwrap_or_default()
                 )
             }
+            other => unreachable!("not a witness of what a device holds: {other:?}"),
         }
     }
 
