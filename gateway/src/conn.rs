@@ -39,7 +39,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 
@@ -78,13 +78,15 @@ fn largest_synced_frame(limit: i64, body_max: usize, page_max: usize) -> usize {
         + SYNC_FRAME_OVERHEAD_BYTES
 }
 
-/// Serves one upgraded connection until the peer leaves, a fatal error, or shutdown.
+/// Serves one upgraded connection until the peer leaves, a fatal error, or shutdown: the
+/// reader ([`Reader::read`]) until a close, then the close that keeps replies
+/// ([`Reader::close`]).
 pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, peer: SocketAddr) {
     let (sink, mut stream) = ws.split();
     let (outbox, rx) = Outbox::new(id, state.cfg.queue_frames_max, state.cfg.queue_bytes_max);
     // Close requests from outside the reader (a stale install, a STALE_INSTALL reply): the
     // first one wins. The reader keeps a sender, so `recv` never ends.
-    let (close_tx, mut close_rx) = hub::close_channel();
+    let (close_tx, close_rx) = hub::close_channel();
     // The reader asks the writer for a ping (after half of IM_READ_IDLE_MS of silence).
     let ping = Arc::new(Notify::new());
     let write_timeout = Duration::from_millis(state.cfg.write_timeout_ms);
@@ -99,147 +101,243 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
         write_timeout,
         writer_gone.clone(),
     ));
-    let hello_deadline =
-        tokio::time::Instant::now() + Duration::from_millis(state.cfg.hello_timeout_ms);
-    let read_idle = Duration::from_millis(state.cfg.read_idle_ms);
-    let mut last_read = tokio::time::Instant::now();
-    let mut ping_asked = false;
     let inflight_max = state.cfg.conn_inflight_max;
-    let inflight = Arc::new(Semaphore::new(inflight_max));
     tracing::info!(conn = id, %peer, "connection opened");
+    let reader = Reader {
+        inflight: Arc::new(Semaphore::new(inflight_max)),
+        inflight_max,
+        state,
+        id,
+        peer,
+        outbox,
+        close_tx,
+        ping,
+        writer_gone,
+    };
+    let (code, last_error, session) = reader.read(&mut stream, close_rx).await;
+    reader
+        .close(code, last_error, session, stream, writer)
+        .await;
+}
 
-    let mut session: Option<Arc<Session>> = None;
-    // The close code, and an error frame to send before the close frame.
-    let (code, last_error) = loop {
-        let msg = tokio::select! {
-            _ = state.cancel.cancelled() => break (CloseCode::Away, None),
-            _ = writer_gone.cancelled() => break (CloseCode::Abnormal, None),
-            r = close_rx.recv() => {
-                let (code, e) = r.unwrap_or((1008, None));
-                break (CloseCode::from(code), e);
-            }
-            _ = tokio::time::sleep_until(hello_deadline), if session.is_none() => {
-                tracing::info!(conn = id, "no hello within IM_HELLO_TIMEOUT_MS: closing");
-                break (CloseCode::Policy, None);
-            }
-            _ = tokio::time::sleep_until(last_read + read_idle / 2), if !ping_asked => {
-                // Half the idle time in silence: a ping, which a live peer answers.
-                ping.notify_one();
-                ping_asked = true;
-                continue;
-            }
-            _ = tokio::time::sleep_until(last_read + read_idle) => {
-                tracing::info!(conn = id, "nothing read within IM_READ_IDLE_MS: closing");
-                break (CloseCode::Away, None);
-            }
-            m = stream.next() => {
-                last_read = tokio::time::Instant::now();
-                ping_asked = false;
-                m
-            }
-        };
-        let frame_max = state.cfg.frame_max_bytes;
-        let text = match msg {
-            None => break (CloseCode::Normal, None),
-            Some(Ok(Message::Text(t))) if t.len() > frame_max => {
-                tracing::info!(conn = id, "frame over the size limit: closing");
-                break (CloseCode::Size, Some(too_large(frame_max)));
-            }
-            Some(Ok(Message::Text(t))) => t,
-            Some(Ok(Message::Binary(b))) => {
-                if b.len() > frame_max {
-                    tracing::info!(conn = id, "frame over the size limit: closing");
-                    break (CloseCode::Size, Some(too_large(frame_max)));
+type Stream = futures_util::stream::SplitStream<WebSocketStream<TcpStream>>;
+
+/// One connection's reader and what it shares with the writer and the request tasks.
+struct Reader {
+    state: Arc<State>,
+    id: u64,
+    peer: SocketAddr,
+    outbox: Arc<Outbox>,
+    close_tx: mpsc::Sender<CloseRequest>,
+    ping: Arc<Notify>,
+    writer_gone: CancellationToken,
+    /// Bounded concurrency per connection: past the limit the reader waits, which only
+    /// slows this connection.
+    inflight: Arc<Semaphore>,
+    inflight_max: usize,
+}
+
+/// What the reader does with one read from the socket ([`classify`]).
+enum Read {
+    /// A text frame to parse and serve.
+    Text(Utf8Bytes),
+    /// Nothing to answer (a ping or pong: tungstenite answers pings itself).
+    Skip,
+    /// A binary frame: answered with this error; the connection stays.
+    Refused(WireError),
+    /// The connection ends with this code, after this error frame if any.
+    End(CloseCode, Option<WireError>),
+}
+
+/// What one read from the socket means: `hello_done` when the connection said hello.
+fn classify(
+    msg: Option<Result<Message, WsError>>,
+    frame_max: usize,
+    id: u64,
+    hello_done: bool,
+) -> Read {
+    let too_big = || {
+        tracing::info!(conn = id, "frame over the size limit: closing");
+        Read::End(CloseCode::Size, Some(too_large(frame_max)))
+    };
+    match msg {
+        None => Read::End(CloseCode::Normal, None),
+        Some(Ok(Message::Text(t))) if t.len() > frame_max => too_big(),
+        Some(Ok(Message::Text(t))) => Read::Text(t),
+        Some(Ok(Message::Binary(b))) if b.len() > frame_max => too_big(),
+        Some(Ok(Message::Binary(_))) if hello_done => Read::Refused(WireError::bad(
+            "binary frames are not accepted: send JSON text",
+        )),
+        Some(Ok(Message::Binary(_))) => {
+            Read::Refused(WireError::Unauthenticated("say hello first".into()))
+        }
+        Some(Ok(Message::Close(_))) => Read::End(CloseCode::Normal, None),
+        Some(Ok(_)) => Read::Skip,
+        Some(Err(WsError::Capacity(_))) => too_big(),
+        Some(Err(WsError::Utf8)) => {
+            tracing::info!(conn = id, "text frame is not UTF-8: closing (1007)");
+            Read::End(CloseCode::Invalid, None)
+        }
+        Some(Err(WsError::Protocol(e))) => {
+            tracing::info!(conn = id, error = %e, "protocol violation: closing (1002)");
+            Read::End(CloseCode::Protocol, None)
+        }
+        Some(Err(e)) => {
+            tracing::info!(conn = id, error = %e, "connection read error");
+            Read::End(CloseCode::Abnormal, None)
+        }
+    }
+}
+
+impl Reader {
+    /// Reads until the connection is to close: the close code, an error frame to send
+    /// before the close frame, and the session if the connection said hello.
+    async fn read(
+        &self,
+        stream: &mut Stream,
+        mut close_rx: mpsc::Receiver<CloseRequest>,
+    ) -> (CloseCode, Option<WireError>, Option<Arc<Session>>) {
+        let (state, id) = (&self.state, self.id);
+        let hello_deadline =
+            tokio::time::Instant::now() + Duration::from_millis(state.cfg.hello_timeout_ms);
+        let read_idle = Duration::from_millis(state.cfg.read_idle_ms);
+        let mut last_read = tokio::time::Instant::now();
+        let mut ping_asked = false;
+        let mut session: Option<Arc<Session>> = None;
+        let (code, last_error) = loop {
+            let msg = tokio::select! {
+                _ = state.cancel.cancelled() => break (CloseCode::Away, None),
+                _ = self.writer_gone.cancelled() => break (CloseCode::Abnormal, None),
+                r = close_rx.recv() => {
+                    let (code, e) = r.unwrap_or((1008, None));
+                    break (CloseCode::from(code), e);
                 }
-                let e = if session.is_some() {
-                    WireError::bad("binary frames are not accepted: send JSON text")
-                } else {
-                    WireError::Unauthenticated("say hello first".into())
-                };
-                reply(&outbox, id, None, Err(e), None).await;
-                continue;
-            }
-            Some(Ok(Message::Close(_))) => break (CloseCode::Normal, None),
-            Some(Ok(_)) => continue, // ping/pong: tungstenite answers pings itself
-            Some(Err(WsError::Capacity(_))) => {
-                tracing::info!(conn = id, "frame over the size limit: closing");
-                break (CloseCode::Size, Some(too_large(frame_max)));
-            }
-            Some(Err(WsError::Utf8)) => {
-                tracing::info!(conn = id, "text frame is not UTF-8: closing (1007)");
-                break (CloseCode::Invalid, None);
-            }
-            Some(Err(WsError::Protocol(e))) => {
-                tracing::info!(conn = id, error = %e, "protocol violation: closing (1002)");
-                break (CloseCode::Protocol, None);
-            }
-            Some(Err(e)) => {
-                tracing::info!(conn = id, error = %e, "connection read error");
-                break (CloseCode::Abnormal, None);
-            }
-        };
-        let inbound = protocol::parse(&text, state.cfg.body_max_bytes);
-        let Some(s) = &session else {
-            // Nothing but `hello` is served before hello, and hello is served inline.
-            let ctx = Hello {
-                state: &state,
-                outbox: &outbox,
-                close: &close_tx,
-                id,
-                peer,
+                _ = tokio::time::sleep_until(hello_deadline), if session.is_none() => {
+                    tracing::info!(conn = id, "no hello within IM_HELLO_TIMEOUT_MS: closing");
+                    break (CloseCode::Policy, None);
+                }
+                _ = tokio::time::sleep_until(last_read + read_idle / 2), if !ping_asked => {
+                    // Half the idle time in silence: a ping, which a live peer answers.
+                    self.ping.notify_one();
+                    ping_asked = true;
+                    continue;
+                }
+                _ = tokio::time::sleep_until(last_read + read_idle) => {
+                    tracing::info!(conn = id, "nothing read within IM_READ_IDLE_MS: closing");
+                    break (CloseCode::Away, None);
+                }
+                m = stream.next() => {
+                    last_read = tokio::time::Instant::now();
+                    ping_asked = false;
+                    m
+                }
             };
-            match ctx.serve(inbound.rid.as_deref(), inbound.req).await {
-                Ok(Some(handle)) => {
-                    session = Some(Arc::new(Session {
-                        state: state.clone(),
-                        id,
-                        who: handle.who.clone(),
-                        handle,
-                        sub_lock: tokio::sync::Mutex::new(()),
-                        members: Members::default(),
-                    }))
+            let text = match classify(msg, state.cfg.frame_max_bytes, id, session.is_some()) {
+                Read::Text(t) => t,
+                Read::Skip => continue,
+                Read::Refused(e) => {
+                    reply(&self.outbox, id, None, Err(e), None).await;
+                    continue;
                 }
-                Ok(None) => {}
-                Err(code) => break (code, None),
+                Read::End(code, e) => break (code, e),
+            };
+            if let Err(code) = self.serve(&text, &mut session).await {
+                break (code, None);
             }
-            continue;
         };
-        // Bounded concurrency per connection: past the limit the reader waits, which only
-        // slows this connection.
-        let Ok(permit) = inflight.clone().acquire_owned().await else {
-            break (CloseCode::Error, None);
+        (code, last_error, session)
+    }
+
+    /// Serves one text frame: `hello` inline before the session exists (nothing else is
+    /// served before it), every request after it in a task of its own.
+    async fn serve(&self, text: &str, session: &mut Option<Arc<Session>>) -> Result<(), CloseCode> {
+        let (state, id) = (&self.state, self.id);
+        let inbound = protocol::parse(text, state.cfg.body_max_bytes);
+        let Some(s) = session.as_ref() else {
+            let ctx = Hello {
+                state,
+                outbox: &self.outbox,
+                close: &self.close_tx,
+                id,
+                peer: self.peer,
+            };
+            if let Some(handle) = ctx.serve(inbound.rid.as_deref(), inbound.req).await? {
+                *session = Some(Arc::new(Session {
+                    state: state.clone(),
+                    id,
+                    who: handle.who.clone(),
+                    handle,
+                    sub_lock: tokio::sync::Mutex::new(()),
+                    members: Members::default(),
+                }));
+            }
+            return Ok(());
+        };
+        let Ok(permit) = self.inflight.clone().acquire_owned().await else {
+            return Err(CloseCode::Error);
         };
         let s = s.clone();
         state.tracker.spawn(async move {
             s.dispatch(inbound.rid.as_deref(), inbound.req).await;
             drop(permit);
         });
-    };
-    // Let in-flight requests finish and queue their replies before the close frame. They
-    // cannot wait forever on the byte budget: the writer drains it, or closes it when it
-    // gives up.
-    let _ = inflight.acquire_many(inflight_max as u32).await;
-    let device = match &session {
-        Some(s) => {
-            state.hub.unregister(&s.handle);
-            s.who.device.clone()
-        }
-        None => String::new(),
-    };
-    if code == CloseCode::Abnormal {
-        // The writer ends after what is queued, without a close frame.
-        outbox.end(None).await;
-    } else {
-        if let Some(e) = &last_error {
-            reply(&outbox, id, None, Err(e.clone()), None).await;
-        }
-        outbox.end(Some(code.into())).await;
+        Ok(())
     }
-    drop(session);
-    drop(outbox);
-    // Drain: read (and discard) until the peer's close frame or EOF while the writer
-    // finishes; then linger at most CLOSE_LINGER. Dropping the socket with unread data
-    // would make the kernel send a reset, and the peer would lose what is still in flight.
+
+    /// Closes keeping replies: lets in-flight requests finish and queue their replies,
+    /// queues the error and close frames behind them, then drains the peer's input while
+    /// the writer finishes (see the module's doc).
+    async fn close(
+        self,
+        code: CloseCode,
+        last_error: Option<WireError>,
+        session: Option<Arc<Session>>,
+        stream: Stream,
+        writer: tokio::task::JoinHandle<Tally>,
+    ) {
+        let Reader {
+            state,
+            id,
+            peer,
+            outbox,
+            inflight,
+            inflight_max,
+            ..
+        } = self;
+        // They cannot wait forever on the byte budget: the writer drains it, or closes it
+        // when it gives up.
+        let _ = inflight.acquire_many(inflight_max as u32).await;
+        let device = match &session {
+            Some(s) => {
+                state.hub.unregister(&s.handle);
+                s.who.device.clone()
+            }
+            None => String::new(),
+        };
+        if code == CloseCode::Abnormal {
+            // The writer ends after what is queued, without a close frame.
+            outbox.end(None).await;
+        } else {
+            if let Some(e) = &last_error {
+                reply(&outbox, id, None, Err(e.clone()), None).await;
+            }
+            outbox.end(Some(code.into())).await;
+        }
+        drop(session);
+        drop(outbox);
+        let Tally { frames, flushes } = drain_while_writing(code, stream, writer).await;
+        tracing::info!(conn = id, %peer, device, code = u16::from(code), frames, flushes, "connection closed");
+    }
+}
+
+/// Drain: read (and discard) until the peer's close frame or EOF while the writer
+/// finishes; then linger at most CLOSE_LINGER. Dropping the socket with unread data would
+/// make the kernel send a reset, and the peer would lose what is still in flight.
+async fn drain_while_writing(
+    code: CloseCode,
+    mut stream: Stream,
+    writer: tokio::task::JoinHandle<Tally>,
+) -> Tally {
     let drain = async {
         if code == CloseCode::Abnormal || bugs::active(Bug::NoCloseDrain) {
             return;
@@ -269,8 +367,7 @@ pub async fn run(state: Arc<State>, ws: WebSocketStream<TcpStream>, id: u64, pee
         }
     }
     drop(stream);
-    let Tally { frames, flushes } = tally;
-    tracing::info!(conn = id, %peer, device, code = u16::from(code), frames, flushes, "connection closed");
+    tally
 }
 
 fn too_large(frame_max_bytes: usize) -> WireError {
