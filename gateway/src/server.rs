@@ -18,14 +18,16 @@ use crate::observer::Observer;
 use crate::state::{State, FANOUT_POOL_MAX};
 use crate::{batch, conn, fanout, store, sweep};
 use sqlx::PgPool;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::TcpListener;
-use tokio::sync::{Notify, Semaphore};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tokio_tungstenite::tungstenite::http::StatusCode;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::WebSocketStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -91,6 +93,22 @@ pub async fn serve(
     lineage: Arc<Lineage>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
+    let state = start(cfg, pool, pg_listener, lineage, cancel).await?;
+    accept(&state, listener).await;
+    tracing::info!("shutting down: no longer accepting");
+    shut_down(&state).await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// The gateway's state and its background tasks: fan-out, the sweep and the lineage watch.
+async fn start(
+    cfg: Config,
+    pool: PgPool,
+    pg_listener: fanout::Listening,
+    lineage: Arc<Lineage>,
+    cancel: CancellationToken,
+) -> anyhow::Result<Arc<State>> {
     let fanout_pool = store::connect(
         &cfg.database_url,
         FANOUT_POOL_MAX,
@@ -118,7 +136,7 @@ pub async fn serve(
         fanout_pool,
         notifier,
         tracker: TaskTracker::new(),
-        cancel: cancel.clone(),
+        cancel,
         sweep_now: Notify::new(),
         lineage,
         changes: Default::default(),
@@ -135,24 +153,42 @@ pub async fn serve(
     state
         .tracker
         .spawn(close_all_when_the_lineage_moves(state.clone()));
+    Ok(state)
+}
 
-    let slots = Arc::new(Semaphore::new(state.cfg.connections_max));
-    let handshakes = Arc::new(Semaphore::new(state.cfg.handshakes_max));
-    let per_addr = AddrCounts::new(state.cfg.conns_per_addr_max);
-    let refusals = Arc::new(Semaphore::new(REFUSALS_MAX));
-    let handshake_timeout = Duration::from_millis(state.cfg.handshake_timeout_ms);
+/// The limits every accepted socket passes before it becomes a connection.
+struct Gates {
+    slots: Arc<Semaphore>,
+    handshakes: Arc<Semaphore>,
+    per_addr: Arc<AddrCounts>,
+    refusals: Arc<Semaphore>,
+    handshake_timeout: Duration,
+    ws_config: WebSocketConfig,
+}
+
+/// Accepts until shutdown: each socket that passes the per-address and handshake limits is
+/// upgraded in a task of its own ([`upgrade`]); the others are refused with a reason.
+async fn accept(state: &Arc<State>, listener: TcpListener) {
+    let gates = Gates {
+        slots: Arc::new(Semaphore::new(state.cfg.connections_max)),
+        handshakes: Arc::new(Semaphore::new(state.cfg.handshakes_max)),
+        per_addr: AddrCounts::new(state.cfg.conns_per_addr_max),
+        refusals: Arc::new(Semaphore::new(REFUSALS_MAX)),
+        handshake_timeout: Duration::from_millis(state.cfg.handshake_timeout_ms),
+        ws_config: WebSocketConfig::default()
+            // Hard cap for tungstenite; frames between frame_max and this get a TOO_LARGE
+            // reply.
+            .max_message_size(Some(state.cfg.frame_max_bytes * 2))
+            .max_frame_size(Some(state.cfg.frame_max_bytes * 2))
+            // Issue 19: 8 KiB read buffers (tungstenite's default is 128 KiB, allocated per
+            // connection): an idle connection costs tens of KiB, not hundreds; larger frames
+            // still arrive whole, in several reads.
+            .read_buffer_size(WS_READ_BUFFER),
+    };
     let next_id = AtomicU64::new(1);
-    let ws_config = WebSocketConfig::default()
-        // Hard cap for tungstenite; frames between frame_max and this get a TOO_LARGE reply.
-        .max_message_size(Some(state.cfg.frame_max_bytes * 2))
-        .max_frame_size(Some(state.cfg.frame_max_bytes * 2))
-        // Issue 19: 8 KiB read buffers (tungstenite's default is 128 KiB, allocated per
-        // connection): an idle connection costs tens of KiB, not hundreds; larger frames
-        // still arrive whole, in several reads.
-        .read_buffer_size(WS_READ_BUFFER);
     loop {
         let (tcp, peer) = tokio::select! {
-            _ = cancel.cancelled() => break,
+            _ = state.cancel.cancelled() => break,
             r = listener.accept() => match r {
                 Ok(x) => x,
                 Err(e) => {
@@ -163,81 +199,105 @@ pub async fn serve(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let Some(addr_slot) = per_addr.admit(peer.ip()) else {
+        let Some(addr_slot) = gates.per_addr.admit(peer.ip()) else {
             tracing::info!(%peer, "IM_CONNS_PER_ADDR_MAX reached: refused");
             refuse(
-                &state,
-                &refusals,
+                state,
+                &gates.refusals,
                 tcp,
                 "too many connections from this address",
             );
             continue;
         };
-        let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+        let Ok(handshake) = gates.handshakes.clone().try_acquire_owned() else {
             tracing::info!(%peer, "IM_HANDSHAKES_MAX reached: refused");
-            refuse(&state, &refusals, tcp, "too many handshakes in progress");
+            refuse(
+                state,
+                &gates.refusals,
+                tcp,
+                "too many handshakes in progress",
+            );
             continue;
         };
         let id = next_id.fetch_add(1, Ordering::Relaxed);
-        let st = state.clone();
-        let slots = slots.clone();
+        let (st, slots) = (state.clone(), gates.slots.clone());
+        let (timeout, config) = (gates.handshake_timeout, gates.ws_config);
         state.tracker.spawn(async move {
-            // Taken when the upgrade request is complete, never before.
-            let mut slot = None;
-            // The callback's signature is tungstenite's; its error type is not ours to shrink.
-            #[allow(clippy::result_large_err)]
-            let check = |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
-                let refuse = |code: StatusCode, why: &str| {
-                    let mut r = ErrorResponse::new(Some(why.to_string()));
-                    *r.status_mut() = code;
-                    r
-                };
-                if req.uri().path() != "/ws" {
-                    return Err(refuse(
-                        StatusCode::NOT_FOUND,
-                        "the WebSocket endpoint is /ws",
-                    ));
-                }
-                match slots.try_acquire_owned() {
-                    Ok(p) => {
-                        slot = Some(p);
-                        Ok(resp)
-                    }
-                    Err(_) => {
-                        tracing::info!(%peer, "connection limit reached: refused");
-                        Err(refuse(
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            "connection limit reached",
-                        ))
-                    }
-                }
-            };
-            let hs = tokio_tungstenite::accept_hdr_async_with_config(tcp, check, Some(ws_config));
-            let ws = tokio::select! {
-                _ = st.cancel.cancelled() => return,
-                r = tokio::time::timeout(handshake_timeout, hs) => match r {
-                    Ok(Ok(ws)) => ws,
-                    Ok(Err(e)) => {
-                        tracing::info!(conn = id, %peer, error = %e, "handshake refused or failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::info!(conn = id, %peer, "handshake timed out (IM_HANDSHAKE_TIMEOUT_MS)");
-                        return;
-                    }
-                },
+            let Some((ws, slot)) = upgrade(&st, tcp, peer, id, slots, timeout, config).await else {
+                return;
             };
             drop(handshake);
-            let Some(slot) = slot else {
-                return; // unreachable: a finished handshake took a slot
-            };
             conn::run(st, ws, id, peer).await;
             drop(slot);
             drop(addr_slot);
         });
     }
     drop(listener);
-    tracing::info!("shutting down: no longer accepting");
+}
+
+/// The WebSocket handshake of one accepted socket, within `timeout`: only on `/ws`, and
+/// only with a free connection slot, taken when the upgrade request is complete, never
+/// before. `None` when it was refused, failed, timed out or shutdown came first.
+async fn upgrade(
+    state: &State,
+    tcp: TcpStream,
+    peer: SocketAddr,
+    id: u64,
+    slots: Arc<Semaphore>,
+    timeout: Duration,
+    config: WebSocketConfig,
+) -> Option<(WebSocketStream<TcpStream>, OwnedSemaphorePermit)> {
+    let mut slot = None;
+    // The callback's signature is tungstenite's; its error type is not ours to shrink.
+    #[allow(clippy::result_large_err)]
+    let check = |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
+        let refuse = |code: StatusCode, why: &str| {
+            let mut r = ErrorResponse::new(Some(why.to_string()));
+            *r.status_mut() = code;
+            r
+        };
+        if req.uri().path() != "/ws" {
+            return Err(refuse(
+                StatusCode::NOT_FOUND,
+                "the WebSocket endpoint is /ws",
+            ));
+        }
+        match slots.try_acquire_owned() {
+            Ok(p) => {
+                slot = Some(p);
+                Ok(resp)
+            }
+            Err(_) => {
+                tracing::info!(%peer, "connection limit reached: refused");
+                Err(refuse(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "connection limit reached",
+                ))
+            }
+        }
+    };
+    let hs = tokio_tungstenite::accept_hdr_async_with_config(tcp, check, Some(config));
+    let ws = tokio::select! {
+        _ = state.cancel.cancelled() => return None,
+        r = tokio::time::timeout(timeout, hs) => match r {
+            Ok(Ok(ws)) => ws,
+            Ok(Err(e)) => {
+                tracing::info!(conn = id, %peer, error = %e, "handshake refused or failed");
+                return None;
+            }
+            Err(_) => {
+                tracing::info!(conn = id, %peer, "handshake timed out (IM_HANDSHAKE_TIMEOUT_MS)");
+                return None;
+            }
+        },
+    };
+    // A finished handshake took a slot.
+    Some((ws, slot?))
+}
+
+/// Waits (bounded by IM_SHUTDOWN_GRACE_MS each) for every task, then for both pools to
+/// close.
+async fn shut_down(state: &State) {
     state.tracker.close();
     let grace = Duration::from_millis(state.cfg.shutdown_grace_ms);
     if tokio::time::timeout(grace, state.tracker.wait())
@@ -262,6 +322,4 @@ pub async fn serve(
     {
         tracing::warn!("fan-out pool did not close within the grace period");
     }
-    tracing::info!("stopped");
-    Ok(())
 }
