@@ -34,6 +34,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use env::Environment;
 use result::{BenchResult, Params, Section, Verdict};
 use util::progress;
 
@@ -385,10 +386,66 @@ impl PartsEta {
     }
 }
 
+/// A part `--only` left out.
+fn not_selected<T>() -> Section<T> {
+    Section::not_run("not selected (--only)")
+}
+
 /// Runs the bench; `Ok(true)` when `data_integrity` is PASS and every part ran.
 async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
     let started = Instant::now();
     let params = preset(&args.mode, args.seed)?;
+    let (environment, fault_check) = describe(&args, gateway_version);
+    let (ctx, environment) = prepare(&args, &params, environment).await?;
+    let mut r = BenchResult {
+        schema_version: result::SCHEMA_VERSION,
+        tool: "imfault-bench".into(),
+        mode: args.mode.clone(),
+        // Both decided by `judge`, once every part ran.
+        data_integrity: Verdict::NotRun,
+        targets_met: Verdict::NotRun,
+        targets_missed: Vec::new(),
+        failures: Vec::new(),
+        metrics: Vec::new(),
+        environment,
+        parameters: params,
+        send_path: not_selected(),
+        fanout: not_selected(),
+        sweep: not_selected(),
+        repair: not_selected(),
+        two_gateways: not_selected(),
+        conns: not_selected(),
+    };
+    run_parts(&args, &ctx, &fault_check, &mut r).await;
+    let data_lost = judge(&mut r);
+    r.metrics = result::metrics(&r);
+    (r.targets_met, r.targets_missed) = result::targets_met(&r.metrics);
+    r.environment.finished_at = util::rfc3339(util::unix_us() / 1_000_000);
+    r.environment.wall_s = util::r3(started.elapsed().as_secs_f64());
+    r.environment.load_avg_end = env::load_avg();
+
+    let out = harness::util::publish_path(args.out());
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    let text = serde_json::to_string_pretty(&r)?;
+    std::fs::write(&out, text + "\n").with_context(|| format!("write {}", out.display()))?;
+    print_summary(&r, &out);
+    let Ctx {
+        mut cluster, pool, ..
+    } = ctx;
+    pool.close().await;
+    if data_lost {
+        cluster.keep();
+    }
+    // Exit status 1 when the data is in doubt or the run is incomplete; missed targets
+    // never change it.
+    Ok(r.data_integrity.is_pass() && r.failures.is_empty())
+}
+
+/// The host and the binaries the bench runs, and whether the gateway with fault points
+/// is usable (the repair part needs it).
+fn describe(args: &Args, gateway_version: String) -> (Environment, anyhow::Result<String>) {
     let mut environment = env::host();
     environment.gateway_bin = args.gateway_bin().display().to_string();
     environment.gateway_version = gateway_version;
@@ -402,12 +459,25 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         Ok(v) => v.clone(),
         Err(e) => format!("unusable: {e:#}"),
     };
-    let pgbench = env::find_pgbench();
-    if let Some(b) = &pgbench {
+    if let Some(b) = env::find_pgbench() {
         environment.pgbench_bin = b.display().to_string();
-        environment.pgbench_version = env::pgbench_version(b);
+        environment.pgbench_version = env::pgbench_version(&b);
     }
+    environment.gateway_env = args
+        .gateway_env
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    (environment, fault_check)
+}
 
+/// The bench's PostgreSQL cluster (with `pg_stat_statements` when it loads), its pool and
+/// scratch directory: what every part runs against.
+async fn prepare(
+    args: &Args,
+    params: &Params,
+    mut environment: Environment,
+) -> anyhow::Result<(Ctx, Environment)> {
     progress(&format!(
         "[setup] {} mode: starting a PostgreSQL cluster",
         args.mode
@@ -437,99 +507,79 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
         .context("connect the bench pool")?;
     let tmp = cluster.work_dir().join("bench");
     std::fs::create_dir_all(&tmp)?;
-    environment.gateway_env = args
-        .gateway_env
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
     let ctx = Ctx {
         cluster,
         pool,
         pgss,
-        pgbench: pgbench.clone(),
+        pgbench: env::find_pgbench(),
         params: params.clone(),
         tmp,
         gateway_env: args.gateway_env.clone(),
     };
+    Ok((ctx, environment))
+}
 
+/// Runs the parts `--only` selected, in their order, into `r`.
+async fn run_parts(
+    args: &Args,
+    ctx: &Ctx,
+    fault_check: &anyhow::Result<String>,
+    r: &mut BenchResult,
+) {
     let on = |part: &str| args.only.iter().any(|o| o == part);
     let mut eta = PartsEta::new(args.out(), &args.only);
-    let send_path = if on("send") {
+    if on("send") {
         eta.start("send");
-        timed(send::run(&ctx)).await
-    } else {
-        Section::not_run("not selected (--only)")
-    };
-    let fanout = if on("fanout") {
+        r.send_path = timed(send::run(ctx)).await;
+    }
+    if on("fanout") {
         eta.start("fanout");
-        timed(fanout::run(&ctx)).await
-    } else {
-        Section::not_run("not selected (--only)")
-    };
-    let sweep = if on("sweep") {
+        r.fanout = timed(fanout::run(ctx)).await;
+    }
+    if on("sweep") {
         eta.start("sweep");
-        timed(sweep::run(&ctx)).await
-    } else {
-        Section::not_run("not selected (--only)")
-    };
-    let repair = if !on("repair") {
-        Section::not_run("not selected (--only)")
-    } else {
-        match &fault_check {
+        r.sweep = timed(sweep::run(ctx)).await;
+    }
+    if on("repair") {
+        r.repair = match fault_check {
             Err(e) => Section::not_run(format!("no usable gateway with fault points: {e:#}")),
             Ok(v) => {
                 eta.start("repair");
+                let p = &ctx.params;
                 let a = repair::ChildArgs {
                     out: ctx.tmp.join("repair.json"),
-                    seed: params.seed,
-                    intervals: params.repair_sweep_ms.clone(),
-                    trials: params.repair_trials.clone(),
-                    lanes: params.repair_lanes,
+                    seed: p.seed,
+                    intervals: p.repair_sweep_ms.clone(),
+                    trials: p.repair_trials.clone(),
+                    lanes: p.repair_lanes,
                 };
                 timed(repair::run_child(args.fault_gateway_bin(), v, a)).await
             }
-        }
-    };
-    let two_gateways = if on("two_gateways") {
+        };
+    }
+    if on("two_gateways") {
         eta.start("two_gateways");
-        timed(twogw::run(&ctx)).await
-    } else {
-        Section::not_run("not selected (--only)")
-    };
+        r.two_gateways = timed(twogw::run(ctx)).await;
+    }
     // Last: it raises the open-file limit and leaves tens of thousands of rows behind.
-    let conns = if on("conns") {
+    if on("conns") {
         eta.start("conns");
-        timed(conns::run(
-            &ctx,
-            params.conns_target,
-            params.conns_send_s,
-            params.conns_rate_per_s,
+        let p = &ctx.params;
+        r.conns = timed(conns::run(
+            ctx,
+            p.conns_target,
+            p.conns_send_s,
+            p.conns_rate_per_s,
         ))
-        .await
-    } else {
-        Section::not_run("not selected (--only)")
-    };
+        .await;
+    }
     util::progress_done();
+}
 
-    let mut r = BenchResult {
-        schema_version: result::SCHEMA_VERSION,
-        tool: "imfault-bench".into(),
-        mode: args.mode.clone(),
-        // Both decided below, once every part ran.
-        data_integrity: Verdict::NotRun,
-        targets_met: Verdict::NotRun,
-        targets_missed: Vec::new(),
-        failures: Vec::new(),
-        metrics: Vec::new(),
-        environment,
-        parameters: params,
-        send_path,
-        fanout,
-        sweep,
-        repair,
-        two_gateways,
-        conns,
-    };
+/// Judges a finished run: the fan-out's second ceiling, every part that did not run or
+/// lost data in `r.failures`, and `data_integrity`. True when acknowledged data is in doubt
+/// (the cluster is then kept).
+fn judge(r: &mut BenchResult) -> bool {
     // The fan-out's second ceiling: what pgbench with NOTIFY commits, times the frames each
     // message makes.
     if let (Some(fo), Some(sp)) = (r.fanout.data.as_mut(), r.send_path.data.as_ref()) {
@@ -562,6 +612,28 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
             ));
         }
     }
+    failures.extend(data_failures(r));
+    let data_lost = failures.iter().any(|f| {
+        f.contains("DATA LOSS") || f.contains("pgbench logged") || f.contains("NOT REPAIRED")
+    });
+    // A part that checks data and errored vouches for nothing.
+    let unverified = [
+        &r.send_path.status,
+        &r.fanout.status,
+        &r.repair.status,
+        &r.two_gateways.status,
+    ]
+    .iter()
+    .any(|s| s.as_str() == "error");
+    r.data_integrity = Verdict::of(!data_lost && !unverified);
+    r.failures = failures;
+    data_lost
+}
+
+/// What the parts' own data checks found: acknowledged messages missing, pgbench's log
+/// against its rows, and lost pushes the sweep never repaired.
+fn data_failures(r: &BenchResult) -> Vec<String> {
+    let mut failures = Vec::new();
     let checks = [
         (
             "send_path",
@@ -602,43 +674,7 @@ async fn bench(args: Args, gateway_version: String) -> anyhow::Result<bool> {
             ));
         }
     }
-    let data_lost = failures.iter().any(|f| {
-        f.contains("DATA LOSS") || f.contains("pgbench logged") || f.contains("NOT REPAIRED")
-    });
-    // A part that checks data and errored vouches for nothing.
-    let unverified = [
-        &r.send_path.status,
-        &r.fanout.status,
-        &r.repair.status,
-        &r.two_gateways.status,
-    ]
-    .iter()
-    .any(|s| s.as_str() == "error");
-    r.data_integrity = Verdict::of(!data_lost && !unverified);
-    r.failures = failures;
-    r.metrics = result::metrics(&r);
-    (r.targets_met, r.targets_missed) = result::targets_met(&r.metrics);
-    r.environment.finished_at = util::rfc3339(util::unix_us() / 1_000_000);
-    r.environment.wall_s = util::r3(started.elapsed().as_secs_f64());
-    r.environment.load_avg_end = env::load_avg();
-
-    let out = harness::util::publish_path(args.out());
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
-    }
-    let text = serde_json::to_string_pretty(&r)?;
-    std::fs::write(&out, text + "\n").with_context(|| format!("write {}", out.display()))?;
-    print_summary(&r, &out);
-    let Ctx {
-        mut cluster, pool, ..
-    } = ctx;
-    pool.close().await;
-    if data_lost {
-        cluster.keep();
-    }
-    // Exit status 1 when the data is in doubt or the run is incomplete; missed targets
-    // never change it.
-    Ok(r.data_integrity.is_pass() && r.failures.is_empty())
+    failures
 }
 
 fn print_summary(r: &BenchResult, out: &std::path::Path) {
