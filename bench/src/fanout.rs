@@ -240,6 +240,90 @@ impl Rig {
             pgss::reset(&ctx.pool).await;
         }
         let before = probe.sample();
+        let step_s = self.pace(ctx, target_msgs, label).await;
+        let (expected, after_heads) = self.drain(ctx, &before_heads).await?;
+        let after = probe.sample();
+        let stmts = if ctx.pgss {
+            pgss::snapshot(&ctx.pool).await
+        } else {
+            Vec::new()
+        };
+        let sent = self.take_send_logs();
+        let got = self.take_recv_logs(&sent.replies, &before_heads, &after_heads);
+        let cpu_use = cpu::delta(&before, &after);
+        let received = got.received;
+        let mut by = std::collections::BTreeMap::new();
+        if received > 0 {
+            for s in &stmts {
+                *by.entry(s.label.clone()).or_insert(0.0) += s.total_ms / received as f64;
+            }
+            for v in by.values_mut() {
+                *v = (*v * 1e6).round() / 1e6;
+            }
+        }
+        let ack_db = ctx.pgss.then(|| pgss::by_label(&stmts, "ack_upsert").1);
+        let Received {
+            mut push_lat,
+            mut after_reply,
+            agg,
+            via_sync,
+            pushed_in_range,
+            ..
+        } = got;
+        let mut send_lat: Vec<i64> = sent.replies.iter().map(|r| r.3).collect();
+        let msgs = sent.replies.len() as u64;
+        let mut step = FanoutStep {
+            multiplier: mult,
+            target_frames_per_s: r3(target_frames),
+            target_messages_per_s: r3(target_msgs),
+            events_per_device_conversation_per_s: r3(target_msgs / self.convs.len().max(1) as f64),
+            duration_s: r3(step_s),
+            messages_acked: msgs,
+            messages_per_s: r3(msgs as f64 / step_s),
+            send_errors: sent.errors,
+            sends_skipped: sent.skipped,
+            send_latency: summarize_us(&mut send_lat),
+            frames_expected: expected,
+            frames_received: received,
+            frames_pushed: agg.pushes,
+            events_via_sync: via_sync,
+            events_never_pushed: expected.saturating_sub(pushed_in_range),
+            frames_lost: expected.saturating_sub(received),
+            frames_per_s: r3(received as f64 / step_s),
+            push_latency: summarize_us(&mut push_lat),
+            push_after_sent_reply: summarize_us(&mut after_reply),
+            acks_sent: agg.acks_sent,
+            acked_replies: agg.acked,
+            ack_errors: agg.ack_errors,
+            cursor_writes_per_push: ratio(agg.acks_sent as f64, received as f64),
+            ack_upserts_db: ack_db,
+            hints_sweep: agg.hints_sweep,
+            hints_overflow: agg.hints_overflow,
+            hints_ahead: agg.hints_ahead,
+            syncs: agg.syncs,
+            gaps: agg.gaps,
+            duplicates: agg.duplicates,
+            cpu_per_frame: per_op(&cpu_use, received, false),
+            cpu: cpu_use,
+            statements: stmts,
+            db_ms_per_frame_by_label: by,
+            passed: false,
+            verdict: String::new(),
+        };
+        let why = step_failures(&step, p, target_frames);
+        step.passed = why.is_empty();
+        step.verdict = if step.passed {
+            "pass".into()
+        } else {
+            why.join("; ")
+        };
+        Ok((step, sent.acked))
+    }
+
+    /// Paces the senders at `target_msgs` messages per second for the step's duration,
+    /// then pauses them; returns the seconds it ran.
+    async fn pace(&self, ctx: &Ctx, target_msgs: f64, label: &str) -> f64 {
+        let p = &ctx.params;
         self.pace_tx
             .send_replace(Pace::Rate(target_msgs / self.senders.len() as f64));
         let t0 = Instant::now();
@@ -260,8 +344,12 @@ impl Rig {
             }
         }
         self.pace_tx.send_replace(Pace::Pause);
-        let step_s = t0.elapsed().as_secs_f64();
-        // Drain: replies, then events up to the heads, then the fan-out backlog.
+        t0.elapsed().as_secs_f64()
+    }
+
+    /// Drains a paced step: replies, then events up to the heads, then the fan-out backlog.
+    /// Returns the frames the receivers should have got and the heads after the step.
+    async fn drain(&self, ctx: &Ctx, before_heads: &[i64]) -> anyhow::Result<(u64, Vec<i64>)> {
         let drain_deadline = Instant::now() + Duration::from_secs(10);
         while self
             .senders
@@ -283,12 +371,12 @@ impl Rig {
             .flat_map(|r| r.globals.iter().map(|&k| expected_per_conv[k]))
             .sum();
         let mut last = (
-            self.count_in_range(&before_heads, &after_heads),
+            self.count_in_range(before_heads, &after_heads),
             Instant::now(),
         );
         while last.0 < expected && Instant::now() < drain_deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            let n = self.count_in_range(&before_heads, &after_heads);
+            let n = self.count_in_range(before_heads, &after_heads);
             if n != last.0 {
                 last = (n, Instant::now());
             } else if last.1.elapsed() > Duration::from_secs(2) {
@@ -296,32 +384,34 @@ impl Rig {
             }
         }
         self.quiesce(Duration::from_secs(10)).await;
-        let after = probe.sample();
-        let stmts = if ctx.pgss {
-            pgss::snapshot(&ctx.pool).await
-        } else {
-            Vec::new()
-        };
+        Ok((expected, after_heads))
+    }
 
-        // --- collect
-        let mut replies = Vec::new();
-        let mut acked = Vec::new();
-        let (mut send_errors, mut skipped) = (0, 0);
+    /// Every sender's log of the step, merged (and emptied).
+    fn take_send_logs(&self) -> SendLog {
+        let mut all = SendLog::default();
         for s in &self.senders {
             let mut l = s.log.lock().unwrap_or_else(|p| p.into_inner());
             let l = std::mem::take(&mut *l);
-            replies.extend(l.replies);
-            send_errors += l.errors;
-            skipped += l.skipped;
-            acked.extend(l.acked);
+            all.replies.extend(l.replies);
+            all.errors += l.errors;
+            all.skipped += l.skipped;
+            all.acked.extend(l.acked);
         }
+        all
+    }
+
+    /// Every receiver's log of the step (emptied), counted over the events the step sent:
+    /// those in `(before, after]` of their conversation's head.
+    fn take_recv_logs(
+        &self,
+        replies: &[(usize, i64, i64, i64)],
+        before_heads: &[i64],
+        after_heads: &[i64],
+    ) -> Received {
         let reply_at: HashMap<(usize, i64), i64> =
             replies.iter().map(|r| ((r.0, r.1), r.2)).collect();
-        let mut send_lat: Vec<i64> = replies.iter().map(|r| r.3).collect();
-        let mut push_lat = Vec::new();
-        let mut after_reply = Vec::new();
-        let mut agg = RecvLog::default();
-        let (mut received, mut via_sync, mut pushed_in_range) = (0u64, 0u64, 0u64);
+        let mut out = Received::default();
         for r in &self.receivers {
             let l = r.log.lock().unwrap_or_else(|p| p.into_inner()).take();
             let global = |g: &wire::Got| r.globals[g.conv as usize];
@@ -330,20 +420,21 @@ impl Rig {
                 g.seq > before_heads[k] && g.seq <= after_heads[k]
             };
             for g in l.got.iter().filter(|g| in_range(g)) {
-                received += 1;
+                out.received += 1;
                 if !g.pushed {
-                    via_sync += 1;
+                    out.via_sync += 1;
                 }
             }
             let mut seen = std::collections::HashSet::new();
             for g in l.pushed.iter().filter(|g| in_range(g)) {
-                push_lat.push(g.recv_us - g.at_ms * 1000);
+                out.push_lat.push(g.recv_us - g.at_ms * 1000);
                 if let Some(t) = reply_at.get(&(global(g), g.seq)) {
-                    after_reply.push(g.recv_us - t);
+                    out.after_reply.push(g.recv_us - t);
                 }
                 seen.insert((g.conv, g.seq));
             }
-            pushed_in_range += seen.len() as u64;
+            out.pushed_in_range += seen.len() as u64;
+            let agg = &mut out.agg;
             agg.pushes += l.pushes;
             agg.duplicates += l.duplicates;
             agg.gaps += l.gaps;
@@ -355,106 +446,72 @@ impl Rig {
             agg.hints_ahead += l.hints_ahead;
             agg.syncs += l.syncs;
         }
-        let lost = expected.saturating_sub(received);
-        let not_pushed = expected.saturating_sub(pushed_in_range);
-        let cpu_use = cpu::delta(&before, &after);
-        let mut by = std::collections::BTreeMap::new();
-        if received > 0 {
-            for s in &stmts {
-                *by.entry(s.label.clone()).or_insert(0.0) += s.total_ms / received as f64;
-            }
-            for v in by.values_mut() {
-                *v = (*v * 1e6).round() / 1e6;
-            }
-        }
-        let ack_db = ctx.pgss.then(|| pgss::by_label(&stmts, "ack_upsert").1);
-        let frames_per_s = r3(received as f64 / step_s);
-        let push = summarize_us(&mut push_lat);
-        let mut why = Vec::new();
-        if lost > 0 {
-            why.push(format!("{lost} frames lost"));
-        }
-        if not_pushed > 0 {
-            why.push(format!(
-                "{not_pushed} events never pushed (repaired by sync)"
-            ));
-        }
-        if agg.hints_overflow > 0 {
-            why.push(format!(
-                "{} overflow hints (pushes paused)",
-                agg.hints_overflow
-            ));
-        }
-        if push.p99_ms > p.fanout_p99_limit_ms {
-            why.push(format!(
-                "push p99 {} ms > {} ms",
-                push.p99_ms, p.fanout_p99_limit_ms
-            ));
-        }
-        if frames_per_s < DELIVERED_MIN_FRACTION * target_frames {
-            why.push(format!(
-                "delivered {frames_per_s:.0} frames/s < {:.0}% of {target_frames:.0}",
-                DELIVERED_MIN_FRACTION * 100.0
-            ));
-        }
-        if via_sync > 0 {
-            why.push(format!(
-                "{via_sync} events reached a device by sync before their push"
-            ));
-        }
-        let send = summarize_us(&mut send_lat);
-        if send.p99_ms > p.fanout_p99_limit_ms {
-            why.push(format!(
-                "send p99 {} ms > {} ms (senders queue)",
-                send.p99_ms, p.fanout_p99_limit_ms
-            ));
-        }
-        let passed = why.is_empty();
-        let msgs = replies.len() as u64;
-        let step = FanoutStep {
-            multiplier: mult,
-            target_frames_per_s: r3(target_frames),
-            target_messages_per_s: r3(target_msgs),
-            events_per_device_conversation_per_s: r3(target_msgs / self.convs.len().max(1) as f64),
-            duration_s: r3(step_s),
-            messages_acked: msgs,
-            messages_per_s: r3(msgs as f64 / step_s),
-            send_errors,
-            sends_skipped: skipped,
-            send_latency: send,
-            frames_expected: expected,
-            frames_received: received,
-            frames_pushed: agg.pushes,
-            events_via_sync: via_sync,
-            events_never_pushed: not_pushed,
-            frames_lost: lost,
-            frames_per_s,
-            push_latency: push,
-            push_after_sent_reply: summarize_us(&mut after_reply),
-            acks_sent: agg.acks_sent,
-            acked_replies: agg.acked,
-            ack_errors: agg.ack_errors,
-            cursor_writes_per_push: ratio(agg.acks_sent as f64, received as f64),
-            ack_upserts_db: ack_db,
-            hints_sweep: agg.hints_sweep,
-            hints_overflow: agg.hints_overflow,
-            hints_ahead: agg.hints_ahead,
-            syncs: agg.syncs,
-            gaps: agg.gaps,
-            duplicates: agg.duplicates,
-            cpu_per_frame: per_op(&cpu_use, received, false),
-            cpu: cpu_use,
-            statements: stmts,
-            db_ms_per_frame_by_label: by,
-            passed,
-            verdict: if passed {
-                "pass".into()
-            } else {
-                why.join("; ")
-            },
-        };
-        Ok((step, acked))
+        out
     }
+}
+
+/// What the receivers got of one step's events.
+#[derive(Default)]
+struct Received {
+    received: u64,
+    /// Events that reached a device by sync before their push.
+    via_sync: u64,
+    /// Distinct events pushed.
+    pushed_in_range: u64,
+    /// Push latency (µs from the message's `at`) of every push.
+    push_lat: Vec<i64>,
+    /// µs from the sender's `sent` reply to the push.
+    after_reply: Vec<i64>,
+    /// The receivers' counters, summed.
+    agg: RecvLog,
+}
+
+/// Why a step failed (empty: it passed): frames lost or never pushed, overflow hints,
+/// push or send p99 over the limit, too few frames delivered, events that came by sync.
+fn step_failures(step: &FanoutStep, p: &crate::result::Params, target_frames: f64) -> Vec<String> {
+    let mut why = Vec::new();
+    let lost = step.frames_lost;
+    if lost > 0 {
+        why.push(format!("{lost} frames lost"));
+    }
+    let not_pushed = step.events_never_pushed;
+    if not_pushed > 0 {
+        why.push(format!(
+            "{not_pushed} events never pushed (repaired by sync)"
+        ));
+    }
+    if step.hints_overflow > 0 {
+        why.push(format!(
+            "{} overflow hints (pushes paused)",
+            step.hints_overflow
+        ));
+    }
+    if step.push_latency.p99_ms > p.fanout_p99_limit_ms {
+        why.push(format!(
+            "push p99 {} ms > {} ms",
+            step.push_latency.p99_ms, p.fanout_p99_limit_ms
+        ));
+    }
+    let frames_per_s = step.frames_per_s;
+    if frames_per_s < DELIVERED_MIN_FRACTION * target_frames {
+        why.push(format!(
+            "delivered {frames_per_s:.0} frames/s < {:.0}% of {target_frames:.0}",
+            DELIVERED_MIN_FRACTION * 100.0
+        ));
+    }
+    let via_sync = step.events_via_sync;
+    if via_sync > 0 {
+        why.push(format!(
+            "{via_sync} events reached a device by sync before their push"
+        ));
+    }
+    if step.send_latency.p99_ms > p.fanout_p99_limit_ms {
+        why.push(format!(
+            "send p99 {} ms > {} ms (senders queue)",
+            step.send_latency.p99_ms, p.fanout_p99_limit_ms
+        ));
+    }
+    why
 }
 
 /// Who is who in the fan-out: conversations, devices, and which pair each belongs to.
