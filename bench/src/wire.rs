@@ -22,7 +22,7 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use harness::client::delivery::{Hinted, NextPage, Pushed};
 use harness::client::{is_retryable_code, Delivery, HintAck};
-use im_protocol::wire::{HintWhy, Reply, Request};
+use im_protocol::wire::{Event, HintWhy, Reply, Request};
 
 use crate::util::now_us;
 
@@ -288,27 +288,9 @@ pub async fn receiver(
     mut stop: watch::Receiver<bool>,
 ) {
     let (mut sink, mut stream) = ws.split();
-    let mut core = Delivery::new(policy, false);
-    let mut index: HashMap<String, usize> = HashMap::new();
-    let mut names: Vec<String> = Vec::new();
-    let mut out = Out {
-        next_rid: 0,
-        frames: Vec::new(),
-    };
-    let start = std::time::Instant::now();
-    for c in convs {
-        let i = names.len();
-        index.insert(c.conv.clone(), i);
-        // Everything up to the head at sub time counts as held (an earlier run's events);
-        // a delivered cursor below it (that run's last ack was coalescing) is acked now.
-        core.restore(&c.conv, c.head, [], Some(c.delivered));
-        if let Some(seq) = core.begin_ack(&c.conv, start) {
-            out.ack(i, &c.conv, seq);
-        }
-        names.push(c.conv);
-    }
+    let mut r = Lean::new(convs, policy);
     loop {
-        for text in out.frames.drain(..) {
+        for text in r.out.frames.drain(..) {
             let is_ack = text.starts_with(r#"{"t":"ack""#);
             if sink.send(Message::text(text)).await.is_err() {
                 return;
@@ -317,7 +299,7 @@ pub async fn receiver(
                 log.lock().unwrap_or_else(|p| p.into_inner()).acks_sent += 1;
             }
         }
-        let due = core.next_due().map(Instant::from_std);
+        let due = r.core.next_due().map(Instant::from_std);
         let msg = tokio::select! {
             _ = stop.changed() => {
                 if *stop.borrow() { return; }
@@ -325,10 +307,8 @@ pub async fn receiver(
             }
             _ = async { tokio::time::sleep_until(due.unwrap_or_else(Instant::now)).await }, if due.is_some() => {
                 let now = std::time::Instant::now();
-                for conv in core.due(now) {
-                    if let Some(seq) = core.begin_ack(&conv, now) {
-                        out.ack(index[&conv], &conv, seq);
-                    }
+                for conv in r.core.due(now) {
+                    r.ack_now(r.index[&conv], &conv, now);
                 }
                 continue;
             }
@@ -339,45 +319,14 @@ pub async fn receiver(
             Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
             Some(Ok(_)) => continue,
         };
-        let now = now_us();
-        let clock = std::time::Instant::now();
+        let at = (now_us(), std::time::Instant::now());
         let Some(f) = parse(text.as_str()) else {
             log.lock().unwrap_or_else(|p| p.into_inner()).other_errors += 1;
             continue;
         };
         let mut l = log.lock().unwrap_or_else(|p| p.into_inner());
         match f {
-            ServerFrame::Event(ev) => {
-                l.pushes += 1;
-                let Some(&i) = index.get(&ev.conv) else {
-                    continue;
-                };
-                let got = Got {
-                    conv: i as u32,
-                    seq: ev.seq,
-                    recv_us: now,
-                    at_ms: ev.at_ms,
-                    pushed: true,
-                };
-                l.pushed.push(got);
-                match core.push(&ev.conv, ev.seq) {
-                    Pushed::Duplicate => l.duplicates += 1,
-                    Pushed::New { gap, sync_after } => {
-                        l.got.push(got);
-                        if gap {
-                            l.gaps += 1;
-                        }
-                        if let Some(after) = sync_after {
-                            out.sync(i, &ev.conv, after);
-                            l.syncs += 1;
-                        } else if core.stored(&ev.conv, clock) {
-                            if let Some(seq) = core.begin_ack(&ev.conv, clock) {
-                                out.ack(i, &ev.conv, seq);
-                            }
-                        }
-                    }
-                }
-            }
+            ServerFrame::Event(ev) => r.on_event(&ev, &mut l, at),
             ServerFrame::Reply {
                 rid,
                 reply:
@@ -387,44 +336,14 @@ pub async fn receiver(
                         head,
                         complete,
                     },
-            } => {
-                let conv = conv.as_str();
-                let Some(&i) = index.get(conv) else { continue };
-                if let Some((sent, _)) = rid.as_deref().and_then(sync_rid) {
-                    l.sync_rtt_us.push(now - sent);
-                }
-                let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
-                let page = core.synced(conv, &seqs, head, complete, |_| true);
-                for j in page.new {
-                    l.got.push(Got {
-                        conv: i as u32,
-                        seq: events[j].seq,
-                        recv_us: now,
-                        at_ms: events[j].at_ms,
-                        pushed: false,
-                    });
-                }
-                match page.next {
-                    NextPage::After(after) => {
-                        out.sync(i, conv, after);
-                        l.syncs += 1;
-                    }
-                    NextPage::Done | NextPage::Stuck { .. } | NextPage::Disordered { .. } => {
-                        if core.sync_ended(conv, clock) {
-                            if let Some(seq) = core.begin_ack(conv, clock) {
-                                out.ack(i, conv, seq);
-                            }
-                        }
-                    }
-                }
-            }
+            } => r.on_synced(rid.as_deref(), &conv, &events, (head, complete), &mut l, at),
             ServerFrame::Reply {
                 rid,
                 reply: Reply::Acked { delivered: d, .. },
             } => {
                 l.acked += 1;
                 if let Some((i, seq)) = rid.as_deref().and_then(ack_rid) {
-                    core.ack_ok(&names[i], seq, d, clock);
+                    r.core.ack_ok(&r.names[i], seq, d, at.1);
                 }
                 delivered.send_if_modified(|cur| {
                     let up = d > *cur;
@@ -434,53 +353,172 @@ pub async fn receiver(
                     up
                 });
             }
-            ServerFrame::Hint { conv, head, why } => {
-                match why {
-                    HintWhy::Sweep => l.hints_sweep += 1,
-                    HintWhy::Overflow => l.hints_overflow += 1,
-                    HintWhy::Resync => l.hints_other += 1,
-                }
-                let conv = conv.as_str();
-                l.hint_times.push((head, now));
-                let Some(&i) = index.get(conv) else { continue };
-                match core.hint(conv, head) {
-                    Hinted::Sync(after) => {
-                        l.hints_ahead += 1;
-                        out.sync(i, conv, after);
-                        l.syncs += 1;
-                    }
-                    Hinted::SyncRunning => l.hints_ahead += 1,
-                    Hinted::AckComing => {}
-                    // The server still lags what we hold: our ack may be coalescing or lost.
-                    Hinted::Ack => {
-                        if let Some(seq) = core.begin_ack(conv, clock) {
-                            out.ack(i, conv, seq);
-                        }
-                    }
-                }
-            }
+            ServerFrame::Hint { conv, head, why } => r.on_hint(&conv, head, why, &mut l, at),
             ServerFrame::Reply {
                 rid,
                 reply: Reply::Error(e),
-            } => {
-                let rid = rid.as_deref().unwrap_or("");
-                if let Some((i, _)) = ack_rid(rid) {
-                    l.ack_errors += 1;
-                    let retryable = is_retryable_code(e.code());
-                    core.ack_failed(&names[i], retryable, clock);
-                } else {
-                    l.other_errors += 1;
+            } => r.on_error(rid.as_deref().unwrap_or(""), e.code(), &mut l, at.1),
+            _ => {}
+        }
+    }
+}
+
+/// The lean receiver's state: the delivery core, its conversations by name and index, and
+/// the frames to send next. `at` below is when a frame was read: (µs since the epoch, the
+/// core's clock).
+struct Lean {
+    core: Delivery,
+    index: HashMap<String, usize>,
+    names: Vec<String>,
+    out: Out,
+}
+
+impl Lean {
+    /// The receiver of `convs` as `sub` left them: everything up to the head at sub time
+    /// counts as held (an earlier run's events); a delivered cursor below it (that run's
+    /// last ack was coalescing) is acked first.
+    fn new(convs: Vec<ConvState>, policy: AckPolicy) -> Lean {
+        let mut r = Lean {
+            core: Delivery::new(policy, false),
+            index: HashMap::new(),
+            names: Vec::new(),
+            out: Out {
+                next_rid: 0,
+                frames: Vec::new(),
+            },
+        };
+        let start = std::time::Instant::now();
+        for c in convs {
+            let i = r.names.len();
+            r.index.insert(c.conv.clone(), i);
+            r.core.restore(&c.conv, c.head, [], Some(c.delivered));
+            r.ack_now(i, &c.conv, start);
+            r.names.push(c.conv);
+        }
+        r
+    }
+
+    /// Acks conversation `i` now if the core wants an ack.
+    fn ack_now(&mut self, i: usize, conv: &str, clock: std::time::Instant) {
+        if let Some(seq) = self.core.begin_ack(conv, clock) {
+            self.out.ack(i, conv, seq);
+        }
+    }
+
+    fn on_event(&mut self, ev: &Event, l: &mut RecvLog, (now, clock): (i64, std::time::Instant)) {
+        l.pushes += 1;
+        let Some(&i) = self.index.get(&ev.conv) else {
+            return;
+        };
+        let got = Got {
+            conv: i as u32,
+            seq: ev.seq,
+            recv_us: now,
+            at_ms: ev.at_ms,
+            pushed: true,
+        };
+        l.pushed.push(got);
+        match self.core.push(&ev.conv, ev.seq) {
+            Pushed::Duplicate => l.duplicates += 1,
+            Pushed::New { gap, sync_after } => {
+                l.got.push(got);
+                if gap {
+                    l.gaps += 1;
                 }
-                if let Some((_, i)) = sync_rid(rid) {
-                    let conv = &names[i];
-                    if core.sync_ended(conv, clock) {
-                        if let Some(seq) = core.begin_ack(conv, clock) {
-                            out.ack(i, conv, seq);
-                        }
-                    }
+                if let Some(after) = sync_after {
+                    self.out.sync(i, &ev.conv, after);
+                    l.syncs += 1;
+                } else if self.core.stored(&ev.conv, clock) {
+                    self.ack_now(i, &ev.conv, clock);
                 }
             }
-            _ => {}
+        }
+    }
+
+    fn on_synced(
+        &mut self,
+        rid: Option<&str>,
+        conv: &str,
+        events: &[Event],
+        (head, complete): (i64, bool),
+        l: &mut RecvLog,
+        (now, clock): (i64, std::time::Instant),
+    ) {
+        let Some(&i) = self.index.get(conv) else {
+            return;
+        };
+        if let Some((sent, _)) = rid.and_then(sync_rid) {
+            l.sync_rtt_us.push(now - sent);
+        }
+        let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+        let page = self.core.synced(conv, &seqs, head, complete, |_| true);
+        for j in page.new {
+            l.got.push(Got {
+                conv: i as u32,
+                seq: events[j].seq,
+                recv_us: now,
+                at_ms: events[j].at_ms,
+                pushed: false,
+            });
+        }
+        match page.next {
+            NextPage::After(after) => {
+                self.out.sync(i, conv, after);
+                l.syncs += 1;
+            }
+            NextPage::Done | NextPage::Stuck { .. } | NextPage::Disordered { .. } => {
+                if self.core.sync_ended(conv, clock) {
+                    self.ack_now(i, conv, clock);
+                }
+            }
+        }
+    }
+
+    fn on_hint(
+        &mut self,
+        conv: &str,
+        head: i64,
+        why: HintWhy,
+        l: &mut RecvLog,
+        (now, clock): (i64, std::time::Instant),
+    ) {
+        match why {
+            HintWhy::Sweep => l.hints_sweep += 1,
+            HintWhy::Overflow => l.hints_overflow += 1,
+            HintWhy::Resync => l.hints_other += 1,
+        }
+        l.hint_times.push((head, now));
+        let Some(&i) = self.index.get(conv) else {
+            return;
+        };
+        match self.core.hint(conv, head) {
+            Hinted::Sync(after) => {
+                l.hints_ahead += 1;
+                self.out.sync(i, conv, after);
+                l.syncs += 1;
+            }
+            Hinted::SyncRunning => l.hints_ahead += 1,
+            Hinted::AckComing => {}
+            // The server still lags what we hold: our ack may be coalescing or lost.
+            Hinted::Ack => self.ack_now(i, conv, clock),
+        }
+    }
+
+    /// An error reply: to an ack (the core retries it if `code` says it may succeed
+    /// later) or to a sync (which ends it), or to anything else (counted).
+    fn on_error(&mut self, rid: &str, code: &str, l: &mut RecvLog, clock: std::time::Instant) {
+        if let Some((i, _)) = ack_rid(rid) {
+            l.ack_errors += 1;
+            let retryable = is_retryable_code(code);
+            self.core.ack_failed(&self.names[i], retryable, clock);
+        } else {
+            l.other_errors += 1;
+        }
+        if let Some((_, i)) = sync_rid(rid) {
+            let conv = self.names[i].clone();
+            if self.core.sync_ended(&conv, clock) {
+                self.ack_now(i, &conv, clock);
+            }
         }
     }
 }
