@@ -276,6 +276,8 @@ async fn full_pass(
     Ok((found, pages))
 }
 
+type Pairs = BTreeSet<(String, String)>;
+
 pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
     let p = &ctx.params;
     let (k, g) = (p.sweep_convs_per_device, p.sweep_users_per_conversation);
@@ -315,93 +317,14 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
             // The full pass: at every lag up to 10k devices, at the last lag above.
             let full = if last_lag || n <= 10_000 {
                 step(&format!("{lag}% lagging: full pass"));
-                if ctx.pgss {
-                    pgss::reset(&ctx.pool).await;
-                }
-                let t = Instant::now();
-                let (found, pages) = full_pass(&ctx.pool, n).await?;
-                let wall_ms = r3(t.elapsed().as_secs_f64() * 1000.0);
-                let missed = lagging.difference(&found).count() as u64;
-                let extra = found.difference(&lagging).count() as u64;
-                if missed > 0 || extra > 0 {
-                    bail!(
-                        "full pass at {n} devices, {lag}% lagging: {missed} lagging pairs missed, \
-                         {extra} found that were not seeded (of {} seeded)",
-                        lagging.len()
-                    );
-                }
-                let db_ms = if ctx.pgss {
-                    let stmts = pgss::snapshot(&ctx.pool).await;
-                    let (total, calls) = pgss::by_label(&stmts, "sweep");
-                    (calls > 0).then(|| r3(total))
-                } else {
-                    None
-                };
-                Some(FullPassRow {
-                    pages: pages.len(),
-                    page_installs: PAGE_INSTALLS,
-                    wall_ms,
-                    page_ms_max: pages.iter().copied().fold(0.0, f64::max),
-                    db_ms,
-                    found: found.len() as u64,
-                    missed,
-                    extra,
-                    us_per_pair: r3(wall_ms * 1000.0 / pairs.max(1) as f64),
-                })
+                Some(measure_full_pass(ctx, n, lag, pairs, &lagging).await?)
             } else {
                 None
             };
             // The regular sweep: one interval's candidates, repeated.
             let cands = candidates(&lagging, n, k, g, &mut seed);
-            let expect: BTreeSet<(String, String)> = cands
-                .devices
-                .iter()
-                .zip(&cands.convs)
-                .map(|(d, c)| (d.clone(), c.clone()))
-                .filter(|x| lagging.contains(x))
-                .collect();
-            let repeats = p.sweep_repeats.max(1);
-            let mut wall = Vec::new();
-            let mut returned = 0u64;
-            if ctx.pgss {
-                pgss::reset(&ctx.pool).await;
-            }
-            for r in 0..repeats {
-                step(&format!(
-                    "{lag}% lagging: regular sweep {}/{repeats}",
-                    r + 1
-                ));
-                let t = Instant::now();
-                let got = im_gateway::store::lagging_of_pairs(
-                    &ctx.pool,
-                    &cands.devices,
-                    &cands.epochs,
-                    &cands.convs,
-                    &cands.seqs,
-                )
-                .await
-                .context("store::lagging_of_pairs")?;
-                wall.push(r3(t.elapsed().as_secs_f64() * 1000.0));
-                let got: BTreeSet<(String, String)> =
-                    got.into_iter().map(|(d, _, c, _)| (d, c)).collect();
-                if got != expect {
-                    bail!(
-                        "regular sweep at {n} devices, {lag}% lagging: found {} of {} lagging candidates \
-                         ({} not lagging among them)",
-                        got.intersection(&expect).count(),
-                        expect.len(),
-                        got.difference(&expect).count()
-                    );
-                }
-                returned = got.len() as u64;
-            }
-            let db_exec_ms = if ctx.pgss {
-                let stmts = pgss::snapshot(&ctx.pool).await;
-                let (total, calls) = pgss::by_label(&stmts, "sweep");
-                (calls > 0).then(|| r3(total / calls as f64))
-            } else {
-                None
-            };
+            let (wall, returned, db_exec_ms) =
+                measure_regular(ctx, n, lag, &cands, &lagging, &step).await?;
             let explain = if last_lag && n <= p.sweep_explain_max_devices {
                 step(&format!("{lag}% lagging: EXPLAIN ANALYZE"));
                 Some(explain(&ctx.pool, &cands).await?)
@@ -436,22 +359,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
         }
         set_lag(&ctx.pool, 0.0).await?;
     }
-    let mut growth = Vec::new();
-    for &lag in &p.sweep_lag_percents {
-        let rs: Vec<&SweepRow> = rows.iter().filter(|r| r.lag_percent == lag).collect();
-        for w in rs.windows(2) {
-            let size_ratio = w[1].devices as f64 / w[0].devices as f64;
-            let wall_ratio = w[1].wall_ms_median / w[0].wall_ms_median.max(0.001);
-            growth.push(SweepGrowth {
-                lag_percent: lag,
-                from_devices: w[0].devices,
-                to_devices: w[1].devices,
-                size_ratio: r3(size_ratio),
-                wall_ratio: r3(wall_ratio),
-                exponent: r3(wall_ratio.ln() / size_ratio.ln()),
-            });
-        }
-    }
+    let growth = growth(&rows, &p.sweep_lag_percents);
     Ok(Sweep {
         simulated: format!(
             "0 real sockets: subscribed devices are simulated, named in the sweep queries' input \
@@ -469,6 +377,133 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
         gateway_db_timeout_ms_default: DB_TIMEOUT_MS,
         full_pass_every_intervals: im_gateway::sweep::FULL_PASS_EVERY_INTERVALS,
     })
+}
+
+/// One full pass over `n` devices with `lag`% of their pairs lagging: it must find exactly
+/// the `lagging` pairs.
+async fn measure_full_pass(
+    ctx: &Ctx,
+    n: usize,
+    lag: f64,
+    pairs: u64,
+    lagging: &Pairs,
+) -> anyhow::Result<FullPassRow> {
+    if ctx.pgss {
+        pgss::reset(&ctx.pool).await;
+    }
+    let t = Instant::now();
+    let (found, pages) = full_pass(&ctx.pool, n).await?;
+    let wall_ms = r3(t.elapsed().as_secs_f64() * 1000.0);
+    let missed = lagging.difference(&found).count() as u64;
+    let extra = found.difference(lagging).count() as u64;
+    if missed > 0 || extra > 0 {
+        bail!(
+            "full pass at {n} devices, {lag}% lagging: {missed} lagging pairs missed, \
+             {extra} found that were not seeded (of {} seeded)",
+            lagging.len()
+        );
+    }
+    let db_ms = if ctx.pgss {
+        let stmts = pgss::snapshot(&ctx.pool).await;
+        let (total, calls) = pgss::by_label(&stmts, "sweep");
+        (calls > 0).then(|| r3(total))
+    } else {
+        None
+    };
+    Ok(FullPassRow {
+        pages: pages.len(),
+        page_installs: PAGE_INSTALLS,
+        wall_ms,
+        page_ms_max: pages.iter().copied().fold(0.0, f64::max),
+        db_ms,
+        found: found.len() as u64,
+        missed,
+        extra,
+        us_per_pair: r3(wall_ms * 1000.0 / pairs.max(1) as f64),
+    })
+}
+
+/// The regular sweep's query on one interval's candidates, `sweep_repeats` times: it must
+/// return exactly the candidates that lag. Each run's wall time (ms), the rows it returned,
+/// and the database's mean execution time (with `pg_stat_statements`).
+async fn measure_regular(
+    ctx: &Ctx,
+    n: usize,
+    lag: f64,
+    cands: &Candidates,
+    lagging: &Pairs,
+    step: &dyn Fn(&str),
+) -> anyhow::Result<(Vec<f64>, u64, Option<f64>)> {
+    let expect: Pairs = cands
+        .devices
+        .iter()
+        .zip(&cands.convs)
+        .map(|(d, c)| (d.clone(), c.clone()))
+        .filter(|x| lagging.contains(x))
+        .collect();
+    let repeats = ctx.params.sweep_repeats.max(1);
+    let mut wall = Vec::new();
+    let mut returned = 0u64;
+    if ctx.pgss {
+        pgss::reset(&ctx.pool).await;
+    }
+    for r in 0..repeats {
+        step(&format!(
+            "{lag}% lagging: regular sweep {}/{repeats}",
+            r + 1
+        ));
+        let t = Instant::now();
+        let got = im_gateway::store::lagging_of_pairs(
+            &ctx.pool,
+            &cands.devices,
+            &cands.epochs,
+            &cands.convs,
+            &cands.seqs,
+        )
+        .await
+        .context("store::lagging_of_pairs")?;
+        wall.push(r3(t.elapsed().as_secs_f64() * 1000.0));
+        let got: Pairs = got.into_iter().map(|(d, _, c, _)| (d, c)).collect();
+        if got != expect {
+            bail!(
+                "regular sweep at {n} devices, {lag}% lagging: found {} of {} lagging candidates \
+                 ({} not lagging among them)",
+                got.intersection(&expect).count(),
+                expect.len(),
+                got.difference(&expect).count()
+            );
+        }
+        returned = got.len() as u64;
+    }
+    let db_exec_ms = if ctx.pgss {
+        let stmts = pgss::snapshot(&ctx.pool).await;
+        let (total, calls) = pgss::by_label(&stmts, "sweep");
+        (calls > 0).then(|| r3(total / calls as f64))
+    } else {
+        None
+    };
+    Ok((wall, returned, db_exec_ms))
+}
+
+/// How the regular sweep's median grows from one size to the next, at each lag.
+fn growth(rows: &[SweepRow], lags: &[f64]) -> Vec<SweepGrowth> {
+    let mut growth = Vec::new();
+    for &lag in lags {
+        let rs: Vec<&SweepRow> = rows.iter().filter(|r| r.lag_percent == lag).collect();
+        for w in rs.windows(2) {
+            let size_ratio = w[1].devices as f64 / w[0].devices as f64;
+            let wall_ratio = w[1].wall_ms_median / w[0].wall_ms_median.max(0.001);
+            growth.push(SweepGrowth {
+                lag_percent: lag,
+                from_devices: w[0].devices,
+                to_devices: w[1].devices,
+                size_ratio: r3(size_ratio),
+                wall_ratio: r3(wall_ratio),
+                exponent: r3(wall_ratio.ln() / size_ratio.ln()),
+            });
+        }
+    }
+    growth
 }
 
 #[cfg(test)]
