@@ -171,6 +171,144 @@ fn receive(mut ws: Ws, lat: Arc<Mutex<Vec<i64>>>, closed: Arc<Mutex<usize>>) {
     });
 }
 
+/// Who is connected in the part: one user per device plus the sender; the first
+/// `active_n` devices' conversations get the sender's messages, the others stay idle.
+struct Plan {
+    devices: Vec<Device>,
+    sender: Device,
+    /// (conversation, receivers in it) of every active conversation.
+    active_convs: Vec<(String, usize)>,
+    active_n: usize,
+}
+
+impl Plan {
+    /// The devices and conversations for `n` connections, provisioned.
+    async fn provision(ctx: &Ctx, n: usize) -> anyhow::Result<Plan> {
+        let active_n = (n / 100).max(CONV_MEMBERS);
+        let devices: Vec<Device> = (0..n)
+            .map(|i| Device::new(format!("cn-d{i}"), &format!("cn-u{i}")))
+            .collect();
+        let mut users: Vec<String> = devices.iter().map(|d| d.user.clone()).collect();
+        users.push("cn-sender".into());
+        let sender = Device::new("cn-ds".into(), "cn-sender");
+        let mut all = devices.clone();
+        all.push(sender.clone());
+        // Active conversations: the first `active_n` devices, CONV_MEMBERS receivers each,
+        // and the sender. Idle conversations: the rest, CONV_MEMBERS members each.
+        let mut convs: Vec<(String, Vec<String>)> = Vec::new();
+        let mut active_convs = Vec::new();
+        for (k, chunk) in devices[..active_n].chunks(CONV_MEMBERS).enumerate() {
+            let id = format!("cn-a{k}");
+            let mut members: Vec<String> = chunk.iter().map(|d| d.user.clone()).collect();
+            members.push("cn-sender".into());
+            active_convs.push((id.clone(), chunk.len()));
+            convs.push((id, members));
+        }
+        for (k, chunk) in devices[active_n..].chunks(CONV_MEMBERS).enumerate() {
+            let members = chunk.iter().map(|d| d.user.clone()).collect();
+            convs.push((format!("cn-i{k}"), members));
+        }
+        progress(&format!("[conns] provisioning {n} devices"));
+        provision::world(&ctx.pool, &users, &all, &convs).await?;
+        Ok(Plan {
+            devices,
+            sender,
+            active_convs,
+            active_n,
+        })
+    }
+}
+
+/// What connecting everyone left behind.
+struct Connected {
+    held: usize,
+    /// The first connection that failed to open, if any.
+    failure: Option<String>,
+    /// Receivers of each active conversation that connected (the pushes to expect).
+    active_ok: Vec<usize>,
+    connecting_s: f64,
+    /// Push latencies (µs) the active receivers record, and how many connections closed.
+    lat: Arc<Mutex<Vec<i64>>>,
+    closed: Arc<Mutex<usize>>,
+}
+
+/// Connects every device of `plan`, CONNECTING_AT_ONCE at a time, until one fails.
+async fn connect_all(plan: &Plan, addr: std::net::SocketAddr, url: &str) -> Connected {
+    let n = plan.devices.len();
+    let mut c = Connected {
+        held: 0,
+        failure: None,
+        active_ok: vec![0usize; plan.active_convs.len()],
+        connecting_s: 0.0,
+        lat: Arc::new(Mutex::new(Vec::new())),
+        closed: Arc::new(Mutex::new(0usize)),
+    };
+    let t0 = Instant::now();
+    let mut next = 0usize;
+    while next < n && c.failure.is_none() {
+        let upto = (next + CONNECTING_AT_ONCE).min(n);
+        let opened = futures_util::future::join_all((next..upto).map(|i| {
+            let d = &plan.devices[i];
+            async move {
+                let r = tokio::time::timeout(OPEN_WITHIN, open_from(source(i), addr, url, d))
+                    .await
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("not open within {OPEN_WITHIN:?}")));
+                (i, r)
+            }
+        }))
+        .await;
+        for (i, r) in opened {
+            match r {
+                Ok(ws) if i < plan.active_n => {
+                    c.held += 1;
+                    c.active_ok[i / CONV_MEMBERS] += 1;
+                    receive(ws, c.lat.clone(), c.closed.clone());
+                }
+                Ok(ws) => {
+                    c.held += 1;
+                    idle(ws, c.closed.clone());
+                }
+                Err(e) => {
+                    c.failure
+                        .get_or_insert_with(|| format!("connection {i}: {e:#}"));
+                }
+            }
+        }
+        next = upto;
+        if next % 2000 < CONNECTING_AT_ONCE {
+            progress(&format!("[conns] {} of {n} connected", c.held));
+        }
+    }
+    c.connecting_s = t0.elapsed().as_secs_f64();
+    c
+}
+
+/// The sender sends `total` messages to the active conversations round-robin, one every
+/// `gap`; returns the pushes to expect.
+async fn send_active(
+    ws: &mut wire::Ws,
+    plan: &Plan,
+    active_ok: &[usize],
+    total: u64,
+    gap: Duration,
+) -> anyhow::Result<u64> {
+    let mut expected = 0u64;
+    let start = Instant::now();
+    for m in 0..total {
+        tokio::time::sleep_until(start + gap * m as u32).await;
+        let k = m as usize % plan.active_convs.len();
+        let conv = &plan.active_convs[k].0;
+        let rid = format!("s{m}");
+        let frame = wire::send_frame(&rid, conv, &format!("cn-{m}"), &unix_us().to_string());
+        let r = wire::request(ws, frame, &rid, Duration::from_secs(10)).await?;
+        if wire::sent(&r).is_none() {
+            bail!("send {m} answered {}", wire::answered(&r));
+        }
+        expected += active_ok[k] as u64;
+    }
+    Ok(expected)
+}
+
 /// Opens up to `target` connections (fewer when the open-file limit is lower), measures,
 /// and closes them.
 pub async fn run(ctx: &Ctx, target: usize, send_s: f64, rate_per_s: f64) -> anyhow::Result<Conns> {
@@ -186,34 +324,7 @@ pub async fn run(ctx: &Ctx, target: usize, send_s: f64, rate_per_s: f64) -> anyh
     if n < 2 * CONV_MEMBERS {
         bail!("only {n} connections fit under the open-file limit (soft {soft}, hard {hard})");
     }
-    let active_n = (n / 100).max(CONV_MEMBERS);
-    // Users: one per device, plus the sender.
-    let devices: Vec<Device> = (0..n)
-        .map(|i| Device::new(format!("cn-d{i}"), &format!("cn-u{i}")))
-        .collect();
-    let mut users: Vec<String> = devices.iter().map(|d| d.user.clone()).collect();
-    users.push("cn-sender".into());
-    let sender = Device::new("cn-ds".into(), "cn-sender");
-    let mut all = devices.clone();
-    all.push(sender.clone());
-    // Active conversations: the first `active_n` devices, CONV_MEMBERS receivers each, and
-    // the sender. Idle conversations: the rest, CONV_MEMBERS members each.
-    let mut convs: Vec<(String, Vec<String>)> = Vec::new();
-    let mut active_convs = Vec::new();
-    for (k, chunk) in devices[..active_n].chunks(CONV_MEMBERS).enumerate() {
-        let id = format!("cn-a{k}");
-        let mut members: Vec<String> = chunk.iter().map(|d| d.user.clone()).collect();
-        members.push("cn-sender".into());
-        active_convs.push((id.clone(), chunk.len()));
-        convs.push((id, members));
-    }
-    for (k, chunk) in devices[active_n..].chunks(CONV_MEMBERS).enumerate() {
-        let members = chunk.iter().map(|d| d.user.clone()).collect();
-        convs.push((format!("cn-i{k}"), members));
-    }
-    progress(&format!("[conns] provisioning {n} devices"));
-    provision::world(&ctx.pool, &users, &all, &convs).await?;
-
+    let plan = Plan::provision(ctx, n).await?;
     let max = (n + 1024).to_string();
     let mut env = ctx.gateway_env.clone();
     env.extend([
@@ -233,78 +344,22 @@ pub async fn run(ctx: &Ctx, target: usize, send_s: f64, rate_per_s: f64) -> anyh
         harness::gateway::Gateway::start(&ctx.cluster.url(), &opts, &ctx.cluster.log_dir()).await?;
     let (addr, url) = (gw.addr(), gw.ws_url());
     let rss_before_kib = rss_kib(gw.pid())?;
-
-    // Connect everyone, CONNECTING_AT_ONCE at a time.
-    let closed = Arc::new(Mutex::new(0usize));
-    let lat = Arc::new(Mutex::new(Vec::new()));
-    let t0 = Instant::now();
-    let mut held = 0usize;
-    let mut failure: Option<String> = None;
-    let mut next = 0usize;
-    // Receivers of each active conversation that connected (the pushes to expect).
-    let mut active_ok = vec![0usize; active_convs.len()];
-    while next < n && failure.is_none() {
-        let upto = (next + CONNECTING_AT_ONCE).min(n);
-        let opened = futures_util::future::join_all((next..upto).map(|i| {
-            let (d, url) = (&devices[i], url.as_str());
-            async move {
-                let r = tokio::time::timeout(OPEN_WITHIN, open_from(source(i), addr, url, d))
-                    .await
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("not open within {OPEN_WITHIN:?}")));
-                (i, r)
-            }
-        }))
-        .await;
-        for (i, r) in opened {
-            match r {
-                Ok(ws) if i < active_n => {
-                    held += 1;
-                    active_ok[i / CONV_MEMBERS] += 1;
-                    receive(ws, lat.clone(), closed.clone());
-                }
-                Ok(ws) => {
-                    held += 1;
-                    idle(ws, closed.clone());
-                }
-                Err(e) => {
-                    failure.get_or_insert_with(|| format!("connection {i}: {e:#}"));
-                }
-            }
-        }
-        next = upto;
-        if next % 2000 < CONNECTING_AT_ONCE {
-            progress(&format!("[conns] {held} of {n} connected"));
-        }
-    }
-    let connecting_s = t0.elapsed().as_secs_f64();
-    let hellos_per_s = held as f64 / connecting_s.max(1e-9);
+    let c = connect_all(&plan, addr, &url).await;
+    let hellos_per_s = c.held as f64 / c.connecting_s.max(1e-9);
     let rss_after_kib = rss_kib(gw.pid())?;
 
     // The active set: the sender sends to the active conversations round-robin.
-    let mut ws = wire::open(&url, &sender.id, &sender.token).await?;
+    let mut ws = wire::open(&url, &plan.sender.id, &plan.sender.token).await?;
     if ctx.pgss {
         crate::pgss::reset(&ctx.pool).await;
     }
     let sweep_t0 = Instant::now();
     let total = (send_s * rate_per_s).round() as u64;
     let gap = Duration::from_secs_f64(1.0 / rate_per_s.max(1.0));
-    let mut expected = 0u64;
-    let start = Instant::now();
-    for m in 0..total {
-        tokio::time::sleep_until(start + gap * m as u32).await;
-        let k = m as usize % active_convs.len();
-        let conv = &active_convs[k].0;
-        let rid = format!("s{m}");
-        let frame = wire::send_frame(&rid, conv, &format!("cn-{m}"), &unix_us().to_string());
-        let r = wire::request(&mut ws, frame, &rid, Duration::from_secs(10)).await?;
-        if wire::sent(&r).is_none() {
-            bail!("send {m} answered {}", wire::answered(&r));
-        }
-        expected += active_ok[k] as u64;
-    }
+    let expected = send_active(&mut ws, &plan, &c.active_ok, total, gap).await?;
     // Every push, or a deadline of 5 s after the last send.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while (lat.lock().unwrap_or_else(|p| p.into_inner()).len() as u64) < expected
+    while (c.lat.lock().unwrap_or_else(|p| p.into_inner()).len() as u64) < expected
         && Instant::now() < deadline
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -321,16 +376,16 @@ pub async fn run(ctx: &Ctx, target: usize, send_s: f64, rate_per_s: f64) -> anyh
     } else {
         None
     };
-    let mut samples = lat.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut samples = c.lat.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let got = samples.len() as u64;
-    let closed_early = *closed.lock().unwrap_or_else(|p| p.into_inner());
+    let closed_early = *c.closed.lock().unwrap_or_else(|p| p.into_inner());
     drop(ws);
     drop(gw);
-    let held = held.saturating_sub(closed_early);
+    let held = c.held.saturating_sub(closed_early);
     Ok(Conns {
         target,
         held,
-        short_because: match (short_because, failure) {
+        short_because: match (short_because, c.failure) {
             (None, None) => None,
             (a, b) => Some([a, b].into_iter().flatten().collect::<Vec<_>>().join("; ")),
         },
@@ -342,7 +397,7 @@ pub async fn run(ctx: &Ctx, target: usize, send_s: f64, rate_per_s: f64) -> anyh
         rss_per_conn_kib: r3(
             rss_after_kib.saturating_sub(rss_before_kib) as f64 / held.max(1) as f64
         ),
-        active_receivers: active_n,
+        active_receivers: plan.active_n,
         messages: total,
         push_latency: summarize_us(&mut samples),
         pushes_expected: expected,
