@@ -666,81 +666,132 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Fanout> {
     // --- the ceiling first, while nothing else runs
     progress("[fanout] WebSocket ceiling (no database)");
     let ceiling = ws_ceiling(ctx, n_pairs * per_conv).await?;
-
-    // --- provisioning
-    // Pair k: users fo-a{k} and fo-b{k}, conversations fo-c{k}-{m} for m < convs_per_pair,
-    // receivers subscribed to all of them, one unsubscribed sender device per user.
-    let m_per = p.fanout_convs_per_pair.max(1);
-    let mut convs: Vec<String> = Vec::new();
-    let mut pair_convs: Vec<Vec<(usize, String)>> = Vec::new();
-    for k in 0..n_pairs {
-        let mut mine = Vec::new();
-        for m in 0..m_per {
-            mine.push((convs.len(), format!("fo-c{k}-{m}")));
-            convs.push(format!("fo-c{k}-{m}"));
-        }
-        pair_convs.push(mine);
-    }
-    let mut users = Vec::new();
-    let mut devices = Vec::new();
-    let mut world = Vec::new();
-    let mut recv_devs: Vec<Device> = Vec::new();
-    let mut send_devs: Vec<(usize, Device)> = Vec::new();
-    for (k, mine) in pair_convs.iter().enumerate() {
-        let a = format!("fo-a{k}");
-        let b = format!("fo-b{k}");
-        for (u, n) in [(&a, ra), (&b, rb)] {
-            for r in 0..n {
-                let d = Device::new(format!("{u}-r{r}"), u);
-                recv_devs.push(d.clone());
-                devices.push(d);
-            }
-        }
-        for u in [&a, &b]
-            .into_iter()
-            .take(p.fanout_senders_per_pair.clamp(1, 2))
-        {
-            let d = Device::new(format!("{u}-s"), u);
-            send_devs.push((k, d.clone()));
-            devices.push(d);
-        }
-        users.push(a.clone());
-        users.push(b.clone());
-        for (_, c) in mine {
-            world.push((c.clone(), vec![a.clone(), b.clone()]));
-        }
-    }
-    let conv_index: HashMap<String, usize> = convs
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (c.clone(), i))
-        .collect();
-    provision::world(&ctx.pool, &users, &devices, &world).await?;
-
-    let topo = Topology {
-        convs: convs.clone(),
-        pair_convs,
-        recv_devs,
-        send_devs,
-        conv_index,
-        per_conv,
-    };
+    let topo = Topology::provision(ctx).await?;
     let session = Session::open(ctx, &topo, &[], 0).await?;
     let rig = &session.rig;
+    let (steps, mut acked_all, stop_reason) = ladder(ctx, rig).await?;
+    let (n_receivers, n_senders) = (rig.receivers.len(), rig.senders.len());
+    acked_all.extend(session.close().await);
+    let diagnostics = diagnose(ctx, &topo, &mut acked_all).await?;
+    let found = provision::count_present(&ctx.pool, &acked_all).await?;
+    let gapless = provision::gapless(&ctx.pool, "fo-c").await?;
+    let acknowledged = acked_all.len() as u64;
+    let lost = acknowledged.saturating_sub(found);
+    let max_passing = steps
+        .iter()
+        .filter(|s| s.passed)
+        .map(|s| s.frames_per_s)
+        .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+    Ok(Fanout {
+        receiver: "lean receiver of the bench crate (tokio-tungstenite: hello, sub, contiguous cursor per \
+                   conversation, acks coalesced every 4 events or 50 ms, sync on gap or on a hint ahead \
+                   of its cursor, decided by the harness client's delivery core); not the harness Client \
+                   itself, which persists a state file per event"
+            .into(),
+        user_pairs: n_pairs,
+        conversations: topo.convs.len(),
+        receivers: n_receivers,
+        sender_connections: n_senders,
+        frames_per_message: per_conv,
+        base_frames_per_s: p.fanout_base_frames_per_s,
+        p99_limit_ms: p.fanout_p99_limit_ms,
+        gateway_sweep_ms: 1000,
+        max_passing_frames_per_s: max_passing,
+        stop_reason,
+        ratios: FanoutRatios {
+            max_passing_vs_ws_ceiling: max_passing.and_then(|m| ratio(m, ceiling.frames_per_s)),
+            max_passing_vs_pgbench_notify_frames: None,
+            base_load_vs_max_passing: max_passing.and_then(|m| ratio(p.fanout_base_frames_per_s, m)),
+        },
+        ws_ceiling: ceiling,
+        steps,
+        diagnostics,
+        data_check: DataCheck::new(acknowledged, found, lost, gapless),
+    })
+}
+
+impl Topology {
+    /// Provisions the fan-out's world. Pair k: users fo-a{k} and fo-b{k}, conversations
+    /// fo-c{k}-{m} for m < convs_per_pair, receivers subscribed to all of them, one
+    /// unsubscribed sender device per user.
+    async fn provision(ctx: &Ctx) -> anyhow::Result<Topology> {
+        let p = &ctx.params;
+        let [ra, rb] = p.fanout_receivers_per_user;
+        let m_per = p.fanout_convs_per_pair.max(1);
+        let mut convs: Vec<String> = Vec::new();
+        let mut pair_convs: Vec<Vec<(usize, String)>> = Vec::new();
+        for k in 0..p.fanout_user_pairs {
+            let mut mine = Vec::new();
+            for m in 0..m_per {
+                mine.push((convs.len(), format!("fo-c{k}-{m}")));
+                convs.push(format!("fo-c{k}-{m}"));
+            }
+            pair_convs.push(mine);
+        }
+        let mut users = Vec::new();
+        let mut devices = Vec::new();
+        let mut world = Vec::new();
+        let mut recv_devs: Vec<Device> = Vec::new();
+        let mut send_devs: Vec<(usize, Device)> = Vec::new();
+        for (k, mine) in pair_convs.iter().enumerate() {
+            let a = format!("fo-a{k}");
+            let b = format!("fo-b{k}");
+            for (u, n) in [(&a, ra), (&b, rb)] {
+                for r in 0..n {
+                    let d = Device::new(format!("{u}-r{r}"), u);
+                    recv_devs.push(d.clone());
+                    devices.push(d);
+                }
+            }
+            for u in [&a, &b]
+                .into_iter()
+                .take(p.fanout_senders_per_pair.clamp(1, 2))
+            {
+                let d = Device::new(format!("{u}-s"), u);
+                send_devs.push((k, d.clone()));
+                devices.push(d);
+            }
+            users.push(a.clone());
+            users.push(b.clone());
+            for (_, c) in mine {
+                world.push((c.clone(), vec![a.clone(), b.clone()]));
+            }
+        }
+        let conv_index: HashMap<String, usize> = convs
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.clone(), i))
+            .collect();
+        provision::world(&ctx.pool, &users, &devices, &world).await?;
+        Ok(Topology {
+            convs,
+            pair_convs,
+            recv_devs,
+            send_devs,
+            conv_index,
+            per_conv: ra + rb,
+        })
+    }
+}
+
+/// The ladder: the chapter-02 load first; then up while it passes, or down until one
+/// passes. Its steps, the messages acknowledged in them, and why it stopped.
+async fn ladder(
+    ctx: &Ctx,
+    rig: &Rig,
+) -> anyhow::Result<(Vec<FanoutStep>, Vec<(String, String)>, String)> {
+    let p = &ctx.params;
     let mut steps: Vec<FanoutStep> = Vec::new();
     let mut acked_all: Vec<(String, String)> = Vec::new();
-    // The chapter-02 load first; then up while it passes, or down until one passes.
     let mut plan: std::collections::VecDeque<f64> = [p.fanout_start_multiplier].into();
     let mut direction: Option<bool> = None; // Some(true): stepping up
-    let stop_reason;
-    loop {
+    let stop_reason = loop {
         let Some(mult) = plan.pop_front() else {
-            stop_reason = match direction {
+            break match direction {
                 Some(true) => "every step up passed (no higher step configured)".to_string(),
                 Some(false) => "no step down passed".to_string(),
                 None => "one step configured".to_string(),
             };
-            break;
         };
         let label = format!(
             "[fanout {}] {:.0} frames/s",
@@ -763,27 +814,32 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Fanout> {
                 };
             }
             Some(true) if !passed => {
-                stop_reason = format!("stepping up: {target:.0} frames/s failed: {verdict}");
-                break;
+                break format!("stepping up: {target:.0} frames/s failed: {verdict}");
             }
             Some(false) if passed => {
-                stop_reason =
-                    format!("stepping down: {target:.0} frames/s is the first that passed");
-                break;
+                break format!("stepping down: {target:.0} frames/s is the first that passed");
             }
             _ => {}
         }
-    }
-    let (n_receivers, n_senders) = (rig.receivers.len(), rig.senders.len());
-    acked_all.extend(session.close().await);
-    // Diagnostics: the chapter-02 step again on a gateway with other settings.
+    };
+    Ok((steps, acked_all, stop_reason))
+}
+
+/// Diagnostics: the chapter-02 step again on a gateway with other settings (one per
+/// `fanout_diagnostic_env` entry); what they acknowledged goes to `acked_all`.
+async fn diagnose(
+    ctx: &Ctx,
+    topo: &Topology,
+    acked_all: &mut Vec<(String, String)>,
+) -> anyhow::Result<Vec<FanoutDiagnostic>> {
+    let p = &ctx.params;
     let mut diagnostics = Vec::new();
     for (i, kv) in p.fanout_diagnostic_env.iter().enumerate() {
         let Some((k, v)) = kv.split_once('=') else {
             anyhow::bail!("fanout_diagnostic_env {kv:?}: NAME=VALUE");
         };
         let env = [(k.to_string(), v.to_string())];
-        let session = Session::open(ctx, &topo, &env, i + 1).await?;
+        let session = Session::open(ctx, topo, &env, i + 1).await?;
         let label = format!(
             "[fanout diagnostic {}] {kv}: {:.0} frames/s",
             i + 1,
@@ -798,41 +854,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Fanout> {
             step,
         });
     }
-    let found = provision::count_present(&ctx.pool, &acked_all).await?;
-    let gapless = provision::gapless(&ctx.pool, "fo-c").await?;
-    let acknowledged = acked_all.len() as u64;
-    let lost = acknowledged.saturating_sub(found);
-    let max_passing = steps
-        .iter()
-        .filter(|s| s.passed)
-        .map(|s| s.frames_per_s)
-        .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
-    Ok(Fanout {
-        receiver: "lean receiver of the bench crate (tokio-tungstenite: hello, sub, contiguous cursor per \
-                   conversation, acks coalesced every 4 events or 50 ms, sync on gap or on a hint ahead \
-                   of its cursor, decided by the harness client's delivery core); not the harness Client \
-                   itself, which persists a state file per event"
-            .into(),
-        user_pairs: n_pairs,
-        conversations: convs.len(),
-        receivers: n_receivers,
-        sender_connections: n_senders,
-        frames_per_message: per_conv,
-        base_frames_per_s: p.fanout_base_frames_per_s,
-        p99_limit_ms: p.fanout_p99_limit_ms,
-        gateway_sweep_ms: 1000,
-        max_passing_frames_per_s: max_passing,
-        stop_reason,
-        ratios: FanoutRatios {
-            max_passing_vs_ws_ceiling: max_passing.and_then(|m| ratio(m, ceiling.frames_per_s)),
-            max_passing_vs_pgbench_notify_frames: None,
-            base_load_vs_max_passing: max_passing.and_then(|m| ratio(p.fanout_base_frames_per_s, m)),
-        },
-        ws_ceiling: ceiling,
-        steps,
-        diagnostics,
-        data_check: DataCheck::new(acknowledged, found, lost, gapless),
-    })
+    Ok(diagnostics)
 }
 
 /// Measures the WebSocket ceiling: `n` lean receivers against the push server child.
