@@ -328,153 +328,65 @@ async fn round_trips(pool: &sqlx::PgPool, n: usize) -> anyhow::Result<(Latency, 
 /// The gateway's `IM_BATCH_SLOTS` default: senders spread over this many batch slots.
 const BATCH_SLOTS: usize = 2;
 
+/// The send part's world: conversations every sender is a member of, one user and device
+/// per sender at the highest concurrency, the body, and pgbench's scripts.
+struct World {
+    convs: Arc<Vec<String>>,
+    users: Vec<String>,
+    devices: Vec<Device>,
+    body: Arc<String>,
+    /// (a) one INSERT per transaction; (b) the same with NOTIFY.
+    script_plain: String,
+    script_notify: String,
+}
+
+impl World {
+    async fn provision(ctx: &Ctx) -> anyhow::Result<World> {
+        let p = &ctx.params;
+        let max_c = p.send_concurrency.iter().copied().max().unwrap_or(1);
+        let convs: Vec<String> = (0..p.send_conversations)
+            .map(|i| format!("sp-c{i}"))
+            .collect();
+        let users: Vec<String> = (0..max_c).map(|i| format!("sp-u{i}")).collect();
+        let devices: Vec<Device> = (0..max_c)
+            .map(|i| Device::new(format!("sp-d{i}"), &users[i]))
+            .collect();
+        let world: Vec<(String, Vec<String>)> =
+            convs.iter().map(|c| (c.clone(), users.clone())).collect();
+        provision::world(&ctx.pool, &users, &devices, &world).await?;
+        let body = Arc::new("x".repeat(p.body_bytes));
+        Ok(World {
+            script_plain: crate::pgbench::script(p.send_conversations, &body, false),
+            script_notify: crate::pgbench::script(p.send_conversations, &body, true),
+            convs: Arc::new(convs),
+            users,
+            devices,
+            body,
+        })
+    }
+}
+
+/// What every level adds up: the messages the gateway acknowledged and those pgbench
+/// logged (each must be a row at the end).
+#[derive(Default)]
+struct Tallies {
+    acked: Vec<(String, String)>,
+    pgbench_logged: u64,
+}
+
 pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
     let p = &ctx.params;
     let (round_trip_ping, round_trip_select1) = round_trips(&ctx.pool, 300).await?;
-    let max_c = p.send_concurrency.iter().copied().max().unwrap_or(1);
-    let convs: Vec<String> = (0..p.send_conversations)
-        .map(|i| format!("sp-c{i}"))
-        .collect();
-    let users: Vec<String> = (0..max_c).map(|i| format!("sp-u{i}")).collect();
-    let devices: Vec<Device> = (0..max_c)
-        .map(|i| Device::new(format!("sp-d{i}"), &users[i]))
-        .collect();
-    let world: Vec<(String, Vec<String>)> =
-        convs.iter().map(|c| (c.clone(), users.clone())).collect();
-    provision::world(&ctx.pool, &users, &devices, &world).await?;
-    let body = Arc::new("x".repeat(p.body_bytes));
-    let convs = Arc::new(convs);
-    let script_a = crate::pgbench::script(p.send_conversations, &body, false);
-    let script_b = crate::pgbench::script(p.send_conversations, &body, true);
-    let mut acked_all: Vec<(String, String)> = Vec::new();
+    let w = World::provision(ctx).await?;
+    let mut t = Tallies::default();
     let mut levels = Vec::new();
-    let mut pgbench_logged = 0u64;
-    let rounds = p.send_rounds.max(1);
     for (li, &c) in p.send_concurrency.iter().enumerate() {
-        // (d) issue 19's true ceiling: pgbench committing the gateway's batch size, as the
-        // gateway would gather it (its senders spread over IM_BATCH_SLOTS slots).
-        let batch_rows = (c / BATCH_SLOTS).max(1);
-        let script_d = crate::pgbench::batch_script(p.send_conversations, &body, batch_rows);
-        let drivers: [(&str, Option<(&String, bool)>); 5] = [
-            ("gateway", None),
-            ("pgbench_plain", Some((&script_a, false))),
-            ("pgbench_notify", Some((&script_b, false))),
-            // (c) is (b) with synchronous_commit=off for pgbench's sessions only: what the
-            // WAL flush at commit costs (the server setting stays on).
-            ("pgbench_notify_async_commit", Some((&script_b, true))),
-            ("pgbench_batch", Some((&script_d, false))),
-        ];
-        // Rounds in ABBA order (gateway, a, b, c, then c, b, a, gateway, ...): a load that
-        // drifts during the level weighs on every driver alike, so the ratios hold.
-        let mut got: Vec<Vec<Round>> = vec![Vec::new(); drivers.len()];
-        for r in 0..rounds {
-            let order: Vec<usize> = if r % 2 == 0 {
-                vec![0, 1, 2, 3, 4]
-            } else {
-                vec![4, 3, 2, 1, 0]
-            };
-            for d in order {
-                let (tag, script) = drivers[d];
-                let label = format!(
-                    "[send {}/{} round {}/{rounds}] {tag}, {c} clients",
-                    li + 1,
-                    p.send_concurrency.len(),
-                    r + 1
-                );
-                progress(&label);
-                let round = match script {
-                    None => {
-                        let id_base = (li * rounds + r) * 1000;
-                        let (round, acked) =
-                            gateway_round(ctx, &devices, &users, &convs, &body, c, id_base, &label)
-                                .await?;
-                        acked_all.extend(acked);
-                        round
-                    }
-                    Some((script, async_commit)) => {
-                        let Some(bin) = ctx.pgbench.as_ref() else {
-                            continue;
-                        };
-                        // (d) runs as many transactions at once as the gateway runs
-                        // batches (its slots), each of the batch the gateway gathers.
-                        let clients = if tag == "pgbench_batch" {
-                            c.min(BATCH_SLOTS)
-                        } else {
-                            c
-                        };
-                        let round = pgbench_round(
-                            ctx,
-                            bin,
-                            script,
-                            clients,
-                            async_commit,
-                            &format!("{tag}-c{c}-r{r}"),
-                        )
-                        .await?;
-                        // A batch transaction stores `batch_rows` messages.
-                        let per_tx = if tag == "pgbench_batch" {
-                            batch_rows
-                        } else {
-                            1
-                        };
-                        pgbench_logged += round.ops_total * per_tx as u64;
-                        round
-                    }
-                };
-                got[d].push(round);
-            }
-        }
-        let mut runs: Vec<Option<SendRun>> = got
-            .into_iter()
-            .zip(drivers.iter())
-            .map(|(rs, (tag, script))| {
-                (!rs.is_empty())
-                    .then(|| merge(tag, rs, p.send_duration_s * rounds as u64, script.is_some()))
-            })
-            .collect();
-        let pgbench_batch = runs.pop().flatten().map(|mut r| {
-            // Messages, not transactions (latency and the per-op figures stay per
-            // transaction of `batch_rows` messages).
-            r.ops *= batch_rows as u64;
-            r.ops_per_s = crate::util::r3(r.ops_per_s * batch_rows as f64);
-            r
-        });
-        let pgbench_notify_async_commit = runs.pop().flatten();
-        let pgbench_notify = runs.pop().flatten();
-        let pgbench_plain = runs.pop().flatten();
-        let gateway = runs.pop().flatten().context("no gateway round")?;
-        let tps = |r: &Option<SendRun>| r.as_ref().map(|r| r.ops_per_s).unwrap_or(0.0);
-        let ratios = SendRatios {
-            gateway_vs_pgbench_notify_throughput: ratio(gateway.ops_per_s, tps(&pgbench_notify)),
-            gateway_vs_pgbench_plain_throughput: ratio(gateway.ops_per_s, tps(&pgbench_plain)),
-            gateway_vs_pgbench_batch_throughput: ratio(gateway.ops_per_s, tps(&pgbench_batch)),
-            pgbench_notify_vs_plain_throughput: ratio(tps(&pgbench_notify), tps(&pgbench_plain)),
-            pgbench_sync_vs_async_commit_throughput: ratio(
-                tps(&pgbench_notify),
-                tps(&pgbench_notify_async_commit),
-            ),
-            gateway_vs_pgbench_notify_p50_latency: pgbench_notify
-                .as_ref()
-                .and_then(|r| ratio(gateway.latency.p50_ms, r.latency.p50_ms)),
-            gateway_vs_pgbench_notify_p99_latency: pgbench_notify
-                .as_ref()
-                .and_then(|r| ratio(gateway.latency.p99_ms, r.latency.p99_ms)),
-        };
-        levels.push(SendLevel {
-            concurrency: c,
-            gateway,
-            pgbench_plain,
-            pgbench_notify,
-            pgbench_notify_async_commit,
-            pgbench_batch,
-            pgbench_batch_rows: batch_rows,
-            ratios,
-        });
+        levels.push(level(ctx, &w, li, c, &mut t).await?);
     }
     // --- every acknowledged send is a row
-    let found = provision::count_present(&ctx.pool, &acked_all).await?;
+    let found = provision::count_present(&ctx.pool, &t.acked).await?;
     let gapless = provision::gapless(&ctx.pool, "sp-c").await?;
-    let acknowledged = acked_all.len() as u64;
+    let acknowledged = t.acked.len() as u64;
     let lost = acknowledged.saturating_sub(found);
     let rows: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM events WHERE conv_id LIKE 'sp-c%'
@@ -493,14 +405,147 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<SendPath> {
         gateway_db_pool_max: 16,
         round_trip_ping,
         round_trip_select1,
-        pgbench_script_plain: script_a,
-        pgbench_script_notify: script_b,
+        pgbench_script_plain: w.script_plain,
+        pgbench_script_notify: w.script_notify,
         levels,
         data_check: DataCheck::new(acknowledged, found, lost, gapless),
         pgbench_check: PgbenchCheck {
-            result: Verdict::of(rows >= pgbench_logged),
-            logged: pgbench_logged,
+            result: Verdict::of(rows >= t.pgbench_logged),
+            logged: t.pgbench_logged,
             rows,
         },
+    })
+}
+
+/// One concurrency level `c` (the `li`-th): every driver's rounds, merged, and the ratios.
+async fn level(
+    ctx: &Ctx,
+    w: &World,
+    li: usize,
+    c: usize,
+    t: &mut Tallies,
+) -> anyhow::Result<SendLevel> {
+    let p = &ctx.params;
+    let rounds = p.send_rounds.max(1);
+    // (d) issue 19's true ceiling: pgbench committing the gateway's batch size, as the
+    // gateway would gather it (its senders spread over IM_BATCH_SLOTS slots).
+    let batch_rows = (c / BATCH_SLOTS).max(1);
+    let script_d = crate::pgbench::batch_script(p.send_conversations, &w.body, batch_rows);
+    let drivers: [(&str, Option<(&String, bool)>); 5] = [
+        ("gateway", None),
+        ("pgbench_plain", Some((&w.script_plain, false))),
+        ("pgbench_notify", Some((&w.script_notify, false))),
+        // (c) is (b) with synchronous_commit=off for pgbench's sessions only: what the
+        // WAL flush at commit costs (the server setting stays on).
+        (
+            "pgbench_notify_async_commit",
+            Some((&w.script_notify, true)),
+        ),
+        ("pgbench_batch", Some((&script_d, false))),
+    ];
+    // Rounds in ABBA order (gateway, a, b, c, then c, b, a, gateway, ...): a load that
+    // drifts during the level weighs on every driver alike, so the ratios hold.
+    let mut got: Vec<Vec<Round>> = vec![Vec::new(); drivers.len()];
+    for r in 0..rounds {
+        let order: Vec<usize> = if r % 2 == 0 {
+            vec![0, 1, 2, 3, 4]
+        } else {
+            vec![4, 3, 2, 1, 0]
+        };
+        for d in order {
+            let (tag, script) = drivers[d];
+            let label = format!(
+                "[send {}/{} round {}/{rounds}] {tag}, {c} clients",
+                li + 1,
+                p.send_concurrency.len(),
+                r + 1
+            );
+            progress(&label);
+            let round = match script {
+                None => {
+                    let id_base = (li * rounds + r) * 1000;
+                    let (round, acked) = gateway_round(
+                        ctx, &w.devices, &w.users, &w.convs, &w.body, c, id_base, &label,
+                    )
+                    .await?;
+                    t.acked.extend(acked);
+                    round
+                }
+                Some((script, async_commit)) => {
+                    let Some(bin) = ctx.pgbench.as_ref() else {
+                        continue;
+                    };
+                    // (d) runs as many transactions at once as the gateway runs batches
+                    // (its slots), each of the batch the gateway gathers; a batch
+                    // transaction stores `batch_rows` messages.
+                    let (clients, per_tx) = if tag == "pgbench_batch" {
+                        (c.min(BATCH_SLOTS), batch_rows)
+                    } else {
+                        (c, 1)
+                    };
+                    let name = format!("{tag}-c{c}-r{r}");
+                    let round =
+                        pgbench_round(ctx, bin, script, clients, async_commit, &name).await?;
+                    t.pgbench_logged += round.ops_total * per_tx as u64;
+                    round
+                }
+            };
+            got[d].push(round);
+        }
+    }
+    let runs: Vec<Option<SendRun>> = got
+        .into_iter()
+        .zip(drivers.iter())
+        .map(|(rs, (tag, script))| {
+            (!rs.is_empty())
+                .then(|| merge(tag, rs, p.send_duration_s * rounds as u64, script.is_some()))
+        })
+        .collect();
+    level_of(c, runs, batch_rows)
+}
+
+/// A level from its drivers' merged runs (in `level`'s driver order), with the ratios.
+fn level_of(
+    c: usize,
+    mut runs: Vec<Option<SendRun>>,
+    batch_rows: usize,
+) -> anyhow::Result<SendLevel> {
+    let pgbench_batch = runs.pop().flatten().map(|mut r| {
+        // Messages, not transactions (latency and the per-op figures stay per
+        // transaction of `batch_rows` messages).
+        r.ops *= batch_rows as u64;
+        r.ops_per_s = crate::util::r3(r.ops_per_s * batch_rows as f64);
+        r
+    });
+    let pgbench_notify_async_commit = runs.pop().flatten();
+    let pgbench_notify = runs.pop().flatten();
+    let pgbench_plain = runs.pop().flatten();
+    let gateway = runs.pop().flatten().context("no gateway round")?;
+    let tps = |r: &Option<SendRun>| r.as_ref().map(|r| r.ops_per_s).unwrap_or(0.0);
+    let ratios = SendRatios {
+        gateway_vs_pgbench_notify_throughput: ratio(gateway.ops_per_s, tps(&pgbench_notify)),
+        gateway_vs_pgbench_plain_throughput: ratio(gateway.ops_per_s, tps(&pgbench_plain)),
+        gateway_vs_pgbench_batch_throughput: ratio(gateway.ops_per_s, tps(&pgbench_batch)),
+        pgbench_notify_vs_plain_throughput: ratio(tps(&pgbench_notify), tps(&pgbench_plain)),
+        pgbench_sync_vs_async_commit_throughput: ratio(
+            tps(&pgbench_notify),
+            tps(&pgbench_notify_async_commit),
+        ),
+        gateway_vs_pgbench_notify_p50_latency: pgbench_notify
+            .as_ref()
+            .and_then(|r| ratio(gateway.latency.p50_ms, r.latency.p50_ms)),
+        gateway_vs_pgbench_notify_p99_latency: pgbench_notify
+            .as_ref()
+            .and_then(|r| ratio(gateway.latency.p99_ms, r.latency.p99_ms)),
+    };
+    Ok(SendLevel {
+        concurrency: c,
+        gateway,
+        pgbench_plain,
+        pgbench_notify,
+        pgbench_notify_async_commit,
+        pgbench_batch,
+        pgbench_batch_rows: batch_rows,
+        ratios,
     })
 }
