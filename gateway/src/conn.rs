@@ -576,141 +576,141 @@ impl Session {
 
     /// Handles one request after hello, replies (or, after a `drop` fault, does not).
     async fn dispatch(&self, rid: Option<&str>, req: Result<Request, WireError>) {
-        let req = match req {
-            Ok(r) => r,
-            Err(e) => return self.reply(rid, Err(e)).await,
-        };
-        let st = &self.state;
-        let who = &self.who;
         match req {
-            Request::Hello { .. } => {
+            Err(e) => self.reply(rid, Err(e)).await,
+            Ok(Request::Hello { .. }) => {
                 self.reply(rid, Err(WireError::bad("already authenticated")))
                     .await
             }
-            Request::Send { conv, cmid, body } => {
-                let w = who.clone();
-                let c = conv.clone();
-                // `None` but for the deliberate bugs that act inside a send (`observer`).
-                let watch = st.observer.watch(&self.handle.outbox, rid);
-                let watched = watch.clone();
-                let notifier = st.notifier.clone();
-                let member = self.members.known(&conv);
-                // Group commit, unless a watch needs the single send transaction.
-                let sends = watch.is_none().then(|| st.clone());
-                let deadline = tokio::time::Instant::now() + st.cfg.db_work_deadline();
-                let r = st
-                    .db(move |pool| async move {
-                        if let Some(st) = sends {
-                            // Group commit (issue 19): the membership read first, as below.
-                            if !member {
-                                if let Some(answer) =
-                                    store::outsider(&pool, &w, &c, &cmid, &body).await
-                                {
-                                    return answer;
-                                }
-                            }
-                            return batch::send(&st.sends, deadline, w, c, cmid, body, member)
-                                .await;
-                        }
-                        let ctx = store::SendCtx {
-                            observer: watched.as_deref().map(|w| w as &dyn SendObserver),
-                            notifier: &notifier,
-                            known_member: member,
-                        };
-                        store::send(&pool, &w, &c, &cmid, &body, ctx).await
-                    })
-                    .await;
-                match &r {
-                    Ok(SendOutcome::Reply(s)) if !s.dup => self.members.seen(&conv),
-                    Err(WireError::NotMember | WireError::StaleInstall) => {
-                        self.members.forget(&conv)
-                    }
-                    _ => {}
-                }
-                if watch.is_some_and(|w| w.replied()) {
-                    // The reply already left, before COMMIT: nothing more is said.
-                    return;
-                }
-                let sent = match r {
-                    Ok(SendOutcome::Reply(s)) => s,
-                    Ok(SendOutcome::NoReply) => return,
-                    Err(e) => return self.reply(rid, Err(e)).await,
-                };
-                // D1: we get here only after COMMIT returned (or for a committed duplicate).
-                if !self.pass(rid, points::API_AFTER_SEND_COMMIT).await {
-                    return;
-                }
-                self.reply(rid, Ok(sent.reply(&conv))).await
-            }
-            Request::Ack { conv, seq } => {
-                if !self.pass(rid, points::GW_RECV_ACK).await {
-                    return;
-                }
-                let w = who.clone();
-                let c = conv.clone();
-                let acks = st.clone();
-                let deadline = tokio::time::Instant::now() + st.cfg.db_work_deadline();
-                let r = st
-                    .db(move |_pool| async move {
-                        batch::ack(&acks.acks, deadline, w, c, seq).await
-                    })
-                    .await;
-                if let Ok(delivered) = r {
-                    // D5: the sweep stops hinting this pair once `delivered` reaches its head.
-                    st.changes.acked(&who.device, who.epoch, &conv, delivered);
-                }
-                let r = r.map(|delivered| Reply::Acked { conv, delivered });
-                self.reply(rid, r).await
-            }
-            Request::Sub => {
-                let _one_at_a_time = self.sub_lock.lock().await;
-                // Register before reading the state, so no event falls between the two.
-                let h = &self.handle;
-                let newly = st.hub.subscribe(h);
-                let w = who.clone();
-                let r = st
-                    .db(move |pool| async move {
-                        store::conv_states(&pool, &w, SUB_CONVS_MAX).await
-                    })
-                    .await;
-                let r = r.map(|(convs, lineage)| Reply::Subbed { convs, lineage });
-                if r.is_err() && newly {
-                    // A failed `sub` takes no effect: the client was told it did not work.
-                    st.hub.remove(h);
-                }
-                self.reply(rid, r).await
-            }
-            Request::Sync { conv, after, limit } => {
-                let limit = limit
-                    .unwrap_or(SYNC_LIMIT_DEFAULT)
-                    .min(st.cfg.sync_limit_max);
-                let w = who.clone();
-                let c = conv.clone();
-                let page_max = st.cfg.sync_page_max_bytes;
-                // The page's largest frame is reserved before it is read, so pages being
-                // built count against the byte budget as much as queued ones do.
-                let largest = largest_synced_frame(limit, st.cfg.body_max_bytes, page_max);
-                let Some(reserved) = self.handle.outbox.budget.reserve(largest).await else {
-                    return; // the connection is gone
-                };
-                let r = st
-                    .db(move |pool| async move {
-                        store::sync(&pool, &w, &c, after, limit, page_max).await
-                    })
-                    .await;
-                let r = r.map(|p| Reply::Synced {
-                    conv,
-                    events: p.events,
-                    head: p.head,
-                    complete: p.complete,
-                });
-                self.reply_reserved(rid, r, Some(reserved)).await
-            }
+            Ok(Request::Send { conv, cmid, body }) => self.on_send(rid, conv, cmid, body).await,
+            Ok(Request::Ack { conv, seq }) => self.on_ack(rid, conv, seq).await,
+            Ok(Request::Sub) => self.on_sub(rid).await,
+            Ok(Request::Sync { conv, after, limit }) => self.on_sync(rid, conv, after, limit).await,
         }
+    }
+
+    /// `send`: group commit (issue 19), unless a watch of a deliberate bug needs the single
+    /// send transaction; the reply only after COMMIT (D1).
+    async fn on_send(&self, rid: Option<&str>, conv: String, cmid: String, body: String) {
+        let st = &self.state;
+        let w = self.who.clone();
+        let c = conv.clone();
+        // `None` but for the deliberate bugs that act inside a send (`observer`).
+        let watch = st.observer.watch(&self.handle.outbox, rid);
+        let watched = watch.clone();
+        let notifier = st.notifier.clone();
+        let member = self.members.known(&conv);
+        // Group commit, unless a watch needs the single send transaction.
+        let sends = watch.is_none().then(|| st.clone());
+        let deadline = tokio::time::Instant::now() + st.cfg.db_work_deadline();
+        let r = st
+            .db(move |pool| async move {
+                if let Some(st) = sends {
+                    // Group commit (issue 19): the membership read first, as below.
+                    if !member {
+                        if let Some(answer) = store::outsider(&pool, &w, &c, &cmid, &body).await {
+                            return answer;
+                        }
+                    }
+                    return batch::send(&st.sends, deadline, w, c, cmid, body, member).await;
+                }
+                let ctx = store::SendCtx {
+                    observer: watched.as_deref().map(|w| w as &dyn SendObserver),
+                    notifier: &notifier,
+                    known_member: member,
+                };
+                store::send(&pool, &w, &c, &cmid, &body, ctx).await
+            })
+            .await;
+        match &r {
+            Ok(SendOutcome::Reply(s)) if !s.dup => self.members.seen(&conv),
+            Err(WireError::NotMember | WireError::StaleInstall) => self.members.forget(&conv),
+            _ => {}
+        }
+        if watch.is_some_and(|w| w.replied()) {
+            // The reply already left, before COMMIT: nothing more is said.
+            return;
+        }
+        let sent = match r {
+            Ok(SendOutcome::Reply(s)) => s,
+            Ok(SendOutcome::NoReply) => return,
+            Err(e) => return self.reply(rid, Err(e)).await,
+        };
+        // D1: we get here only after COMMIT returned (or for a committed duplicate).
+        if !self.pass(rid, points::API_AFTER_SEND_COMMIT).await {
+            return;
+        }
+        self.reply(rid, Ok(sent.reply(&conv))).await
+    }
+
+    /// `ack`: through the batched acks; D4 (the cursor only grows) is the statement's.
+    async fn on_ack(&self, rid: Option<&str>, conv: String, seq: i64) {
+        if !self.pass(rid, points::GW_RECV_ACK).await {
+            return;
+        }
+        let st = &self.state;
+        let who = &self.who;
+        let w = who.clone();
+        let c = conv.clone();
+        let acks = st.clone();
+        let deadline = tokio::time::Instant::now() + st.cfg.db_work_deadline();
+        let r = st
+            .db(move |_pool| async move { batch::ack(&acks.acks, deadline, w, c, seq).await })
+            .await;
+        if let Ok(delivered) = r {
+            // D5: the sweep stops hinting this pair once `delivered` reaches its head.
+            st.changes.acked(&who.device, who.epoch, &conv, delivered);
+        }
+        let r = r.map(|delivered| Reply::Acked { conv, delivered });
+        self.reply(rid, r).await
+    }
+
+    /// `sub`: one at a time per connection; registered before the state is read, so no
+    /// event falls between the two.
+    async fn on_sub(&self, rid: Option<&str>) {
+        let st = &self.state;
+        let _one_at_a_time = self.sub_lock.lock().await;
+        let h = &self.handle;
+        let newly = st.hub.subscribe(h);
+        let w = self.who.clone();
+        let r = st
+            .db(move |pool| async move { store::conv_states(&pool, &w, SUB_CONVS_MAX).await })
+            .await;
+        let r = r.map(|(convs, lineage)| Reply::Subbed { convs, lineage });
+        if r.is_err() && newly {
+            // A failed `sub` takes no effect: the client was told it did not work.
+            st.hub.remove(h);
+        }
+        self.reply(rid, r).await
+    }
+
+    /// `sync`: one page, its largest frame reserved of the byte budget before it is read,
+    /// so pages being built count against the budget as much as queued ones do.
+    async fn on_sync(&self, rid: Option<&str>, conv: String, after: i64, limit: Option<i64>) {
+        let st = &self.state;
+        let limit = limit
+            .unwrap_or(SYNC_LIMIT_DEFAULT)
+            .min(st.cfg.sync_limit_max);
+        let w = self.who.clone();
+        let c = conv.clone();
+        let page_max = st.cfg.sync_page_max_bytes;
+        let largest = largest_synced_frame(limit, st.cfg.body_max_bytes, page_max);
+        let Some(reserved) = self.handle.outbox.budget.reserve(largest).await else {
+            return; // the connection is gone
+        };
+        let r = st
+            .db(move |pool| async move { store::sync(&pool, &w, &c, after, limit, page_max).await })
+            .await;
+        let r = r.map(|p| Reply::Synced {
+            conv,
+            events: p.events,
+            head: p.head,
+            complete: p.complete,
+        });
+        self.reply_reserved(rid, r, Some(reserved)).await
     }
 }
 
-/// The `sent` reply.
 /// What the writer does with a frame whose fault point fired.
 enum Faulted {
     /// `drop`, or `error` on a push: the frame is not written.
