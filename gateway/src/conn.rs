@@ -804,21 +804,17 @@ async fn writer(
     let mut dirty = false;
     loop {
         if dirty && rx.is_empty() {
-            if let Err(e) = flush(&mut sink, limit, &mut tally).await {
-                tracing::info!(conn = id, error = %e, "flush failed: abandoning the connection");
+            if !flushed(&mut sink, limit, &mut tally, id).await {
                 return tally;
             }
             dirty = false;
         }
         let next = tokio::select! {
             biased;
-            _ = ping.notified() => {
-                if write(&mut sink, Message::Ping(Default::default()), limit, &mut tally).await.is_err() {
-                    tracing::info!(conn = id, "ping not taken: abandoning the connection");
-                    return tally;
-                }
-                continue;
-            }
+            _ = ping.notified() => match pinged(&mut sink, limit, &mut tally, id).await {
+                true => continue,
+                false => return tally,
+            },
             next = rx.recv() => next,
         };
         let next = match next {
@@ -829,52 +825,35 @@ async fn writer(
                 return tally;
             }
             Some(Out::Close(Some(code))) => {
-                let frame = CloseFrame {
-                    code: CloseCode::from(code),
-                    reason: "".into(),
-                };
-                let _ = tokio::time::timeout(limit, async {
-                    let _ = sink.send(Message::Close(Some(frame))).await;
-                    let _ = sink.close().await;
-                })
-                .await;
+                close_frame(&mut sink, code, limit).await;
                 return tally;
             }
             Some(Out::Frame(q)) => q,
         };
-        let point = match next.kind {
-            Kind::Event | Kind::Hint if outbox.is_revoked() && !bugs::active(Bug::StaleBacklog) => {
-                continue
-            }
-            Kind::Sent => Some(points::GW_REPLY_SEND),
-            Kind::Acked => Some(points::GW_REPLY_ACK),
-            Kind::Event => Some(points::GW_PUSH),
-            Kind::Welcome | Kind::Subbed | Kind::Synced | Kind::Error | Kind::Hint => None,
-        };
+        // A stale install's queued pushes and hints are not written (STALE_INSTALL).
+        if matches!(next.kind, Kind::Event | Kind::Hint)
+            && outbox.is_revoked()
+            && !bugs::active(Bug::StaleBacklog)
+        {
+            continue;
+        }
         let next = writing.insert(next);
         let mut text = Some(next.text.as_str());
         let replaced;
-        if let Some(point) = point {
+        if let Some(point) = fault_point(next.kind) {
             // A fault acts on this frame only: what the burst queued before it reaches the
             // peer first (a `halt` here would otherwise take it down with the process).
             if dirty && faults::is_armed(point) {
-                if let Err(e) = flush(&mut sink, limit, &mut tally).await {
-                    tracing::info!(conn = id, error = %e, "flush failed: abandoning the connection");
+                if !flushed(&mut sink, limit, &mut tally, id).await {
                     return tally;
                 }
                 dirty = false;
             }
-            let on_error = match next.kind {
-                Kind::Event => Faulted::Skip,
-                _ => Faulted::Unavailable,
-            };
-            match faults::gate(point, Faulted::Skip, on_error).await {
-                ControlFlow::Continue(()) => {}
-                ControlFlow::Break(Faulted::Skip) => text = None,
-                ControlFlow::Break(Faulted::Unavailable) => {
-                    // The operation already committed; the client sees UNAVAILABLE and retries.
-                    let error = Reply::Error(WireError::Unavailable);
-                    replaced = protocol::reply_frame(next.rid.as_deref(), &error);
+            match through_fault(point, next).await {
+                Gate::Write => {}
+                Gate::Skip => text = None,
+                Gate::Replace(frame) => {
+                    replaced = frame;
                     text = Some(replaced.as_str());
                 }
             }
@@ -894,28 +873,111 @@ async fn writer(
         }
         writing = None;
         // Also after a dropped frame: an overflowed connection must get its hints.
-        if rx.is_empty() {
-            if let Some(pending) = outbox.take_overflow() {
-                let pending = pending
-                    .into_iter()
-                    .filter(|_| !bugs::active(Bug::NoOverflowHint));
-                for (conv, head) in pending {
-                    let why = HintWhy::Overflow;
-                    let hint = protocol::render(&Frame::Push(Push::Hint {
-                        conv: &conv,
-                        head,
-                        why,
-                    }));
-                    if write(&mut sink, Message::text(hint), limit, &mut tally)
-                        .await
-                        .is_err()
-                    {
-                        return tally;
-                    }
-                }
-            }
+        if rx.is_empty()
+            && overflow_hints(&mut sink, &outbox, limit, &mut tally)
+                .await
+                .is_err()
+        {
+            return tally;
         }
     }
+}
+
+/// Flushes what the writer fed the sink; false (logged) when the flush failed and the
+/// connection is to be abandoned.
+async fn flushed(sink: &mut Sink, limit: Duration, tally: &mut Tally, id: u64) -> bool {
+    match flush(sink, limit, tally).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::info!(conn = id, error = %e, "flush failed: abandoning the connection");
+            false
+        }
+    }
+}
+
+/// Writes a ping (the reader asked for one); false (logged) when the peer did not take it
+/// and the connection is to be abandoned.
+async fn pinged(sink: &mut Sink, limit: Duration, tally: &mut Tally, id: u64) -> bool {
+    let taken = write(sink, Message::Ping(Default::default()), limit, tally).await;
+    if taken.is_err() {
+        tracing::info!(conn = id, "ping not taken: abandoning the connection");
+    }
+    taken.is_ok()
+}
+
+/// The fault point a frame of `kind` passes in the writer, if any.
+fn fault_point(kind: Kind) -> Option<&'static str> {
+    match kind {
+        Kind::Sent => Some(points::GW_REPLY_SEND),
+        Kind::Acked => Some(points::GW_REPLY_ACK),
+        Kind::Event => Some(points::GW_PUSH),
+        Kind::Welcome | Kind::Subbed | Kind::Synced | Kind::Error | Kind::Hint => None,
+    }
+}
+
+/// What the writer does with a frame after its fault point.
+enum Gate {
+    Write,
+    Skip,
+    /// Write this frame instead.
+    Replace(String),
+}
+
+/// Passes `frame` through its fault `point`: `drop`, or `error` on a push, skips it;
+/// `error` on a reply answers UNAVAILABLE to the same `rid` instead (the operation already
+/// committed; the client sees UNAVAILABLE and retries).
+async fn through_fault(point: &'static str, frame: &hub::Queued) -> Gate {
+    let on_error = match frame.kind {
+        Kind::Event => Faulted::Skip,
+        _ => Faulted::Unavailable,
+    };
+    match faults::gate(point, Faulted::Skip, on_error).await {
+        ControlFlow::Continue(()) => Gate::Write,
+        ControlFlow::Break(Faulted::Skip) => Gate::Skip,
+        ControlFlow::Break(Faulted::Unavailable) => {
+            let error = Reply::Error(WireError::Unavailable);
+            Gate::Replace(protocol::reply_frame(frame.rid.as_deref(), &error))
+        }
+    }
+}
+
+/// Writes an overflow hint for every conversation whose pushes the queue dropped (D5's
+/// repair path), once the queue has drained.
+async fn overflow_hints(
+    sink: &mut Sink,
+    outbox: &Outbox,
+    limit: Duration,
+    tally: &mut Tally,
+) -> Result<(), WsError> {
+    let Some(pending) = outbox.take_overflow() else {
+        return Ok(());
+    };
+    let pending = pending
+        .into_iter()
+        .filter(|_| !bugs::active(Bug::NoOverflowHint));
+    for (conv, head) in pending {
+        let why = HintWhy::Overflow;
+        let hint = protocol::render(&Frame::Push(Push::Hint {
+            conv: &conv,
+            head,
+            why,
+        }));
+        write(sink, Message::text(hint), limit, tally).await?;
+    }
+    Ok(())
+}
+
+/// Writes the close frame with `code` and closes the sink, within `limit`.
+async fn close_frame(sink: &mut Sink, code: u16, limit: Duration) {
+    let frame = CloseFrame {
+        code: CloseCode::from(code),
+        reason: "".into(),
+    };
+    let _ = tokio::time::timeout(limit, async {
+        let _ = sink.send(Message::Close(Some(frame))).await;
+        let _ = sink.close().await;
+    })
+    .await;
 }
 
 /// Closes the budget when the writer ends, however it ends.
