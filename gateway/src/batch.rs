@@ -169,7 +169,7 @@ fn gone<T>(done: &oneshot::Sender<T>) -> bool {
 
 /// Runs one batch of sends: `send.before_insert` per row, the batch's INSERTs,
 /// `send.before_commit` per inserted row (inside the open transaction, as in the single
-/// send), COMMIT, then the answers (and the notifier) only after COMMIT returned.
+/// send), COMMIT, then the answers (and the notifier) only after COMMIT returned (D1).
 async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
     let mut rows = Vec::with_capacity(jobs.len());
     for job in jobs.into_iter().filter(|j| !gone(&j.done)) {
@@ -198,10 +198,27 @@ async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
         Ok(x) => x,
         Err(e) => return failed(&pool, &notifier, rows, e).await,
     };
-    // `send.before_commit` for each inserted row, in row order (each hit counts); delays
-    // overlap. A row it stops rolls the whole batch back: that row is answered as the point
-    // says, every other row is sent again on its own.
-    let gates = futures_util::future::join_all(out.iter().map(|s| async move {
+    let gates = before_commit(&out).await;
+    if gates.iter().any(ControlFlow::is_break) {
+        drop(tx);
+        return stopped(&pool, &notifier, rows, gates).await;
+    }
+    match store::send_batch_commit(tx, out).await {
+        Ok(None) => {
+            // `send.batch.before_commit:drop`: rolled back, and no row gets a reply.
+            for job in rows {
+                let _ = job.done.send(Ok(SendOutcome::NoReply));
+            }
+        }
+        Ok(Some(sent)) => answer_committed(&pool, &notifier, rows, sent).await,
+        Err(e) => failed(&pool, &notifier, rows, e).await,
+    }
+}
+
+/// What `send.before_commit` says for each row of an open batch, in row order (each hit
+/// counts; delays overlap): only inserted rows pass it.
+async fn before_commit(out: &[RowOutcome]) -> Vec<ControlFlow<Result<SendOutcome, WireError>>> {
+    futures_util::future::join_all(out.iter().map(|s| async move {
         match s {
             RowOutcome::Inserted(_) => {
                 faults::gate(
@@ -214,69 +231,74 @@ async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
             RowOutcome::NotInserted | RowOutcome::Busy => ControlFlow::Continue(()),
         }
     }))
+    .await
+}
+
+/// `send.before_commit` stopped a row, and the batch was rolled back: that row is answered
+/// as the point says, every other row is sent again on its own.
+async fn stopped(
+    pool: &PgPool,
+    notifier: &Notifier,
+    rows: Vec<SendJob>,
+    gates: Vec<ControlFlow<Result<SendOutcome, WireError>>>,
+) {
+    let mut others = Vec::new();
+    for (job, gate) in rows.into_iter().zip(gates) {
+        match gate {
+            ControlFlow::Break(r) => {
+                let _ = job.done.send(r);
+            }
+            ControlFlow::Continue(()) => others.push(job),
+        }
+    }
+    alone(pool, notifier, others).await
+}
+
+/// Answers a committed batch's rows (D1: only now). The point after the commit acts on
+/// the whole batch's answers; rows that inserted nothing are told apart, and rows whose
+/// conversation was busy are sent on their own.
+async fn answer_committed(
+    pool: &PgPool,
+    notifier: &Notifier,
+    rows: Vec<SendJob>,
+    sent: Vec<RowOutcome>,
+) {
+    let answer = faults::gate(
+        points::SEND_BATCH_AFTER_COMMIT,
+        Ok(SendOutcome::NoReply),
+        Err(WireError::Unavailable),
+    )
     .await;
-    if gates.iter().any(ControlFlow::is_break) {
-        drop(tx);
-        let mut others = Vec::new();
-        for (job, gate) in rows.into_iter().zip(gates) {
-            match gate {
-                ControlFlow::Break(r) => {
-                    let _ = job.done.send(r);
-                }
-                ControlFlow::Continue(()) => others.push(job),
-            }
+    let mut left = Vec::new();
+    let mut busy = Vec::new();
+    for (job, sent) in rows.into_iter().zip(sent) {
+        match sent {
+            RowOutcome::Inserted(s) => committed(notifier, job, s, &answer).await,
+            RowOutcome::NotInserted => left.push(job),
+            RowOutcome::Busy => busy.push(job),
         }
-        return alone(&pool, &notifier, others).await;
     }
-    match store::send_batch_commit(tx, out).await {
-        Ok(None) => {
-            // `send.batch.before_commit:drop`: rolled back, and no row gets a reply.
-            for job in rows {
-                let _ = job.done.send(Ok(SendOutcome::NoReply));
-            }
-        }
-        Ok(Some(sent)) => {
-            // Committed. The point after the commit acts on the whole batch's answers.
-            let answer = faults::gate(
-                points::SEND_BATCH_AFTER_COMMIT,
-                Ok(SendOutcome::NoReply),
-                Err(WireError::Unavailable),
-            )
-            .await;
-            let mut left = Vec::new();
-            let mut busy = Vec::new();
-            for (job, sent) in rows.into_iter().zip(sent) {
-                match sent {
-                    RowOutcome::Inserted(s) => committed(&notifier, job, s, &answer).await,
-                    RowOutcome::NotInserted => left.push(job),
-                    RowOutcome::Busy => busy.push(job),
-                }
-            }
-            // Rows whose conversation another transaction holds: each sent on its own, where
-            // it waits for that lock under its own deadline, off this slot, so that the
-            // batches behind this one do not wait for it.
-            if !busy.is_empty() {
-                tracing::debug!(
-                    rows = busy.len(),
-                    "send batch: conversations busy, sent alone"
-                );
-                let (pool, notifier) = (pool.clone(), notifier.clone());
-                tokio::spawn(async move { alone(&pool, &notifier, busy).await });
-            }
-            // Rows that inserted nothing: dup, CMID_CONFLICT, NOT_MEMBER or STALE_INSTALL,
-            // told apart after COMMIT, as the single send does.
-            futures_util::future::join_all(left.into_iter().map(|job| {
-                let pool = pool.clone();
-                async move {
-                    let r =
-                        store::not_inserted(&pool, &job.who, &job.conv, &job.cmid, &job.body).await;
-                    let _ = job.done.send(r);
-                }
-            }))
-            .await;
-        }
-        Err(e) => failed(&pool, &notifier, rows, e).await,
+    // Rows whose conversation another transaction holds: each sent on its own, where it
+    // waits for that lock under its own deadline, off this slot, so that the batches
+    // behind this one do not wait for it.
+    if !busy.is_empty() {
+        tracing::debug!(
+            rows = busy.len(),
+            "send batch: conversations busy, sent alone"
+        );
+        let (pool, notifier) = (pool.clone(), notifier.clone());
+        tokio::spawn(async move { alone(&pool, &notifier, busy).await });
     }
+    // Rows that inserted nothing: dup, CMID_CONFLICT, NOT_MEMBER or STALE_INSTALL, told
+    // apart after COMMIT, as the single send does.
+    futures_util::future::join_all(left.into_iter().map(|job| {
+        let pool = pool.clone();
+        async move {
+            let r = store::not_inserted(&pool, &job.who, &job.conv, &job.cmid, &job.body).await;
+            let _ = job.done.send(r);
+        }
+    }))
+    .await;
 }
 
 /// A batch failed before or at its COMMIT (`e`): nothing of it is known to be stored, so
