@@ -110,25 +110,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match &cmd {
-        Cmd::Version => {
-            println!("{}", version_line());
-            return ExitCode::SUCCESS;
-        }
-        Cmd::Bugs => {
-            for bug in Bug::ALL {
-                println!("{:<20} {}", bug.name(), bug.describe());
-            }
-            if !bugs::ENABLED {
-                eprintln!("im-gateway: this build has no `bugs` feature: IM_BUG is refused");
-            }
-            return ExitCode::SUCCESS;
-        }
-        Cmd::Faults => {
-            print_faults();
-            return ExitCode::SUCCESS;
-        }
-        Cmd::Serve | Cmd::Migrate | Cmd::Admin(_) => {}
+    if let Some(code) = answer_at_once(&cmd) {
+        return code;
     }
     // The fail crate's own variable arms nothing here (faults are armed from IM_FAULT only):
     // refuse it rather than let a run believe a fault is armed.
@@ -148,34 +131,9 @@ fn main() -> ExitCode {
         )
         .init();
     if matches!(cmd, Cmd::Serve) {
-        // Validate IM_FAULT before anything else: a typo never reaches a bound socket.
-        let spec = std::env::var("IM_FAULT").unwrap_or_default();
-        match faults::install(&spec) {
-            Ok(armed) if !armed.is_empty() => {
-                eprintln!("im-gateway: fault points armed: {spec}");
-            }
-            Ok(_) => {}
-            Err(e) => {
-                eprintln!("im-gateway: {e}");
-                return ExitCode::from(2);
-            }
-        }
-        if let Err(e) = im_gateway::fault_control::validate(
-            std::env::var(im_gateway::fault_control::ENV)
-                .ok()
-                .as_deref(),
-        ) {
+        if let Err(e) = arm() {
             eprintln!("im-gateway: {e}");
             return ExitCode::from(2);
-        }
-        // Then IM_BUG (the controls build's deliberate bugs), also before any connection.
-        match bugs::install(&std::env::var("IM_BUG").unwrap_or_default()) {
-            Ok(Some(bug)) => eprintln!("deliberate bug active: {bug}"),
-            Ok(None) => {}
-            Err(e) => {
-                eprintln!("im-gateway: {e}");
-                return ExitCode::from(2);
-            }
         }
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -195,6 +153,47 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The commands that only print (`version`, `bugs`, `faults`): their exit code.
+fn answer_at_once(cmd: &Cmd) -> Option<ExitCode> {
+    match cmd {
+        Cmd::Version => println!("{}", version_line()),
+        Cmd::Bugs => {
+            for bug in Bug::ALL {
+                println!("{:<20} {}", bug.name(), bug.describe());
+            }
+            if !bugs::ENABLED {
+                eprintln!("im-gateway: this build has no `bugs` feature: IM_BUG is refused");
+            }
+        }
+        Cmd::Faults => print_faults(),
+        Cmd::Serve | Cmd::Migrate | Cmd::Admin(_) => return None,
+    }
+    Some(ExitCode::SUCCESS)
+}
+
+/// Arms what `serve` is asked to arm, before anything else (a typo never reaches a bound
+/// socket): IM_FAULT's fault points (announced on stderr), the fault-control variable,
+/// then IM_BUG (the controls build's deliberate bugs).
+fn arm() -> Result<(), String> {
+    let spec = std::env::var("IM_FAULT").unwrap_or_default();
+    let armed = faults::install(&spec).map_err(|e| e.to_string())?;
+    if !armed.is_empty() {
+        eprintln!("im-gateway: fault points armed: {spec}");
+    }
+    im_gateway::fault_control::validate(
+        std::env::var(im_gateway::fault_control::ENV)
+            .ok()
+            .as_deref(),
+    )
+    .map_err(|e| e.to_string())?;
+    if let Some(bug) =
+        bugs::install(&std::env::var("IM_BUG").unwrap_or_default()).map_err(|e| e.to_string())?
+    {
+        eprintln!("deliberate bug active: {bug}");
+    }
+    Ok(())
 }
 
 fn print_faults() {
