@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::delivery::{Hinted, NextPage, Pushed};
+use super::transport::Received;
 use super::{bugs, ClientError, CrashAt, Inner, State, SYNC_PAGES_MAX};
 use im_check::history::{Invoke, Line, Store, Via};
 use im_protocol::wire::{Event, HintWhy, Reply, Request};
@@ -25,6 +26,19 @@ pub(super) enum EpochSeen {
     Moved,
     /// An older one: the frame was read before the move; ignore what it carries.
     Stale,
+}
+
+/// What [`Inner::apply_page`] made of a sync page.
+enum Applied {
+    /// The epoch moved, or the page was read under another: sync again from 0.
+    Restart,
+    /// The page was applied: what to ask next, and what it stored (still to persist when
+    /// `defer_persist`, the `ack-before-persist` client bug).
+    Page {
+        next: NextPage,
+        stored: Vec<(i64, Value)>,
+        defer_persist: bool,
+    },
 }
 
 impl Inner {
@@ -223,26 +237,8 @@ impl Inner {
             // Issue 21: the epoch this page is asked under. Another path (a `subbed`, a push)
             // may move it while the page is on its way: the page's `after` then belongs to
             // what was discarded, and the sync starts again from 0.
-            let asked_under = self.lock().file.convs.get(conv).and_then(|c| c.epoch);
-            let reply = match self
-                .request(
-                    Request::Sync {
-                        conv: conv.to_string(),
-                        after,
-                        limit: Some(limit),
-                    },
-                    timeout,
-                )
-                .await
-            {
-                Ok(r) => r,
-                Err(e) => {
-                    let mut st = self.lock();
-                    st.stats.syncs_run += 1;
-                    st.stats.sync_errors += 1;
-                    return Err(e);
-                }
-            };
+            let asked_under = self.epoch_of(conv);
+            let reply = self.ask_page(conv, after, limit, timeout).await?;
             let Some(Reply::Synced {
                 events,
                 head,
@@ -250,84 +246,21 @@ impl Inner {
                 ..
             }) = reply.reply()
             else {
-                let mut st = self.lock();
-                st.stats.syncs_run += 1;
-                st.stats.sync_errors += 1;
-                st.stats.malformed_frames += 1;
-                let why = match &reply.frame {
-                    Err(e) => e.to_string(),
-                    Ok(_) => "not a `synced` frame".into(),
-                };
-                return Err(ClientError::Other(anyhow!(
-                    "malformed synced reply ({why}): {}",
-                    reply.value
-                )));
+                unreachable!("ask_page returns only `synced` replies");
             };
-            let (head, complete) = (*head, *complete);
-            let mut stored: Vec<(i64, Value)> = Vec::new();
-            let mut defer_persist = false;
-            let next;
-            let persisted = {
-                let mut st = self.lock();
-                let st = &mut *st;
-                st.stats.syncs_run += 1;
-                st.note_head(conv, head);
-                if st.file.convs.get(conv).and_then(|c| c.epoch) != asked_under {
-                    after = st.delivery.sync_begin(conv, 0);
-                    continue;
-                }
-                let mut page: Vec<(i64, &Event)> = Vec::with_capacity(events.len());
-                let mut seen = EpochSeen::Same;
-                for ev in events {
-                    if ev.conv != conv {
-                        st.stats.malformed_frames += 1;
-                        continue;
-                    }
-                    match self.see_epoch(st, conv, ev.epoch) {
-                        EpochSeen::Same => page.push((ev.seq, ev)),
-                        s => seen = s,
-                    }
-                }
-                if seen != EpochSeen::Same {
-                    // The epoch moved (what was held is gone: start again from 0), or the
-                    // page was read before a move (ask again from the cursor).
-                    after = st.delivery.sync_begin(conv, 0);
-                    continue;
-                }
-                let seqs: Vec<i64> = page.iter().map(|(s, _)| *s).collect();
-                let c = st.file.convs.entry(conv.to_string()).or_default();
-                let outcome = st
-                    .delivery
-                    .synced(conv, &seqs, head, complete, |s| c.events.contains_key(&s));
-                st.stats.duplicates_ignored += outcome.duplicates as u64;
-                for i in outcome.new {
-                    let (seq, ev) = page[i];
-                    c.events.insert(seq, ev.to_json());
-                    st.stats.events_synced += 1;
-                    stored.push((seq, Value::String(ev.mid.clone())));
-                }
-                next = outcome.next;
-                let cursor = st.cursor(conv);
-                if st.bug(bugs::ACK_BEFORE_PERSIST) && !stored.is_empty() {
-                    defer_persist = true;
-                    Ok(())
-                } else {
-                    let r = self.persist(st);
-                    if r.is_ok() {
-                        self.rec_store(conv, Via::Sync, &stored, cursor);
-                        st.sync_pages_done += 1;
-                        let n = st.sync_pages_done;
-                        if self.crash_point(st, CrashAt::AfterSyncPage(n)) {
-                            return Err(ClientError::Disconnected);
-                        }
-                    }
-                    r
-                }
-            };
+            let applied = self.apply_page(conv, asked_under, events, *head, *complete);
             self.notify();
-            if let Err(e) = persisted {
-                return Err(ClientError::Other(e));
-            }
+            let (next, stored, defer_persist) = match applied? {
+                Applied::Restart => {
+                    after = self.lock().delivery.sync_begin(conv, 0);
+                    continue;
+                }
+                Applied::Page {
+                    next,
+                    stored,
+                    defer_persist,
+                } => (next, stored, defer_persist),
+            };
             if defer_persist {
                 self.ack_then_persist(conv, Via::Sync, stored).await;
                 if self.lock().dead {
@@ -355,6 +288,116 @@ impl Inner {
         Err(ClientError::Other(anyhow!(
             "sync of {conv} did not complete within {SYNC_PAGES_MAX} pages"
         )))
+    }
+
+    /// Asks for the page of `conv` after `after`: a `synced` reply, or the error (counted;
+    /// a reply that is not `synced` is malformed).
+    async fn ask_page(
+        &self,
+        conv: &str,
+        after: i64,
+        limit: i64,
+        timeout: Duration,
+    ) -> Result<Received, ClientError> {
+        let request = Request::Sync {
+            conv: conv.to_string(),
+            after,
+            limit: Some(limit),
+        };
+        let r = self.request(request, timeout).await;
+        let mut st = self.lock();
+        let reply = match r {
+            Ok(reply) if matches!(reply.reply(), Some(Reply::Synced { .. })) => return Ok(reply),
+            Ok(reply) => reply,
+            Err(e) => {
+                st.stats.syncs_run += 1;
+                st.stats.sync_errors += 1;
+                return Err(e);
+            }
+        };
+        st.stats.syncs_run += 1;
+        st.stats.sync_errors += 1;
+        st.stats.malformed_frames += 1;
+        let why = match &reply.frame {
+            Err(e) => e.to_string(),
+            Ok(_) => "not a `synced` frame".into(),
+        };
+        Err(ClientError::Other(anyhow!(
+            "malformed synced reply ({why}): {}",
+            reply.value
+        )))
+    }
+
+    /// Stores what a page asked under epoch `asked_under` holds that is new (D3: the
+    /// delivery core moves the cursor only over stored events) and persists it, unless the
+    /// epoch moved meanwhile or the page names another (then the sync starts again from
+    /// 0, [`Applied::Restart`]).
+    fn apply_page(
+        &self,
+        conv: &str,
+        asked_under: Option<i64>,
+        events: &[Event],
+        head: i64,
+        complete: bool,
+    ) -> Result<Applied, ClientError> {
+        let mut st = self.lock();
+        let st = &mut *st;
+        st.stats.syncs_run += 1;
+        st.note_head(conv, head);
+        if !st.still_under(conv, asked_under) {
+            return Ok(Applied::Restart);
+        }
+        let mut page: Vec<(i64, &Event)> = Vec::with_capacity(events.len());
+        let mut seen = EpochSeen::Same;
+        for ev in events {
+            if ev.conv != conv {
+                st.stats.malformed_frames += 1;
+                continue;
+            }
+            match self.see_epoch(st, conv, ev.epoch) {
+                EpochSeen::Same => page.push((ev.seq, ev)),
+                s => seen = s,
+            }
+        }
+        if seen != EpochSeen::Same {
+            // The epoch moved (what was held is gone: start again from 0), or the page was
+            // read before a move (ask again).
+            return Ok(Applied::Restart);
+        }
+        let seqs: Vec<i64> = page.iter().map(|(s, _)| *s).collect();
+        let c = st.file.convs.entry(conv.to_string()).or_default();
+        let outcome = st
+            .delivery
+            .synced(conv, &seqs, head, complete, |s| c.events.contains_key(&s));
+        st.stats.duplicates_ignored += outcome.duplicates as u64;
+        let mut stored: Vec<(i64, Value)> = Vec::new();
+        for i in outcome.new {
+            let (seq, ev) = page[i];
+            c.events.insert(seq, ev.to_json());
+            st.stats.events_synced += 1;
+            stored.push((seq, Value::String(ev.mid.clone())));
+        }
+        let next = outcome.next;
+        let cursor = st.cursor(conv);
+        if st.bug(bugs::ACK_BEFORE_PERSIST) && !stored.is_empty() {
+            return Ok(Applied::Page {
+                next,
+                stored,
+                defer_persist: true,
+            });
+        }
+        self.persist(st).map_err(ClientError::Other)?;
+        self.rec_store(conv, Via::Sync, &stored, cursor);
+        st.sync_pages_done += 1;
+        let n = st.sync_pages_done;
+        if self.crash_point(st, CrashAt::AfterSyncPage(n)) {
+            return Err(ClientError::Disconnected);
+        }
+        Ok(Applied::Page {
+            next,
+            stored,
+            defer_persist: false,
+        })
     }
 
     /// Acks the cursor of `conv` now if it is above what the server has (the delivery
