@@ -85,89 +85,25 @@ pub async fn shrink<F, Fut>(
     original: &Schedule,
     kinds: &BTreeSet<String>,
     opts: ShrinkOpts,
-    mut run: F,
+    run: F,
 ) -> Shrunk
 where
     F: FnMut(Schedule) -> Fut,
     Fut: Future<Output = BTreeSet<String>>,
 {
-    let mut best = original.clone();
-    let mut runs = 0u32;
-    // Whether any run failed with one of `kinds` (a candidate kept, or the original).
-    let mut reproduced = false;
-    let mut attempts = Vec::new();
-    // Whether `cand` still fails, within the budget (None: budget spent).
-    let mut still_fails = async |cand: &Schedule, runs: &mut u32, attempts: &mut Vec<Value>| {
-        let mut failed = false;
-        let mut tried = 0;
-        for _ in 0..opts.reps {
-            if *runs >= opts.max_runs {
-                break;
-            }
-            *runs += 1;
-            tried += 1;
-            let seen = run(cand.clone()).await;
-            if seen.iter().any(|k| kinds.contains(k)) {
-                failed = true;
-                break;
-            }
-        }
-        attempts.push(json!({
-            "faults": cand.faults.iter().map(|f| f.id).collect::<Vec<_>>(),
-            "membership_changes": cand.workload.membership.len(),
-            "duration_ms": cand.options.duration_ms,
-            "runs": tried,
-            "still_fails": failed,
-        }));
-        if tried == 0 {
-            None
-        } else {
-            Some(failed)
-        }
+    let mut s = Shrinker {
+        run,
+        kinds,
+        opts,
+        runs: 0,
+        attempts: Vec::new(),
     };
-
-    // 1. Faults, by delta debugging (ddmin's complement step).
-    let mut n = 2usize;
-    let mut budget_out = false;
-    'dd: while !best.faults.is_empty() {
-        let len = best.faults.len();
-        let n_eff = n.min(len);
-        let chunk = len.div_ceil(n_eff);
-        let mut reduced = false;
-        for c in 0..n_eff {
-            let lo = c * chunk;
-            if lo >= len {
-                break;
-            }
-            let hi = (lo + chunk).min(len);
-            let mut cand = best.clone();
-            cand.faults.drain(lo..hi);
-            match still_fails(&cand, &mut runs, &mut attempts).await {
-                None => {
-                    budget_out = true;
-                    break 'dd;
-                }
-                Some(true) => {
-                    reproduced = true;
-                    best = cand;
-                    n = (n_eff - 1).max(2);
-                    reduced = true;
-                    break;
-                }
-                Some(false) => {}
-            }
-        }
-        if !reduced {
-            if n_eff >= len {
-                break; // every single fault was tried: 1-minimal
-            }
-            n = (n_eff * 2).min(len);
-        }
-    }
+    // 1. Faults, by delta debugging.
+    let (mut best, mut budget_out, mut reproduced) = s.ddmin(original.clone()).await;
     // No candidate failed: every removal passed, or there was nothing to remove. Only a
     // failing run of the schedule itself makes it 1-minimal rather than unreproduced.
     if !budget_out && !reproduced {
-        match still_fails(&best, &mut runs, &mut attempts).await {
+        match s.still_fails(&best).await {
             None => budget_out = true,
             Some(r) => reproduced = r,
         }
@@ -179,34 +115,18 @@ where
     } else {
         Finding::NotReproduced
     };
-    if finding == Finding::NotReproduced {
-        // Nothing failed again: shortening or dropping membership would prove nothing.
-        budget_out = true;
-    }
-
-    // 2. Membership changes, all at once.
-    if !budget_out && !best.workload.membership.is_empty() {
-        let mut cand = best.clone();
-        cand.workload.membership.clear();
-        if still_fails(&cand, &mut runs, &mut attempts).await == Some(true) {
-            best = cand;
+    // Nothing failed again: shortening or dropping membership would prove nothing.
+    if !budget_out && finding != Finding::NotReproduced {
+        // 2. Membership changes, all at once.
+        if !best.workload.membership.is_empty() {
+            let mut cand = best.clone();
+            cand.workload.membership.clear();
+            if s.still_fails(&cand).await == Some(true) {
+                best = cand;
+            }
         }
-    }
-    // 3. A shorter workload: halve while it still fails, never cutting a fault off.
-    while !budget_out {
-        budget_out = runs >= opts.max_runs;
-        let last = best.faults.iter().map(|f| f.end_ms).max().unwrap_or(0);
-        let target = (best.options.duration_ms / 2).max(last + 300).max(1000);
-        if target >= best.options.duration_ms {
-            break;
-        }
-        let mut cand = best.clone();
-        cand.options.duration_ms = target;
-        cand.workload.membership.retain(|m| m.at_ms < target);
-        match still_fails(&cand, &mut runs, &mut attempts).await {
-            Some(true) => best = cand,
-            _ => break,
-        }
+        // 3. A shorter workload.
+        best = s.shorten(best).await;
     }
     let repro = match best.faults.as_slice() {
         [f] => f
@@ -219,9 +139,110 @@ where
         minimal: best,
         one_minimal: finding == Finding::OneMinimal,
         finding,
-        runs,
-        attempts,
+        runs: s.runs,
+        attempts: s.attempts,
         repro,
+    }
+}
+
+/// A shrink under way: the runner, what counts as failing again, the budget, and every
+/// candidate tried.
+struct Shrinker<'a, F> {
+    run: F,
+    kinds: &'a BTreeSet<String>,
+    opts: ShrinkOpts,
+    runs: u32,
+    attempts: Vec<Value>,
+}
+
+impl<F, Fut> Shrinker<'_, F>
+where
+    F: FnMut(Schedule) -> Fut,
+    Fut: Future<Output = BTreeSet<String>>,
+{
+    /// Whether `cand` still fails (one of `kinds` in up to `reps` runs), within the budget
+    /// (None: the budget was spent before it ran at all).
+    async fn still_fails(&mut self, cand: &Schedule) -> Option<bool> {
+        let mut failed = false;
+        let mut tried = 0;
+        for _ in 0..self.opts.reps {
+            if self.runs >= self.opts.max_runs {
+                break;
+            }
+            self.runs += 1;
+            tried += 1;
+            let seen = (self.run)(cand.clone()).await;
+            if seen.iter().any(|k| self.kinds.contains(k)) {
+                failed = true;
+                break;
+            }
+        }
+        self.attempts.push(json!({
+            "faults": cand.faults.iter().map(|f| f.id).collect::<Vec<_>>(),
+            "membership_changes": cand.workload.membership.len(),
+            "duration_ms": cand.options.duration_ms,
+            "runs": tried,
+            "still_fails": failed,
+        }));
+        (tried > 0).then_some(failed)
+    }
+
+    /// The faults by delta debugging (ddmin's complement step): the smallest schedule
+    /// found, whether the budget ran out, and whether any candidate failed again.
+    async fn ddmin(&mut self, mut best: Schedule) -> (Schedule, bool, bool) {
+        let (mut n, mut reproduced) = (2usize, false);
+        while !best.faults.is_empty() {
+            let len = best.faults.len();
+            let n_eff = n.min(len);
+            let chunk = len.div_ceil(n_eff);
+            let mut reduced = false;
+            for c in 0..n_eff {
+                let lo = c * chunk;
+                if lo >= len {
+                    break;
+                }
+                let hi = (lo + chunk).min(len);
+                let mut cand = best.clone();
+                cand.faults.drain(lo..hi);
+                match self.still_fails(&cand).await {
+                    None => return (best, true, reproduced),
+                    Some(true) => {
+                        reproduced = true;
+                        best = cand;
+                        n = (n_eff - 1).max(2);
+                        reduced = true;
+                        break;
+                    }
+                    Some(false) => {}
+                }
+            }
+            if !reduced {
+                if n_eff >= len {
+                    break; // every single fault was tried: 1-minimal
+                }
+                n = (n_eff * 2).min(len);
+            }
+        }
+        (best, false, reproduced)
+    }
+
+    /// Halves the workload while it still fails, never cutting a fault off.
+    async fn shorten(&mut self, mut best: Schedule) -> Schedule {
+        while self.runs < self.opts.max_runs {
+            let last = best.faults.iter().map(|f| f.end_ms).max().unwrap_or(0);
+            let target = (best.options.duration_ms / 2).max(last + 300).max(1000);
+            if target >= best.options.duration_ms {
+                break;
+            }
+            let mut cand = best.clone();
+            cand.options.duration_ms = target;
+            cand.workload.membership.retain(|m| m.at_ms < target);
+            match self.still_fails(&cand).await {
+                Some(true) => best = cand,
+                _ => break,
+            }
+        }
+        best
     }
 }
 
