@@ -435,9 +435,46 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
     let mut root = Rng::new(seed);
     let mut wr = root.fork(1);
     let mut fr = root.fork(2);
+    // The workload's draws, in this order, from `wr`.
+    let users = draw_users(&mut wr, opts);
+    let names: Vec<String> = users.iter().map(|u| u.name.clone()).collect();
+    let convs = draw_convs(&mut wr, &names, opts);
+    let membership = draw_membership(&mut wr, &convs, &names, opts);
+    let device_seeds = users
+        .iter()
+        .flat_map(|u| u.devices.iter())
+        .map(|d| (d.clone(), wr.next_u64()))
+        .collect();
+    let devices: Vec<String> = users.iter().flat_map(|u| u.devices.clone()).collect();
+    let (lazy_acks, stale_acks) = draw_ackers(&mut root, &devices);
+    let on = Targets {
+        devices: &devices,
+        gateways: opts.gateways,
+    };
+    let mut faults = draw_faults::<FaultKind>(&mut fr, opts, &on)?;
+    faults.sort_by_key(|f| (f.at_ms, f.id));
+    let s = Schedule {
+        version: SCHEDULE_VERSION,
+        generator: GENERATOR_VERSION,
+        seed,
+        options: opts.clone(),
+        workload: Workload {
+            users,
+            convs,
+            membership,
+            device_seeds,
+            lazy_acks,
+            stale_acks,
+        },
+        faults,
+    };
+    s.validate()?;
+    Ok(s)
+}
 
-    // Workload: users with one or two devices; conversations of 2 to 5 members.
-    let users: Vec<User> = (1..=opts.users)
+/// Users with one or two devices.
+fn draw_users(wr: &mut Rng, opts: &Options) -> Vec<User> {
+    (1..=opts.users)
         .map(|u| {
             let n = if wr.chance(1, 2) { 2 } else { 1 };
             User {
@@ -445,12 +482,15 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
                 devices: (1..=n).map(|d| format!("u{u}d{d}")).collect(),
             }
         })
-        .collect();
-    let names: Vec<String> = users.iter().map(|u| u.name.clone()).collect();
+        .collect()
+}
+
+/// Conversations of 2 to 5 of the users `names`.
+fn draw_convs(wr: &mut Rng, names: &[String], opts: &Options) -> Vec<Conv> {
     let mut convs = Vec::new();
     for c in 1..=opts.convs {
         let size = wr.range(2, 5.min(names.len() as u64)) as usize;
-        let mut pool = names.clone();
+        let mut pool = names.to_vec();
         let mut members = Vec::new();
         while members.len() < size {
             let i = wr.range(0, pool.len() as u64 - 1) as usize;
@@ -462,7 +502,16 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
             members,
         });
     }
-    // Membership changes, in time order, against the membership as it will be.
+    convs
+}
+
+/// Membership changes (join, leave), in time order, against the membership as it will be.
+fn draw_membership(
+    wr: &mut Rng,
+    convs: &[Conv],
+    names: &[String],
+    opts: &Options,
+) -> Vec<Membership> {
     let mut current: Vec<Vec<String>> = convs.iter().map(|c| c.members.clone()).collect();
     let mut times: Vec<u64> = (0..opts.membership_changes)
         .map(|_| wr.range(opts.duration_ms / 10, opts.duration_ms * 9 / 10))
@@ -498,24 +547,22 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
             });
         }
     }
-    let device_seeds = users
-        .iter()
-        .flat_map(|u| u.devices.iter())
-        .map(|d| (d.clone(), wr.next_u64()))
-        .collect();
-    let devices: Vec<String> = users.iter().flat_map(|u| u.devices.clone()).collect();
-    // One lazy acker per schedule, from a stream of its own (the other draws are as they
-    // were before it).
+    membership
+}
+
+/// One lazy acker and one stale acker (not the lazy one, whose cursor seldom moves), each
+/// from a stream of its own (forks 3 and 4 of `root`: the other draws are as they were
+/// before them).
+fn draw_ackers(root: &mut Rng, devices: &[String]) -> (Vec<LazyAck>, Vec<StaleAck>) {
     let mut lr = root.fork(3);
     let lazy_acks = if devices.is_empty() {
         Vec::new()
     } else {
         vec![LazyAck {
-            device: lr.pick(&devices).clone(),
+            device: lr.pick(devices).clone(),
             after_ms: lr.range(5000, 10_000),
         }]
     };
-    // One stale acker, not the lazy one (whose cursor seldom moves), from a stream of its own.
     let mut sr = root.fork(4);
     let eager: Vec<&String> = devices
         .iter()
@@ -529,30 +576,7 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
             one_in: STALE_ACK_ONE_IN,
         }]
     };
-
-    let on = Targets {
-        devices: &devices,
-        gateways: opts.gateways,
-    };
-    let mut faults = draw_faults::<FaultKind>(&mut fr, opts, &on)?;
-    faults.sort_by_key(|f| (f.at_ms, f.id));
-    let s = Schedule {
-        version: SCHEDULE_VERSION,
-        generator: GENERATOR_VERSION,
-        seed,
-        options: opts.clone(),
-        workload: Workload {
-            users,
-            convs,
-            membership,
-            device_seeds,
-            lazy_acks,
-            stale_acks,
-        },
-        faults,
-    };
-    s.validate()?;
-    Ok(s)
+    (lazy_acks, stale_acks)
 }
 
 /// The kinds `opts.kinds` names (all when empty), in the registry's draw order; an unknown
