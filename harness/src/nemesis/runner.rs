@@ -761,53 +761,16 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
         if sending && !convs.is_empty() {
             n += 1;
         }
-        let (settled2, ws_url, shared2) = (&settled, &shared.ws_url, &shared);
-        let step = async move {
-            if !c.is_connected() || !c.is_subscribed() {
-                settled2.store(false, Ordering::SeqCst);
-                // Connected but no longer subscribed: a sync after an epoch move failed
-                // (issue 21), and `sub` syncs it again.
-                if !c.is_connected() {
-                    c.connect(ws_url).await?;
-                }
-                c.sub().await?;
-            }
-            if !c.outbox().is_empty() {
-                settled2.store(false, Ordering::SeqCst);
-                for r in c.replay_outbox(REQUEST_TIMEOUT).await {
-                    if let Err(e) = r {
-                        if !e.is_terminal_for_send() {
-                            return Err(e);
-                        }
-                    }
-                }
-                return Ok(());
-            }
-            if sending {
-                if !convs.is_empty() {
-                    let conv = &convs[(pick % convs.len() as u64) as usize];
-                    let cmid = format!("{device}-{n}", device = c.device());
-                    match c.send(conv, &cmid, &format!("m{n}"), REQUEST_TIMEOUT).await {
-                        Ok(_) => {}
-                        Err(e) if e.is_terminal_for_send() => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-                if stale_ack {
-                    stale_ack_once(c, &convs, stale_pick).await?;
-                }
-            } else {
-                settled2.store(
-                    c.is_connected()
-                        && c.is_subscribed()
-                        && c.outbox().is_empty()
-                        && shared2.epochs_known(c),
-                    Ordering::SeqCst,
-                );
-            }
-            tokio::time::sleep(think).await;
-            Ok::<(), ClientError>(())
+        let turn = Turn {
+            think,
+            pick,
+            n,
+            convs,
+            sending,
+            stale_ack,
+            stale_pick,
         };
+        let step = device_turn(c, turn, &settled, &shared);
         let failed = tokio::select! {
             r = step => r.is_err(),
             _ = crashed.changed() => false,
@@ -819,6 +782,79 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
             tokio::time::sleep(Duration::from_millis(50 + rng.range(0, 150))).await;
         }
     }
+}
+
+/// What one turn of a device's loop was drawn to do.
+struct Turn {
+    think: Duration,
+    /// Which of `convs` to send to.
+    pick: u64,
+    /// The device's send count (its next cmid).
+    n: u64,
+    /// The user's conversations now.
+    convs: Vec<String>,
+    /// False from the heal on: replay the outbox and report whether settled instead.
+    sending: bool,
+    stale_ack: bool,
+    stale_pick: u64,
+}
+
+/// One turn of a device: reconnect and `sub` if needed, replay the outbox if it holds
+/// anything, else send (and, for the stale acker, sometimes ack an old seq) or, after the
+/// heal, report whether it is settled; then think.
+async fn device_turn(
+    c: &mut Client,
+    t: Turn,
+    settled: &AtomicBool,
+    shared: &Shared,
+) -> Result<(), ClientError> {
+    if !c.is_connected() || !c.is_subscribed() {
+        settled.store(false, Ordering::SeqCst);
+        // Connected but no longer subscribed: a sync after an epoch move failed (issue 21),
+        // and `sub` syncs it again.
+        if !c.is_connected() {
+            c.connect(&shared.ws_url).await?;
+        }
+        c.sub().await?;
+    }
+    if !c.outbox().is_empty() {
+        settled.store(false, Ordering::SeqCst);
+        for r in c.replay_outbox(REQUEST_TIMEOUT).await {
+            if let Err(e) = r {
+                if !e.is_terminal_for_send() {
+                    return Err(e);
+                }
+            }
+        }
+        return Ok(());
+    }
+    if t.sending {
+        if !t.convs.is_empty() {
+            let conv = &t.convs[(t.pick % t.convs.len() as u64) as usize];
+            let cmid = format!("{device}-{n}", device = c.device(), n = t.n);
+            match c
+                .send(conv, &cmid, &format!("m{}", t.n), REQUEST_TIMEOUT)
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if e.is_terminal_for_send() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if t.stale_ack {
+            stale_ack_once(c, &t.convs, t.stale_pick).await?;
+        }
+    } else {
+        settled.store(
+            c.is_connected()
+                && c.is_subscribed()
+                && c.outbox().is_empty()
+                && shared.epochs_known(c),
+            Ordering::SeqCst,
+        );
+    }
+    tokio::time::sleep(t.think).await;
+    Ok(())
 }
 
 /// A stale acker's old ack (issue 42, [`super::schedule::StaleAck`]): an explicit ack of a
