@@ -115,48 +115,8 @@ async fn run_inner(
         .prefix("imfault-nemesis-")
         .tempdir()
         .context("make the control socket directory")?;
-    // Each gateway's options: the same but for its control socket.
-    let gateways: Vec<Started> = (0..schedule.options.gateways.max(1))
-        .map(|i| {
-            let control = match i {
-                0 => sock_dir.path().join("fault.sock"),
-                _ => sock_dir.path().join(format!("fault-{i}.sock")),
-            };
-            let opts = GatewayOpts {
-                sweep_ms: Some(schedule.options.sweep_ms),
-                db_timeout_ms: Some(GW_DB_TIMEOUT_MS),
-                env: vec![(
-                    "IM_FAULT_CONTROL".to_string(),
-                    control.to_string_lossy().to_string(),
-                )],
-                ..Default::default()
-            };
-            Started { opts, control }
-        })
-        .collect();
-    if gateways.len() > 1 {
-        crate::balancer::haproxy_bin()
-            .map_err(|why| anyhow::anyhow!("--gateways {}: {why}", gateways.len()))?;
-    }
-    if schedule.needs_lazyfs() {
-        crate::lazyfs::LazyFs::available().map_err(|why| {
-            let kinds: std::collections::BTreeSet<&str> = schedule
-                .faults
-                .iter()
-                .filter(|f| f.kind.needs_lazyfs())
-                .map(|f| f.kind.name())
-                .collect();
-            anyhow::anyhow!(
-                "the schedule's {} fault(s) need the LazyFS layer: {why}",
-                kinds.into_iter().collect::<Vec<_>>().join(", ")
-            )
-        })?;
-    }
-    if schedule.needs_formation() {
-        crate::autofailover::available().map_err(|why| {
-            anyhow::anyhow!("the schedule's pg_auto_failover fault(s) need pg_autoctl: {why}")
-        })?;
-    }
+    let gateways = gateway_options(schedule, sock_dir.path());
+    check_needs(schedule, gateways.len())?;
     let mut w = World::start_with(
         WorldOpts {
             db_proxy: true,
@@ -179,7 +139,66 @@ async fn run_inner(
     )
     .await?;
     let result = drive(&mut w, schedule, gateways, repeat, t0, log).await;
-    // The artefacts, whatever happened.
+    let passed = result.as_ref().is_ok_and(|o| o.verdict.is_pass());
+    keep_artefacts(&w, dir, passed)?;
+    result
+}
+
+/// Each gateway's options: the same but for its control socket (in `sock_dir`).
+fn gateway_options(schedule: &Schedule, sock_dir: &Path) -> Vec<Started> {
+    (0..schedule.options.gateways.max(1))
+        .map(|i| {
+            let control = match i {
+                0 => sock_dir.join("fault.sock"),
+                _ => sock_dir.join(format!("fault-{i}.sock")),
+            };
+            let opts = GatewayOpts {
+                sweep_ms: Some(schedule.options.sweep_ms),
+                db_timeout_ms: Some(GW_DB_TIMEOUT_MS),
+                env: vec![(
+                    "IM_FAULT_CONTROL".to_string(),
+                    control.to_string_lossy().to_string(),
+                )],
+                ..Default::default()
+            };
+            Started { opts, control }
+        })
+        .collect()
+}
+
+/// Refuses, before anything starts, a schedule this machine cannot run: several gateways
+/// need haproxy, LazyFS faults the LazyFS layer, pg_auto_failover faults pg_autoctl.
+fn check_needs(schedule: &Schedule, gateways: usize) -> anyhow::Result<()> {
+    if gateways > 1 {
+        crate::balancer::haproxy_bin()
+            .map_err(|why| anyhow::anyhow!("--gateways {gateways}: {why}"))?;
+    }
+    if schedule.needs_lazyfs() {
+        crate::lazyfs::LazyFs::available().map_err(|why| {
+            let kinds: std::collections::BTreeSet<&str> = schedule
+                .faults
+                .iter()
+                .filter(|f| f.kind.needs_lazyfs())
+                .map(|f| f.kind.name())
+                .collect();
+            anyhow::anyhow!(
+                "the schedule's {} fault(s) need the LazyFS layer: {why}",
+                kinds.into_iter().collect::<Vec<_>>().join(", ")
+            )
+        })?;
+    }
+    if schedule.needs_formation() {
+        crate::autofailover::available().map_err(|why| {
+            anyhow::anyhow!("the schedule's pg_auto_failover fault(s) need pg_autoctl: {why}")
+        })?;
+    }
+    Ok(())
+}
+
+/// The run's artefacts into `dir`, whatever happened: the history, final read and report,
+/// the gateways' logs, and when the run did not pass the server's log and a formation's
+/// node logs (why a restart failed).
+fn keep_artefacts(w: &World, dir: &Path, passed: bool) -> anyhow::Result<()> {
     let work = w.work_dir().to_path_buf();
     for name in ["history.jsonl", "final.json", "report.json"] {
         let from = work.join(name);
@@ -193,16 +212,13 @@ async fn run_inner(
     if let Ok(entries) = std::fs::read_dir(w.log_dir()) {
         for e in entries.flatten() {
             let name = e.file_name();
-            // The server's log too when the run did not pass: why a restart failed.
-            let failed = !result.as_ref().is_ok_and(|o| o.verdict.is_pass());
             let name_s = name.to_string_lossy();
-            if name_s.starts_with("gateway-") || (failed && name_s == "postgres.log") {
+            if name_s.starts_with("gateway-") || (!passed && name_s == "postgres.log") {
                 let _ = std::fs::copy(e.path(), logs.join(&name));
             }
         }
     }
-    // A formation's node logs (pg_autoctl and its PostgreSQL) when the run did not pass.
-    if !result.as_ref().is_ok_and(|o| o.verdict.is_pass()) {
+    if !passed {
         if let Some(Ok(entries)) = w.formation_log_dir().map(std::fs::read_dir) {
             for e in entries.flatten() {
                 let to = logs.join(format!("formation-{}", e.file_name().to_string_lossy()));
@@ -210,7 +226,7 @@ async fn run_inner(
             }
         }
     }
-    result
+    Ok(())
 }
 
 /// The faulty phase, the heal and the judgement.
