@@ -176,16 +176,10 @@ async fn lane_trials(run: LaneRun) -> Vec<Trial> {
 }
 
 /// `imfault-bench repair-child …`: the whole part, against its own cluster.
-pub async fn child_main(args: ChildArgs) -> anyhow::Result<()> {
-    if std::env::var_os("IM_GATEWAY_BIN").is_none() {
-        bail!("repair-child needs IM_GATEWAY_BIN (the gateway built with faults)");
-    }
-    tokio::task::spawn_blocking(harness::gateway::require_faults)
-        .await
-        .context("join the faults check")??;
-    let cluster = harness::pg::Cluster::start_migrated().await?;
-    let pool = cluster.pool().await?;
-    let lanes: Vec<Lane> = (0..args.lanes)
+/// The lanes: conversation rp-c{l} of sender rp-s{l} and receiver rp-r{l}, one device
+/// each, provisioned.
+async fn provision_lanes(pool: &sqlx::PgPool, n: usize) -> anyhow::Result<Vec<Lane>> {
+    let lanes: Vec<Lane> = (0..n)
         .map(|l| Lane {
             conv: format!("rp-c{l}"),
             sender: Device::new(format!("rp-s{l}-d"), &format!("rp-s{l}")),
@@ -209,7 +203,91 @@ pub async fn child_main(args: ChildArgs) -> anyhow::Result<()> {
             )
         })
         .collect();
-    provision::world(&pool, &users, &devices, &world).await?;
+    provision::world(pool, &users, &devices, &world).await?;
+    Ok(lanes)
+}
+
+/// `trials` lost pushes spread over the lanes, on a gateway that drops every push and
+/// sweeps every `interval` ms: each trial, the pushes the receivers got, and every sync's
+/// round trip (µs).
+async fn interval_trials(
+    cluster: &harness::pg::Cluster,
+    lanes: &[Lane],
+    args: &ChildArgs,
+    interval: u64,
+    trials: usize,
+    acked: &Arc<Mutex<Vec<(String, String)>>>,
+) -> anyhow::Result<(Vec<Trial>, u64, Vec<i64>)> {
+    let opts = harness::gateway::GatewayOpts {
+        fault: Some(FAULT.into()),
+        sweep_ms: Some(interval),
+        ..Default::default()
+    };
+    let mut gw =
+        harness::gateway::Gateway::start(&cluster.url(), &opts, &cluster.log_dir()).await?;
+    let url = gw.ws_url();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+    let mut logs = Vec::new();
+    for (l, lane) in lanes.iter().enumerate() {
+        let mut rws = wire::open(&url, &lane.receiver.id, &lane.receiver.token).await?;
+        let states = wire::sub(&mut rws).await?;
+        let start = states.iter().map(|s| s.head).max().unwrap_or(0);
+        let log = Arc::new(Mutex::new(RecvLog::default()));
+        let (dtx, drx) = watch::channel(start);
+        let recv = tokio::spawn(wire::receiver(
+            rws,
+            states,
+            wire::ack_policy(),
+            log.clone(),
+            dtx,
+            stop_rx.clone(),
+        ));
+        let sws = wire::open(&url, &lane.sender.id, &lane.sender.token).await?;
+        let n = trials / lanes.len() + usize::from(l < trials % lanes.len());
+        let rng = Rng::new(args.seed ^ (interval << 20) ^ l as u64);
+        tasks.push(tokio::spawn(lane_trials(LaneRun {
+            ws: sws,
+            lane: l,
+            conv: lane.conv.clone(),
+            user: lane.sender.user.clone(),
+            trials: n,
+            interval_ms: interval,
+            rng,
+            log: log.clone(),
+            delivered: drx,
+            acked: acked.clone(),
+        })));
+        logs.push((log, recv));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.context("join a lane")?);
+    }
+    stop_tx.send_replace(true);
+    let mut pushes = 0;
+    let mut rtt = Vec::new();
+    for (log, recv) in logs {
+        let _ = tokio::time::timeout(Duration::from_secs(2), recv).await;
+        let l = log.lock().unwrap_or_else(|p| p.into_inner());
+        pushes += l.pushes;
+        rtt.extend(l.sync_rtt_us.iter().copied());
+    }
+    let _ = gw.terminate(Duration::from_secs(10)).await;
+    drop(gw);
+    Ok((all, pushes, rtt))
+}
+
+pub async fn child_main(args: ChildArgs) -> anyhow::Result<()> {
+    if std::env::var_os("IM_GATEWAY_BIN").is_none() {
+        bail!("repair-child needs IM_GATEWAY_BIN (the gateway built with faults)");
+    }
+    tokio::task::spawn_blocking(harness::gateway::require_faults)
+        .await
+        .context("join the faults check")??;
+    let cluster = harness::pg::Cluster::start_migrated().await?;
+    let pool = cluster.pool().await?;
+    let lanes = provision_lanes(&pool, args.lanes).await?;
     let acked = Arc::new(Mutex::new(Vec::new()));
     let mut intervals = Vec::new();
     for (ii, &interval) in args.intervals.iter().enumerate() {
@@ -221,63 +299,8 @@ pub async fn child_main(args: ChildArgs) -> anyhow::Result<()> {
             lanes.len()
         ));
         let t0 = std::time::Instant::now();
-        let opts = harness::gateway::GatewayOpts {
-            fault: Some(FAULT.into()),
-            sweep_ms: Some(interval),
-            ..Default::default()
-        };
-        let mut gw =
-            harness::gateway::Gateway::start(&cluster.url(), &opts, &cluster.log_dir()).await?;
-        let url = gw.ws_url();
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let mut tasks = Vec::new();
-        let mut logs = Vec::new();
-        for (l, lane) in lanes.iter().enumerate() {
-            let mut rws = wire::open(&url, &lane.receiver.id, &lane.receiver.token).await?;
-            let states = wire::sub(&mut rws).await?;
-            let start = states.iter().map(|s| s.head).max().unwrap_or(0);
-            let log = Arc::new(Mutex::new(RecvLog::default()));
-            let (dtx, drx) = watch::channel(start);
-            let recv = tokio::spawn(wire::receiver(
-                rws,
-                states,
-                wire::ack_policy(),
-                log.clone(),
-                dtx,
-                stop_rx.clone(),
-            ));
-            let sws = wire::open(&url, &lane.sender.id, &lane.sender.token).await?;
-            let n = trials / lanes.len() + usize::from(l < trials % lanes.len());
-            let rng = Rng::new(args.seed ^ (interval << 20) ^ l as u64);
-            tasks.push(tokio::spawn(lane_trials(LaneRun {
-                ws: sws,
-                lane: l,
-                conv: lane.conv.clone(),
-                user: lane.sender.user.clone(),
-                trials: n,
-                interval_ms: interval,
-                rng,
-                log: log.clone(),
-                delivered: drx,
-                acked: acked.clone(),
-            })));
-            logs.push((log, recv));
-        }
-        let mut all = Vec::new();
-        for t in tasks {
-            all.extend(t.await.context("join a lane")?);
-        }
-        stop_tx.send_replace(true);
-        let mut pushes = 0;
-        let mut rtt = Vec::new();
-        for (log, recv) in logs {
-            let _ = tokio::time::timeout(Duration::from_secs(2), recv).await;
-            let l = log.lock().unwrap_or_else(|p| p.into_inner());
-            pushes += l.pushes;
-            rtt.extend(l.sync_rtt_us.iter().copied());
-        }
-        let _ = gw.terminate(Duration::from_secs(10)).await;
-        drop(gw);
+        let (all, pushes, mut rtt) =
+            interval_trials(&cluster, &lanes, &args, interval, trials, &acked).await?;
         let mut repair: Vec<i64> = all.iter().filter_map(|t| t.repair_us).collect();
         let mut detect: Vec<i64> = all.iter().filter_map(|t| t.detect_us).collect();
         let mut to_acked: Vec<i64> = all.iter().filter_map(|t| t.acked_us).collect();
