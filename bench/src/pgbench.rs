@@ -123,8 +123,27 @@ pub async fn run(
             String::from_utf8_lossy(&out.stdout).trim()
         );
     }
-    // Per-transaction log lines: client_id transaction_no time script_no time_epoch time_us.
-    let mut done: Vec<(i64, i64)> = Vec::new(); // (end_us, latency_us)
+    let (done, errors) = read_logs(dir, &prefix, tag)?;
+    let first_start = done.iter().map(|(end, lat)| end - lat).min().unwrap_or(0);
+    let from = first_start + warmup_s as i64 * 1_000_000;
+    let to = from + duration_s as i64 * 1_000_000;
+    let lat_us: Vec<i64> = done
+        .iter()
+        .filter(|(end, l)| end - l >= from && *end <= to)
+        .map(|(_, l)| *l)
+        .collect();
+    Ok(Out {
+        lat_us,
+        errors,
+        ops_total: done.len() as u64,
+    })
+}
+
+/// pgbench's per-transaction logs (`<prefix>.<pid>` in `dir`), whose lines are
+/// `client_id transaction_no time script_no time_epoch time_us`: (end µs, latency µs) of
+/// every transaction done, and how many lines were not (failed or skipped).
+fn read_logs(dir: &Path, prefix: &Path, tag: &str) -> anyhow::Result<(Vec<(i64, i64)>, u64)> {
+    let mut done: Vec<(i64, i64)> = Vec::new();
     let mut errors = 0u64;
     let name = prefix
         .file_name()
@@ -160,19 +179,7 @@ pub async fn run(
             }
         }
     }
-    let first_start = done.iter().map(|(end, lat)| end - lat).min().unwrap_or(0);
-    let from = first_start + warmup_s as i64 * 1_000_000;
-    let to = from + duration_s as i64 * 1_000_000;
-    let lat_us: Vec<i64> = done
-        .iter()
-        .filter(|(end, l)| end - l >= from && *end <= to)
-        .map(|(_, l)| *l)
-        .collect();
-    Ok(Out {
-        lat_us,
-        errors,
-        ops_total: done.len() as u64,
-    })
+    Ok((done, errors))
 }
 
 #[cfg(test)]
