@@ -90,12 +90,12 @@ struct Args {
     records: Option<std::path::PathBuf>,
 }
 
-fn main() -> anyhow::Result<()> {
-    let args: Args = clap::Parser::parse();
-    let started = Instant::now();
-    let generated_at = rfc3339(SystemTime::now());
-    let root = workspace();
-    // Each run keeps its records under its own directory; `latest` points at the newest.
+/// This run's directory (each run keeps its records under its own; `latest` points at the
+/// newest) and where the records are read from (`--records`, or the run's `records/`).
+fn run_dirs(
+    args: &Args,
+    generated_at: &str,
+) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
     let runs = target_dir().join("imfault-runs");
     let run_dir = runs.join(format!("evidence-{}", generated_at.replace([':', '-'], "")));
     let records_dir = args
@@ -110,24 +110,16 @@ fn main() -> anyhow::Result<()> {
         eprintln!("evidence: could not link {}: {e}", latest.display());
     }
     eprintln!("evidence: this run's records: {}", run_dir.display());
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = if let Some(dir) = &args.records {
-        eprintln!(
-            "evidence: judging the records of {} (nothing run)",
-            dir.display()
-        );
-        None
-    } else {
-        eprintln!(
-            "evidence: running {} im-06 checks under cargo-nextest",
-            IM06_CHECKS.len()
-        );
-        Some(run_checks(&cargo, &records_dir, &root)?)
-    };
+    Ok((run_dir, records_dir))
+}
 
-    let mut found = read_records(&records_dir)?;
-    if args.records.is_some() {
-        // The whole suite wrote there: other tests' records are not im-06 checks.
+/// One record per im-06 check, in the checks' order, from what `records_dir` holds: a
+/// check without a record FAILs (its test did not run or crashed). `whole_suite`: the
+/// directory holds every test's records, and only the im-06 checks' are kept; otherwise a
+/// record with an unknown id is an error.
+fn im06_records(records_dir: &std::path::Path, whole_suite: bool) -> anyhow::Result<Vec<Record>> {
+    let mut found = read_records(records_dir)?;
+    if whole_suite {
         found.retain(|r| IM06_CHECKS.iter().any(|c| c.id == r.id));
     }
     let mut checks: Vec<Record> = Vec::new();
@@ -167,6 +159,31 @@ fn main() -> anyhow::Result<()> {
             found.iter().map(|r| &r.id).collect::<Vec<_>>()
         );
     }
+    Ok(checks)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Args = clap::Parser::parse();
+    let started = Instant::now();
+    let generated_at = rfc3339(SystemTime::now());
+    let root = workspace();
+    let (run_dir, records_dir) = run_dirs(&args, &generated_at)?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = if let Some(dir) = &args.records {
+        eprintln!(
+            "evidence: judging the records of {} (nothing run)",
+            dir.display()
+        );
+        None
+    } else {
+        eprintln!(
+            "evidence: running {} im-06 checks under cargo-nextest",
+            IM06_CHECKS.len()
+        );
+        Some(run_checks(&cargo, &records_dir, &root)?)
+    };
+
+    let mut checks = im06_records(&records_dir, args.records.is_some())?;
     // The environment is what the clusters reported, not what we configured.
     let pg: Vec<&Value> = checks.iter().filter_map(|r| r.postgres.as_ref()).collect();
     let postgres = match pg.first() {
