@@ -1152,86 +1152,33 @@ fn control(
     let env = bug_env(bug, side, bugs_bin);
     let designed = designed_catcher(bug);
     let head = git(&["rev-parse", "HEAD"]);
-    let mut per_run_failed: Vec<Vec<String>> = Vec::new();
-    let mut run_walls = Vec::new();
-    let caught_by: Vec<Value>;
-    let mut targeted_missed = Value::Null;
-    let mut mode = "targeted";
     // The whole-suite catchers this entry rests on: recorded, or found below.
-    let (mut whole, mut whole_commit) = match rec.filter(|_| !o.whole) {
+    let recorded = match rec.filter(|_| !o.whole) {
         Some(r) => (r.catchers.clone(), r.catchers_commit.clone()),
         None => (Vec::new(), None),
     };
-    let mut selected = pick(&whole, designed);
-    let mut targeted = None;
-    if !selected.is_empty() {
-        eprintln!(
-            "controls: {bug} ({side}): {} runs of its {} recorded catcher(s)",
-            o.runs,
-            selected.len()
-        );
-        // A recorded catcher renamed or removed since matches no test: nextest runs nothing,
-        // which is an error here, and the bug falls back to the whole suite like a miss.
-        let r = run_suite(
-            &filter_of(selected.iter().map(|(t, _)| t)),
-            &env,
-            &format!("{bug}-targeted"),
-            o.runs,
-        );
-        match r {
-            Ok(r) if r.iterations.iter().any(|it| !it.failed.is_empty()) => targeted = Some(r),
-            r => {
-                eprintln!("  {bug}: its recorded catchers no longer catch it: the whole suite");
-                targeted_missed = json!({
-                    "tests": selected.iter().map(|(t, _)| t).collect::<Vec<_>>(),
-                    "recorded_at": whole_commit,
-                    "runs": o.runs,
-                    "wall_ms": r.as_ref().map(|r| r.wall_ms).ok(),
-                    "error": r.as_ref().err().map(|e| format!("{e:#}")),
-                });
+    let (targeted, targeted_missed) = targeted_runs(o, bug, side, &env, &recorded);
+    let Runs {
+        mode,
+        caught_by,
+        per_run_failed,
+        run_walls,
+        whole: (whole, whole_commit),
+        selected,
+    } = match targeted {
+        Some(r) => {
+            let selected = pick(&recorded.0, designed);
+            Runs {
+                mode: "targeted",
+                caught_by: r.first().failed.iter().map(|t| how_caught(&r, t)).collect(),
+                per_run_failed: r.iterations.iter().map(|it| it.failed.clone()).collect(),
+                run_walls: vec![r.wall_ms],
+                whole: recorded,
+                selected,
             }
         }
-    }
-    if let Some(r) = &targeted {
-        caught_by = r.first().failed.iter().map(|t| how_caught(r, t)).collect();
-        per_run_failed.extend(r.iterations.iter().map(|it| it.failed.clone()));
-        run_walls.push(r.wall_ms);
-    } else {
-        mode = "whole-suite";
-        eprintln!("controls: {bug} ({side}), run 1 of {}: whole suite", o.runs);
-        let first = run_suite(SUITE, &env, &format!("{bug}-1"), 1)?;
-        caught_by = first
-            .first()
-            .failed
-            .iter()
-            .map(|t| how_caught(&first, t))
-            .collect();
-        whole = first
-            .first()
-            .failed
-            .iter()
-            .map(|t| {
-                (
-                    t.clone(),
-                    first.duration_ms.get(t).copied().unwrap_or(u64::MAX),
-                )
-            })
-            .collect();
-        whole_commit = head.clone();
-        selected = pick(&whole, designed);
-        per_run_failed.push(first.first().failed.clone());
-        run_walls.push(first.wall_ms);
-        if !selected.is_empty() && o.runs > 1 {
-            let r = run_suite(
-                &filter_of(selected.iter().map(|(t, _)| t)),
-                &env,
-                &format!("{bug}-rest"),
-                o.runs - 1,
-            )?;
-            per_run_failed.extend(r.iterations.iter().map(|it| it.failed.clone()));
-            run_walls.push(r.wall_ms);
-        }
-    }
+        None => whole_suite_runs(o, bug, side, &env, head.clone())?,
+    };
     let runs = per_run_failed.len() as u32;
     let caught_runs = per_run_failed.iter().filter(|f| !f.is_empty()).count() as u32;
     // How often each picked test caught it (a racy catcher shows as k/N).
@@ -1283,6 +1230,114 @@ fn control(
         "known_limit": known_limit(bug),
         "nemesis": Value::Null,
     }))
+}
+
+/// What a bug's runs observed.
+struct Runs {
+    /// `targeted` (its recorded catchers) or `whole-suite`.
+    mode: &'static str,
+    /// How each test that failed in the first run caught it.
+    caught_by: Vec<Value>,
+    per_run_failed: Vec<Vec<String>>,
+    run_walls: Vec<u64>,
+    /// The whole-suite catchers and the commit that found them.
+    whole: (Vec<(String, u64)>, Option<String>),
+    /// The catchers re-run in every run.
+    selected: Vec<(String, u64)>,
+}
+
+/// The bug's `o.runs` runs of its recorded catchers (`recorded`: the whole-suite catchers
+/// and their commit), when it has any and they still catch it; otherwise what the miss
+/// was, for the record (the bug then falls back to the whole suite).
+fn targeted_runs(
+    o: &Opts,
+    bug: &str,
+    side: &str,
+    env: &[(&str, String)],
+    recorded: &(Vec<(String, u64)>, Option<String>),
+) -> (Option<RunResult>, Value) {
+    let selected = pick(&recorded.0, designed_catcher(bug));
+    if selected.is_empty() {
+        return (None, Value::Null);
+    }
+    eprintln!(
+        "controls: {bug} ({side}): {} runs of its {} recorded catcher(s)",
+        o.runs,
+        selected.len()
+    );
+    // A recorded catcher renamed or removed since matches no test: nextest runs nothing,
+    // which is an error here, and the bug falls back to the whole suite like a miss.
+    let r = run_suite(
+        &filter_of(selected.iter().map(|(t, _)| t)),
+        env,
+        &format!("{bug}-targeted"),
+        o.runs,
+    );
+    match r {
+        Ok(r) if r.iterations.iter().any(|it| !it.failed.is_empty()) => (Some(r), Value::Null),
+        r => {
+            eprintln!("  {bug}: its recorded catchers no longer catch it: the whole suite");
+            let missed = json!({
+                "tests": selected.iter().map(|(t, _)| t).collect::<Vec<_>>(),
+                "recorded_at": recorded.1,
+                "runs": o.runs,
+                "wall_ms": r.as_ref().map(|r| r.wall_ms).ok(),
+                "error": r.as_ref().err().map(|e| format!("{e:#}")),
+            });
+            (None, missed)
+        }
+    }
+}
+
+/// The bug against the whole suite once (its catchers found there, at `head`), then the
+/// runs left against those catchers.
+fn whole_suite_runs(
+    o: &Opts,
+    bug: &str,
+    side: &str,
+    env: &[(&str, String)],
+    head: Option<String>,
+) -> anyhow::Result<Runs> {
+    eprintln!("controls: {bug} ({side}), run 1 of {}: whole suite", o.runs);
+    let first = run_suite(SUITE, env, &format!("{bug}-1"), 1)?;
+    let caught_by = first
+        .first()
+        .failed
+        .iter()
+        .map(|t| how_caught(&first, t))
+        .collect();
+    let whole: Vec<(String, u64)> = first
+        .first()
+        .failed
+        .iter()
+        .map(|t| {
+            (
+                t.clone(),
+                first.duration_ms.get(t).copied().unwrap_or(u64::MAX),
+            )
+        })
+        .collect();
+    let selected = pick(&whole, designed_catcher(bug));
+    let mut per_run_failed = vec![first.first().failed.clone()];
+    let mut run_walls = vec![first.wall_ms];
+    if !selected.is_empty() && o.runs > 1 {
+        let r = run_suite(
+            &filter_of(selected.iter().map(|(t, _)| t)),
+            env,
+            &format!("{bug}-rest"),
+            o.runs - 1,
+        )?;
+        per_run_failed.extend(r.iterations.iter().map(|it| it.failed.clone()));
+        run_walls.push(r.wall_ms);
+    }
+    Ok(Runs {
+        mode: "whole-suite",
+        caught_by,
+        per_run_failed,
+        run_walls,
+        whole: (whole, head),
+        selected,
+    })
 }
 
 /// The bug's environment: `IM_BUG`, and the bugs binary for a gateway bug.
