@@ -833,15 +833,9 @@ fn interleave<T: Clone>(shards: &[Vec<T>]) -> anyhow::Result<Vec<T>> {
 /// `--join`: the shards' files (`--shard K/N` runs, one per K, all at one commit) as the
 /// one record an unsharded run writes, bugs in the same order, with the shards' provenance
 /// in `environment.shards`.
-fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
-    let mut docs = Vec::new();
-    for f in files {
-        let v: Value = serde_json::from_slice(
-            &std::fs::read(f).with_context(|| format!("read {}", f.display()))?,
-        )
-        .with_context(|| format!("parse {}", f.display()))?;
-        docs.push(v);
-    }
+/// The shards in their order (0..n): every one of one count `n`, each exactly once, all
+/// at one commit and one setting.
+fn in_shard_order(docs: &[Value]) -> anyhow::Result<Vec<&Value>> {
     let shard_of = |v: &Value| -> anyhow::Result<(usize, usize)> {
         let s = v["environment"]["shard"]
             .as_str()
@@ -851,7 +845,7 @@ fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
     };
     let n = shard_of(&docs[0])?.1;
     let mut by_k: Vec<Option<&Value>> = vec![None; n];
-    for d in &docs {
+    for d in docs {
         let (k, m) = shard_of(d)?;
         if m != n {
             bail!("shards of different counts: {m} and {n}");
@@ -883,17 +877,16 @@ fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
             }
         }
     }
-    // Round-robin: bug i of the whole list is entry i / n of shard i % n.
-    let lists: Vec<Vec<Value>> = shards
-        .iter()
-        .map(|s| s["controls"].as_array().cloned().unwrap_or_default())
-        .collect();
-    let total: usize = lists.iter().map(Vec::len).sum();
-    let mut controls = interleave(&lists)?;
+    Ok(shards)
+}
+
+/// The shards' clean sides as one (their tests, failures and anomalies summed), and the
+/// shards' summed wall time.
+fn joined_clean(shards: &[&Value]) -> (Value, u64) {
     let mut tests = BTreeSet::new();
     let mut failed: BTreeMap<String, u64> = BTreeMap::new();
     let (mut anomalies, mut wall, mut clean_wall) = (0u64, 0u64, 0u64);
-    for s in &shards {
+    for s in shards {
         let c = &s["clean"];
         tests.extend(
             c["tests"]
@@ -916,6 +909,28 @@ fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
         "anomalies": anomalies,
         "wall_ms": clean_wall,
     });
+    (clean, wall)
+}
+
+fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
+    let mut docs = Vec::new();
+    for f in files {
+        let v: Value = serde_json::from_slice(
+            &std::fs::read(f).with_context(|| format!("read {}", f.display()))?,
+        )
+        .with_context(|| format!("parse {}", f.display()))?;
+        docs.push(v);
+    }
+    let shards = in_shard_order(&docs)?;
+    let env0 = &shards[0]["environment"];
+    // Round-robin: bug i of the whole list is entry i / n of shard i % n.
+    let lists: Vec<Vec<Value>> = shards
+        .iter()
+        .map(|s| s["controls"].as_array().cloned().unwrap_or_default())
+        .collect();
+    let total: usize = lists.iter().map(Vec::len).sum();
+    let mut controls = interleave(&lists)?;
+    let (clean, wall) = joined_clean(&shards);
     judge_against_clean(&mut controls, &clean);
     let mut environment = env0.clone();
     environment["shard"] = Value::Null;
