@@ -672,37 +672,7 @@ fn main() -> anyhow::Result<()> {
     let mut eta = Eta::new(expected.clone());
     let mut controls = suite_controls(&o, &bugs, &bugs_bin, &record, &expected, &mut eta)?;
     nemesis_controls(&o, &bugs, &bugs_bin, &record, &mut controls, &mut eta)?;
-    // The clean side: every test a bug was run against, as many runs, on the clean gateway.
-    let tests: BTreeSet<String> = controls
-        .iter()
-        .flat_map(|c| c["rerun_tests"].as_array().cloned().unwrap_or_default())
-        .filter_map(|t| t.as_str().map(str::to_string))
-        .collect();
-    eta.next_part();
-    eprintln!(
-        "controls: the clean gateway, {} runs of the {} tests run against the bugs ({})",
-        o.runs,
-        tests.len(),
-        eta.line()
-    );
-    let clean = if tests.is_empty() {
-        json!({"tests": [], "runs": 0, "failed": {}, "anomalies": 0, "wall_ms": 0})
-    } else {
-        let r = run_suite(&filter_of(&tests), &[], "clean", o.runs)?;
-        let mut failed: BTreeMap<String, u32> = BTreeMap::new();
-        for it in &r.iterations {
-            for t in &it.failed {
-                *failed.entry(t.clone()).or_insert(0) += 1;
-            }
-        }
-        json!({
-            "tests": tests,
-            "runs": o.runs,
-            "failed": failed,
-            "anomalies": anomalies_of(&r),
-            "wall_ms": r.wall_ms,
-        })
-    };
+    let clean = clean_side(&o, &controls, &mut eta)?;
     judge_against_clean(&mut controls, &clean);
     // --merge: keep the other bugs' entries of the existing file, as they were measured.
     let partial = if o.merge {
@@ -744,6 +714,39 @@ fn main() -> anyhow::Result<()> {
         started.elapsed().as_secs()
     );
     finish(&doc)
+}
+
+/// The clean side: every test a bug was run against, as many runs, on the clean gateway.
+fn clean_side(o: &Opts, controls: &[Value], eta: &mut Eta) -> anyhow::Result<Value> {
+    let tests: BTreeSet<String> = controls
+        .iter()
+        .flat_map(|c| c["rerun_tests"].as_array().cloned().unwrap_or_default())
+        .filter_map(|t| t.as_str().map(str::to_string))
+        .collect();
+    eta.next_part();
+    eprintln!(
+        "controls: the clean gateway, {} runs of the {} tests run against the bugs ({})",
+        o.runs,
+        tests.len(),
+        eta.line()
+    );
+    if tests.is_empty() {
+        return Ok(json!({"tests": [], "runs": 0, "failed": {}, "anomalies": 0, "wall_ms": 0}));
+    }
+    let r = run_suite(&filter_of(&tests), &[], "clean", o.runs)?;
+    let mut failed: BTreeMap<String, u32> = BTreeMap::new();
+    for it in &r.iterations {
+        for t in &it.failed {
+            *failed.entry(t.clone()).or_insert(0) += 1;
+        }
+    }
+    Ok(json!({
+        "tests": tests,
+        "runs": o.runs,
+        "failed": failed,
+        "anomalies": anomalies_of(&r),
+        "wall_ms": r.wall_ms,
+    }))
 }
 
 /// A bug whose picked tests failed on the clean gateway too is not shown caught by them:
