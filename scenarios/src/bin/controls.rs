@@ -545,27 +545,8 @@ fn run_suite(
             dir.join("nextest.log").display()
         );
     }
-    let mut records = BTreeMap::new();
-    let mut protocol = BTreeMap::new();
-    for (sub, map) in [("", &mut records), ("protocol", &mut protocol)] {
-        let d = dir.join(sub);
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd {
-            let p = e?.path();
-            if p.extension().is_some_and(|x| x == "json") {
-                let v: Value = serde_json::from_slice(&std::fs::read(&p)?)
-                    .with_context(|| format!("parse {}", p.display()))?;
-                let key = v["id"]
-                    .as_str()
-                    .or(v["test"].as_str())
-                    .unwrap_or("?")
-                    .to_string();
-                map.insert(key, v);
-            }
-        }
-    }
+    let records = read_json_records(&dir)?;
+    let protocol = read_json_records(&dir.join("protocol"))?;
     Ok(RunResult {
         iterations,
         duration_ms,
@@ -573,6 +554,29 @@ fn run_suite(
         protocol,
         wall_ms: started.elapsed().as_millis() as u64,
     })
+}
+
+/// The JSON records a run's tests wrote to `dir` (none if it does not exist), by their
+/// `id` (or `test`).
+fn read_json_records(dir: &Path) -> anyhow::Result<BTreeMap<String, Value>> {
+    let mut map = BTreeMap::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Ok(map);
+    };
+    for e in rd {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "json") {
+            let v: Value = serde_json::from_slice(&std::fs::read(&p)?)
+                .with_context(|| format!("parse {}", p.display()))?;
+            let key = v["id"]
+                .as_str()
+                .or(v["test"].as_str())
+                .unwrap_or("?")
+                .to_string();
+            map.insert(key, v);
+        }
+    }
+    Ok(map)
 }
 
 /// How a failing test caught the bug: the checker's anomaly kinds (if it judged), and
