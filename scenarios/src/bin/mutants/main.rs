@@ -625,36 +625,9 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
             _ => {}
         }
     }
-    let mut reasons = Vec::new();
-    // A missed mutant that the list calls equivalent (it was run anyway) is not a failure.
-    let unexplained = missed.iter().filter(|l| l.because.is_none()).count();
-    if unexplained > 0 {
-        reasons.push(format!(
-            "{unexplained} missed mutant(s) not in the equivalent list"
-        ));
-    }
-    match totals.kill_rate {
-        Some(r) if r < KILL_RATE_MIN => {
-            reasons.push(format!("kill rate {r} below {KILL_RATE_MIN}"))
-        }
-        None => reasons.push("no mutant ran".into()),
-        _ => {}
-    }
+    let reasons = failures(&missed, &totals);
     let mutants_run = ran.len();
-    let coverage = match &a.coverage_map {
-        Some(p) => {
-            let map: coverage::CoverageMap = read_json(p)?;
-            Some(CoverageInfo {
-                generated_at: map.generated_at,
-                key: map.key,
-                tests: map.tests.len(),
-                build_s: map.build_s,
-                run_s: map.run_s,
-                export_s: map.export_s,
-            })
-        }
-        None => None,
-    };
+    let coverage = a.coverage_map.as_deref().map(coverage_info).transpose()?;
     let wall_s = a.wall_s.or(info.wall_s);
     let doc = Doc {
         schema_version: SCHEMA_VERSION,
@@ -704,6 +677,40 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
     harness::util::write_atomic(&out, json.as_bytes())?;
     print_summary(&doc, &out);
     Ok(doc.verdict.is_pass())
+}
+
+/// Why a run fails (empty: it passes): a missed mutant the equivalent list does not
+/// explain (one it does explain was run anyway and is no failure), a kill rate below
+/// [`KILL_RATE_MIN`], or no mutant run at all.
+fn failures(missed: &[Listed], totals: &Counts) -> Vec<String> {
+    let mut reasons = Vec::new();
+    let unexplained = missed.iter().filter(|l| l.because.is_none()).count();
+    if unexplained > 0 {
+        reasons.push(format!(
+            "{unexplained} missed mutant(s) not in the equivalent list"
+        ));
+    }
+    match totals.kill_rate {
+        Some(r) if r < KILL_RATE_MIN => {
+            reasons.push(format!("kill rate {r} below {KILL_RATE_MIN}"))
+        }
+        None => reasons.push("no mutant ran".into()),
+        _ => {}
+    }
+    reasons
+}
+
+/// What the coverage map at `path` says of itself (when tests were selected by it).
+fn coverage_info(path: &Path) -> anyhow::Result<CoverageInfo> {
+    let map: coverage::CoverageMap = read_json(path)?;
+    Ok(CoverageInfo {
+        generated_at: map.generated_at,
+        key: map.key,
+        tests: map.tests.len(),
+        build_s: map.build_s,
+        run_s: map.run_s,
+        export_s: map.export_s,
+    })
 }
 
 fn print_summary(doc: &Doc, out: &Path) {
