@@ -444,18 +444,7 @@ impl Runner<'_> {
         // function. Line coverage can put a decision on another line than the one a mutant
         // names (a match guard's test is counted on the `match` line), so a mutant that
         // makes a branch run where it did not is reached by tests the lines do not name.
-        let wider: Vec<&TestId> = m
-            .function
-            .as_ref()
-            .and_then(|f| f.span)
-            .map(|f| {
-                let last = f.end.map_or(f.start.line, |e| e.line);
-                self.map.tests_reaching(&m.file, f.start.line, last)
-            })
-            .unwrap_or_default()
-            .difference(&selected)
-            .map(|t| &self.map.tests[*t as usize])
-            .collect();
+        let wider = self.wider(m, &selected);
         let wider_targets = targets_of(&wider);
         let mut scenario = BTreeMap::new();
         let mut mutant = raw.clone();
@@ -485,21 +474,7 @@ impl Runner<'_> {
                 .map(|f| f.function_name.clone())
                 .unwrap_or_default(),
         );
-        let original =
-            std::fs::read(self.tree.join(&m.file)).with_context(|| format!("read {}", m.file))?;
-        // cargo-mutants' diffs name the file on the `---` line only: give it to patch.
-        let applied = Command::new("patch")
-            .args(["--quiet", "--forward", "--no-backup-if-mismatch", "-r", "-"])
-            .arg(&m.file)
-            .arg("-i")
-            .arg(self.a.out.join(&outcome.diff_path))
-            .current_dir(&self.tree)
-            .status()
-            .context("run patch")?;
-        if !applied.success() {
-            std::fs::write(self.tree.join(&m.file), &original)?;
-            bail!("{}: the diff does not apply to the tree", m.name);
-        }
+        let original = self.apply(m, &outcome.diff_path)?;
         let result = self
             .build_and_test(&mut outcome, &targets, &tests, &log)
             .and_then(|()| self.widen(&mut outcome, &wider_targets, &wider, &log));
@@ -508,6 +483,45 @@ impl Runner<'_> {
         std::fs::write(self.tree.join(&m.file), &original)?;
         result?;
         Ok(outcome)
+    }
+
+    /// The tests that reach the mutant's function but none of its lines (its second
+    /// chance: line coverage can put a decision on another line than the one a mutant
+    /// names).
+    fn wider(&self, m: &crate::Mutant, selected: &BTreeSet<u32>) -> Vec<&TestId> {
+        m.function
+            .as_ref()
+            .and_then(|f| f.span)
+            .map(|f| {
+                let last = f.end.map_or(f.start.line, |e| e.line);
+                self.map.tests_reaching(&m.file, f.start.line, last)
+            })
+            .unwrap_or_default()
+            .difference(selected)
+            .map(|t| &self.map.tests[*t as usize])
+            .collect()
+    }
+
+    /// Applies the mutant's diff (written at `diff_path` under the output) to the tree;
+    /// returns the file as it was, to be written back. A diff that does not apply leaves
+    /// the file as it was.
+    fn apply(&self, m: &crate::Mutant, diff_path: &str) -> anyhow::Result<Vec<u8>> {
+        let original =
+            std::fs::read(self.tree.join(&m.file)).with_context(|| format!("read {}", m.file))?;
+        // cargo-mutants' diffs name the file on the `---` line only: give it to patch.
+        let applied = Command::new("patch")
+            .args(["--quiet", "--forward", "--no-backup-if-mismatch", "-r", "-"])
+            .arg(&m.file)
+            .arg("-i")
+            .arg(self.a.out.join(diff_path))
+            .current_dir(&self.tree)
+            .status()
+            .context("run patch")?;
+        if !applied.success() {
+            std::fs::write(self.tree.join(&m.file), &original)?;
+            bail!("{}: the diff does not apply to the tree", m.name);
+        }
+        Ok(original)
     }
 
     /// Builds `targets` from the tree as it is: whether they built.
