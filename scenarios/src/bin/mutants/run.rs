@@ -683,24 +683,11 @@ pub fn run(mut a: RunArgs) -> anyhow::Result<bool> {
     let eq = crate::parse_equivalent(&text)?;
     let root = scenarios::workspace();
     let (eq_hit, _) = crate::match_equivalents(&root, &mutants, &eq);
-    let (k, n) = match &a.shard {
-        Some(s) => {
-            let (k, n) = s.split_once('/').context("--shard k/n")?;
-            (k.parse::<usize>()?, n.parse::<usize>()?)
-        }
-        None => (0, 1),
-    };
-    if n == 0 || k >= n {
-        bail!("--shard {k}/{n}: k must be below n");
-    }
-    let mut todo: Vec<usize> = (0..mutants.len())
-        .filter(|i| !eq_hit.contains_key(&mutants[*i].name))
-        .enumerate()
-        .filter(|(j, _)| j % n == k)
-        .map(|(_, i)| i)
-        .collect();
-    // Gateway mutants first (see `Runner::one`).
-    todo.sort_by_key(|i| !mutants[*i].file.starts_with("gateway/"));
+    let todo = to_run(
+        &mutants,
+        |m| eq_hit.contains_key(&m.name),
+        a.shard.as_deref(),
+    )?;
     let tree = a.scratch.join("tree");
     let target = a.scratch.join("target");
     std::fs::create_dir_all(&tree)?;
@@ -751,25 +738,51 @@ pub fn run(mut a: RunArgs) -> anyhow::Result<bool> {
         );
         outcomes.push(o);
         // Written after every mutant: a run cut short still has what it did.
-        let doc = Outcomes {
-            selected_by: "mutants run",
-            wall_s: secs(started.elapsed()),
-            outcomes: std::mem::take(&mut outcomes),
-        };
-        let json = serde_json::to_string_pretty(&doc)? + "\n";
-        harness::util::write_atomic(&a.out.join("outcomes.json"), json.as_bytes())?;
-        outcomes = doc.outcomes;
+        outcomes = write_outcomes(&a.out, secs(started.elapsed()), outcomes)?;
     }
     if todo.is_empty() {
-        let doc = Outcomes {
-            selected_by: "mutants run",
-            wall_s: 0.0,
-            outcomes,
-        };
-        let json = serde_json::to_string_pretty(&doc)? + "\n";
-        harness::util::write_atomic(&a.out.join("outcomes.json"), json.as_bytes())?;
+        write_outcomes(&a.out, 0.0, outcomes)?;
     }
     Ok(failures == 0)
+}
+
+/// The indices of the mutants this run runs: those not `equivalent`, of `shard` (`k/n`:
+/// every n-th from the k-th) when given, the gateway's first (see `Runner::one`).
+fn to_run(
+    mutants: &[crate::Mutant],
+    equivalent: impl Fn(&crate::Mutant) -> bool,
+    shard: Option<&str>,
+) -> anyhow::Result<Vec<usize>> {
+    let (k, n) = match shard {
+        Some(s) => {
+            let (k, n) = s.split_once('/').context("--shard k/n")?;
+            (k.parse::<usize>()?, n.parse::<usize>()?)
+        }
+        None => (0, 1),
+    };
+    if n == 0 || k >= n {
+        bail!("--shard {k}/{n}: k must be below n");
+    }
+    let mut todo: Vec<usize> = (0..mutants.len())
+        .filter(|i| !equivalent(&mutants[*i]))
+        .enumerate()
+        .filter(|(j, _)| j % n == k)
+        .map(|(_, i)| i)
+        .collect();
+    todo.sort_by_key(|i| !mutants[*i].file.starts_with("gateway/"));
+    Ok(todo)
+}
+
+/// Writes `outcomes.json` under `out`; gives the outcomes back.
+fn write_outcomes(out: &Path, wall_s: f64, outcomes: Vec<Outcome>) -> anyhow::Result<Vec<Outcome>> {
+    let doc = Outcomes {
+        selected_by: "mutants run",
+        wall_s,
+        outcomes,
+    };
+    let json = serde_json::to_string_pretty(&doc)? + "\n";
+    harness::util::write_atomic(&out.join("outcomes.json"), json.as_bytes())?;
+    Ok(doc.outcomes)
 }
 
 #[cfg(test)]
