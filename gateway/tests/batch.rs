@@ -34,13 +34,13 @@ async fn world() -> World {
         .await
         .expect("start cluster and gateway");
     for u in ["alice", "bob", "carol"] {
-        w.add_user(u).await.unwrap();
+        w.admin.add_user(u).await.unwrap();
     }
     for (d, u) in [("a1", "alice"), ("b1", "bob"), ("k1", "carol")] {
-        w.add_device(d, u).await.unwrap();
+        w.admin.add_device(d, u).await.unwrap();
     }
-    w.add_conv("c1", &["alice", "bob"]).await.unwrap();
-    w.add_conv("c2", &["alice"]).await.unwrap();
+    w.admin.add_conv("c1", &["alice", "bob"]).await.unwrap();
+    w.admin.add_conv("c2", &["alice"]).await.unwrap();
     w
 }
 
@@ -79,7 +79,7 @@ async fn seqs_of(pool: &sqlx::PgPool, conv: &str) -> (i64, Vec<i64>) {
 #[tokio::test]
 async fn a_batch_keeps_every_rule_of_a_single_send_per_row() {
     let w = world().await;
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let (a, b, k) = (
         who("alice", "a1", 1),
         who("bob", "b1", 1),
@@ -152,7 +152,7 @@ async fn a_batch_keeps_every_rule_of_a_single_send_per_row() {
 #[tokio::test]
 async fn a_locked_conversation_makes_only_its_own_rows_busy() {
     let w = world().await;
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let a = who("alice", "a1", 1);
     let mut holder = pool.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM conversations WHERE conv_id = 'c1' FOR NO KEY UPDATE")
@@ -241,20 +241,20 @@ async fn ack_script(pool: &sqlx::PgPool) -> (Vec<(Principal, i64)>, Vec<Result<i
 #[tokio::test]
 async fn an_ack_batch_answers_each_ack_exactly() {
     let w = world().await;
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let (acks, expected) = ack_script(&pool).await;
     let rows: Vec<AckRow<'_>> = acks.iter().map(|(p, seq)| ack(p, "c1", *seq)).collect();
     let answers = store::ack_batch(&pool, &rows)
         .await
         .expect("the ack batch runs");
     assert_eq!(answers, expected);
-    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(2));
-    assert_eq!(w.cursor("a1", "c1").await.unwrap(), Some(3));
+    assert_eq!(w.admin.cursor("b1", "c1").await.unwrap(), Some(2));
+    assert_eq!(w.admin.cursor("a1", "c1").await.unwrap(), Some(3));
     // D4: a later, lower ack is answered with the cursor it did not lower.
     let b = who("bob", "b1", 1);
     let answers = store::ack_batch(&pool, &[ack(&b, "c1", 1)]).await.unwrap();
     assert_eq!(answers, [Ok(2)]);
-    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(2));
+    assert_eq!(w.admin.cursor("b1", "c1").await.unwrap(), Some(2));
 }
 
 /// The ack batch's fallback: when a batch statement fails, `batch::ack_batch` answers each
@@ -264,17 +264,17 @@ async fn an_ack_batch_answers_each_ack_exactly() {
 #[tokio::test]
 async fn a_single_ack_answers_as_the_batch_would() {
     let w = world().await;
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let (acks, expected) = ack_script(&pool).await;
     let mut answers = Vec::new();
     for (p, seq) in &acks {
         answers.push(store::ack(&pool, p, "c1", *seq).await);
     }
     assert_eq!(answers, expected);
-    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(2));
-    assert_eq!(w.cursor("a1", "c1").await.unwrap(), Some(3));
+    assert_eq!(w.admin.cursor("b1", "c1").await.unwrap(), Some(2));
+    assert_eq!(w.admin.cursor("a1", "c1").await.unwrap(), Some(3));
     assert_eq!(
-        w.cursor("k1", "c1").await.unwrap(),
+        w.admin.cursor("k1", "c1").await.unwrap(),
         None,
         "S1: nothing written"
     );

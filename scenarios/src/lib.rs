@@ -390,7 +390,7 @@ async fn judged(
     c: &mut Check,
     w: &harness::world::World,
 ) -> anyhow::Result<(im_check::Report, Value)> {
-    let v = db_invariant_violations(&w.pool().await?).await?;
+    let v = db_invariant_violations(&w.admin.pool().await?).await?;
     c.expect(
         "db_invariant_violations (P1, D4, S1)",
         Vec::<String>::new(),
@@ -427,7 +427,7 @@ pub async fn durability_settings(
         "SELECT current_setting('fsync'), current_setting('synchronous_commit'),
                 current_setting('full_page_writes')",
     )
-    .fetch_one(&w.pool().await?)
+    .fetch_one(&w.admin.pool().await?)
     .await?;
     let mut m = std::collections::BTreeMap::new();
     m.insert("server.fsync".to_string(), fsync);
@@ -555,7 +555,7 @@ pub async fn connect(
     device: &str,
     token: &str,
 ) -> anyhow::Result<harness::client::Client> {
-    let mut c = w.create_client(device, device, token, 1)?;
+    let mut c = w.admin.create_client(device, device, token, 1)?;
     c.connect(&w.ws_url())
         .await
         .map_err(|e| anyhow::anyhow!("connect {device}: {e}"))?;
@@ -598,11 +598,11 @@ pub async fn reconnect_after_lineage_move(
 pub async fn provision_alice_and_bob(
     w: &harness::world::World,
 ) -> anyhow::Result<(String, String)> {
-    w.add_user("alice").await?;
-    w.add_user("bob").await?;
-    let ta = w.add_device("a1", "alice").await?;
-    let tb = w.add_device("b1", "bob").await?;
-    w.add_conv("c1", &["alice", "bob"]).await?;
+    w.admin.add_user("alice").await?;
+    w.admin.add_user("bob").await?;
+    let ta = w.admin.add_device("a1", "alice").await?;
+    let tb = w.admin.add_device("b1", "bob").await?;
+    w.admin.add_conv("c1", &["alice", "bob"]).await?;
     Ok((ta, tb))
 }
 

@@ -43,13 +43,13 @@ async fn devices_reconnect_through_haproxy_to_the_gateway_left() {
     }
     let mut w = World::start(GatewayOpts::default()).await.unwrap();
     w.start_gateway(GatewayOpts::default()).await.unwrap();
-    let bal = Balancer::start(&[w.gw_at(0).addr(), w.gw_at(1).addr()])
+    let bal = Balancer::start(&[w.gateways.at(0).addr(), w.gateways.at(1).addr()])
         .await
         .unwrap();
     let url = bal.ws_url();
     let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
-    let mut a = w.create_client("a1", "a1", &ta, 1).unwrap();
-    let mut b = w.create_client("b1", "b1", &tb, 1).unwrap();
+    let mut a = w.admin.create_client("a1", "a1", &ta, 1).unwrap();
+    let mut b = w.admin.create_client("b1", "b1", &tb, 1).unwrap();
     for c in [&mut a, &mut b] {
         c.connect(&url).await.unwrap();
         c.sub().await.unwrap();
@@ -64,8 +64,8 @@ async fn devices_reconnect_through_haproxy_to_the_gateway_left() {
     let (sa, sb) = (a.state_path().to_path_buf(), b.state_path().to_path_buf());
     a.crash().await;
     b.crash().await;
-    let mut a = w.load_client(&sa).unwrap();
-    let mut b = w.load_client(&sb).unwrap();
+    let mut a = w.admin.load_client(&sa).unwrap();
+    let mut b = w.admin.load_client(&sb).unwrap();
     for c in [&mut a, &mut b] {
         c.connect(&url).await.unwrap();
         c.sub().await.unwrap();
@@ -79,7 +79,7 @@ async fn devices_reconnect_through_haproxy_to_the_gateway_left() {
     w.restart_gateway_at(0, GatewayOpts::default())
         .await
         .unwrap();
-    bal.set_server(0, w.gw_at(0).addr()).await.unwrap();
+    bal.set_server(0, w.gateways.at(0).addr()).await.unwrap();
     wait_state(&bal, "gw0", "UP").await;
     let judged = w.judge().await.unwrap();
     assert!(

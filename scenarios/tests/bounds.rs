@@ -83,7 +83,7 @@ async fn byte_budget_returns_to_baseline_after_every_frame_kind() {
     assert_eq!(s.hints_received.get("overflow"), None, "no overflow: {s:?}");
     let last = b.sync_once("c1", 0, 500, T).await.unwrap();
     assert!(!last["events"].as_array().unwrap().is_empty(), "{last}");
-    let v = db_invariant_violations(&w.pool().await.unwrap())
+    let v = db_invariant_violations(&w.admin.pool().await.unwrap())
         .await
         .unwrap();
     assert!(v.is_empty(), "{v:?}");
@@ -108,18 +108,18 @@ async fn full_pass_ends_and_asks_about_each_install_once() {
     })
     .await
     .unwrap();
-    w.add_user("sender").await.unwrap();
-    let ts = w.add_device("s1", "sender").await.unwrap();
+    w.admin.add_user("sender").await.unwrap();
+    let ts = w.admin.add_device("s1", "sender").await.unwrap();
     let mut users = vec!["sender".to_string()];
     let mut tokens = Vec::new();
     for i in 0..n {
         let (u, d) = (format!("u{i}"), format!("d{i}"));
-        w.add_user(&u).await.unwrap();
-        tokens.push((d.clone(), w.add_device(&d, &u).await.unwrap()));
+        w.admin.add_user(&u).await.unwrap();
+        tokens.push((d.clone(), w.admin.add_device(&d, &u).await.unwrap()));
         users.push(u);
     }
     let members: Vec<&str> = users.iter().map(String::as_str).collect();
-    w.add_conv("c1", &members).await.unwrap();
+    w.admin.add_conv("c1", &members).await.unwrap();
     let sender = connect(&w, "s1", &ts).await.unwrap();
     let mut devices = Vec::new();
     for (d, t) in &tokens {
@@ -270,12 +270,12 @@ async fn full_pass_keeps_to_its_share(pass: Pass) {
     let mut tokens = Vec::new();
     for i in 0..n {
         let (u, d) = (format!("u{i}"), format!("d{i}"));
-        w.add_user(&u).await.unwrap();
-        tokens.push(w.add_device(&d, &u).await.unwrap());
+        w.admin.add_user(&u).await.unwrap();
+        tokens.push(w.admin.add_device(&d, &u).await.unwrap());
         users.push(u);
         devices.push(d);
     }
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     sqlx::query(
         "INSERT INTO conversations (conv_id) SELECT 'k' || g FROM generate_series(1, $1) g",
     )
@@ -420,7 +420,7 @@ async fn a_failed_read_of_many_conversations_is_asked_about_in_bounded_statement
     };
     let mut w = World::start(opts()).await.unwrap();
     let (_ta, tb) = provision_alice_and_bob(&w).await.unwrap();
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     sqlx::query(
         "INSERT INTO conversations (conv_id) SELECT 'k' || g FROM generate_series(1, $1) g",
     )
@@ -447,7 +447,7 @@ async fn a_failed_read_of_many_conversations_is_asked_about_in_bounded_statement
     // A session open at the reload may run one more statement unlogged; a new session
     // logs from its first. So: once new sessions show it, a gateway with new sessions only.
     wait_until("log_statement = all in force", T, async || {
-        let mut c = sqlx::PgConnection::connect(w.db_url())
+        let mut c = sqlx::PgConnection::connect(w.admin.db_url())
             .await
             .map_err(|_| ())?;
         let v: String = sqlx::query_scalar("SHOW log_statement")
@@ -606,8 +606,8 @@ async fn sync_pages_fill_up_to_their_byte_bound() {
         })
         .await
         .unwrap();
-    let mut d = w.create_client("b1-exact", "b1", &tb, 1).unwrap();
-    d.connect(&w.ws_url_at(exact)).await.unwrap();
+    let mut d = w.admin.create_client("b1-exact", "b1", &tb, 1).unwrap();
+    d.connect(&w.gateways.ws_url_at(exact)).await.unwrap();
     let p = d.sync_once("c1", 0, 100, T).await.unwrap();
     let seqs = page_seqs(&p);
     assert_eq!(

@@ -91,7 +91,7 @@ async fn an_async_failover_that_lost_held_messages_leaves_no_device_silently_wro
     }
     b.wait_cursor("c1", KEPT + 2, T).await?;
     let r = judge_test(&w).await?;
-    let pool = w.pool().await?;
+    let pool = w.admin.pool().await?;
     let (epoch, moves): (i32, i32) = sqlx::query_as(
         "SELECT (SELECT epoch FROM conversations WHERE conv_id = 'c1'), moves FROM db_lineage",
     )
@@ -140,7 +140,8 @@ async fn crash_world(synchronous_commit: &str) -> anyhow::Result<World> {
     )
     .await?;
     let warned = w
-        .gw_at(0)
+        .gateways
+        .at(0)
         .log_text()
         .contains("IM_SYNCHRONOUS_COMMIT is weaker than on");
     anyhow::ensure!(
@@ -156,7 +157,7 @@ async fn epoch_and_moves(w: &World) -> anyhow::Result<(i32, i32)> {
     Ok(sqlx::query_as(
         "SELECT (SELECT epoch FROM conversations WHERE conv_id = 'c1'), moves FROM db_lineage",
     )
-    .fetch_one(&w.pool().await?)
+    .fetch_one(&w.admin.pool().await?)
     .await?)
 }
 
@@ -229,7 +230,7 @@ async fn a_crash_that_lost_unflushed_commits_leaves_no_device_silently_wrong() -
         }
         let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE cmid = ANY($1)")
             .bind(&cmids)
-            .fetch_one(&w.pool().await?)
+            .fetch_one(&w.admin.pool().await?)
             .await?;
         if kept < LOST || crashes == CRASHES_MAX {
             break kept < LOST;
@@ -240,7 +241,7 @@ async fn a_crash_that_lost_unflushed_commits_leaves_no_device_silently_wrong() -
         send_through(&w, &mut a, &format!("x{n}")).await?;
     }
     let head: i64 = sqlx::query_scalar("SELECT max(seq) FROM events WHERE conv_id = 'c1'")
-        .fetch_one(&w.pool().await?)
+        .fetch_one(&w.admin.pool().await?)
         .await?;
     b.wait_cursor("c1", head, T).await?;
     // `lost` is what `off` allows: this run's measurement, asserted on below. So is a D1

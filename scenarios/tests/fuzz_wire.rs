@@ -168,7 +168,7 @@ async fn wire_fuzz_every_frame_is_answered_and_the_gateway_survives() {
     b.wait_cursor("c1", seq, Duration::from_secs(10))
         .await
         .expect("the receiver gets it");
-    let v = db_invariant_violations(&w.pool().await.unwrap())
+    let v = db_invariant_violations(&w.admin.pool().await.unwrap())
         .await
         .unwrap();
     assert!(v.is_empty(), "database invariants violated: {v:?}");

@@ -251,7 +251,7 @@ fn parse_frame(b: &[u8]) -> Option<(u8, Vec<u8>, usize)> {
 /// Writes `n` events of 16 KB bodies into the (empty) conversation `conv` straight in SQL,
 /// as sent by `user` from `device`: a large history to sync, without `n` sends.
 async fn fill_with_16k_events(w: &World, conv: &str, user: &str, device: &str, n: i64) {
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let mut tx = pool.begin().await.unwrap();
     sqlx::query(
         "INSERT INTO events (conv_id, seq, sender_user, sender_device, cmid, body)
@@ -293,12 +293,12 @@ async fn never_reading_sync_flood_is_bounded_in_bytes() {
     .await
     .unwrap();
     let (a, b) = alice_and_bob(&w).await.unwrap();
-    w.add_user("mallory").await.unwrap();
+    w.admin.add_user("mallory").await.unwrap();
     let mut tokens = Vec::new();
     for d in ["m0", "m1"] {
-        tokens.push((d, w.add_device(d, "mallory").await.unwrap()));
+        tokens.push((d, w.admin.add_device(d, "mallory").await.unwrap()));
     }
-    w.add_conv("big", &["mallory"]).await.unwrap();
+    w.admin.add_conv("big", &["mallory"]).await.unwrap();
     fill_with_16k_events(&w, "big", "mallory", "m0", 300).await;
     // Warm up the healthy path, then take the baseline.
     for i in 0..5 {
@@ -454,7 +454,7 @@ async fn a_peer_that_stopped_reading_is_ended_and_its_places_freed() {
         assert!(Instant::now() < deadline, "the writer never gave up");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let mut lock = w.pool().await.unwrap().begin().await.unwrap();
+    let mut lock = w.admin.pool().await.unwrap().begin().await.unwrap();
     sqlx::query("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *lock)
         .await
@@ -484,16 +484,19 @@ async fn connections_per_device_are_capped() {
     let (w, ta, _tb) = alice_and_bob_with_three_conns_per_device().await;
     let mut open = Vec::new();
     for i in 0..3 {
-        let mut c = w.create_client(&format!("a1-{i}"), "a1", &ta, 1).unwrap();
+        let mut c = w
+            .admin
+            .create_client(&format!("a1-{i}"), "a1", &ta, 1)
+            .unwrap();
         c.connect(&w.ws_url()).await.unwrap();
         open.push(c);
     }
-    let mut extra = w.create_client("a1-x", "a1", &ta, 1).unwrap();
+    let mut extra = w.admin.create_client("a1-x", "a1", &ta, 1).unwrap();
     let r = extra.connect(&w.ws_url()).await;
     assert_eq!(code(&r).as_deref(), Some("UNAVAILABLE"), "{r:?}");
     extra.wait_closed(T).await.unwrap();
     open.pop().unwrap().close().await;
-    let mut again = w.create_client("a1-y", "a1", &ta, 1).unwrap();
+    let mut again = w.admin.create_client("a1-y", "a1", &ta, 1).unwrap();
     let url = w.ws_url();
     let v = wait_until("a freed place to be reused", T, async || {
         again.connect(&url).await.map_err(|e| e.to_string())
@@ -520,9 +523,9 @@ async fn reinstall_closes_the_old_connection_and_it_sees_nothing_more() {
     .await
     .unwrap();
     let (ta, tb) = provision_alice_and_bob(&w).await.unwrap();
-    w.add_user("carol").await.unwrap();
-    let tc = w.add_device("k1", "carol").await.unwrap();
-    w.join("c1", "carol").await.unwrap();
+    w.admin.add_user("carol").await.unwrap();
+    let tc = w.admin.add_device("k1", "carol").await.unwrap();
+    w.admin.join("c1", "carol").await.unwrap();
     let a = connect(&w, "a1", &ta).await.unwrap();
     a.sub().await.unwrap();
     let no_ack = |c: Client| {
@@ -531,10 +534,10 @@ async fn reinstall_closes_the_old_connection_and_it_sees_nothing_more() {
             ..Default::default()
         })
     };
-    let mut old = no_ack(w.create_client("b1-old", "b1", &tb, 1).unwrap());
+    let mut old = no_ack(w.admin.create_client("b1-old", "b1", &tb, 1).unwrap());
     old.connect(&w.ws_url()).await.unwrap();
     old.sub().await.unwrap();
-    let mut k = no_ack(w.create_client("k1", "k1", &tc, 1).unwrap());
+    let mut k = no_ack(w.admin.create_client("k1", "k1", &tc, 1).unwrap());
     k.connect(&w.ws_url()).await.unwrap();
     k.sub().await.unwrap();
     a.send("c1", "before", "for everyone", T).await.unwrap();
@@ -546,8 +549,8 @@ async fn reinstall_closes_the_old_connection_and_it_sees_nothing_more() {
     .await
     .unwrap();
 
-    let tb2 = w.reinstall_device("b1").await.unwrap();
-    let mut new = w.create_client("b1-new", "b1", &tb2, 2).unwrap();
+    let tb2 = w.admin.reinstall_device("b1").await.unwrap();
+    let mut new = w.admin.create_client("b1-new", "b1", &tb2, 2).unwrap();
     new.connect(&w.ws_url()).await.unwrap();
     new.sub().await.unwrap();
     a.send("c1", "after", "for the new install only", T)
@@ -581,8 +584,8 @@ async fn reinstall_closes_the_old_connection_and_it_sees_nothing_more() {
     assert!(late.is_empty(), "pushes after STALE_INSTALL: {late:?}");
 
     // Leave: carol (never acking, so the sweep keeps hinting) leaves at head 2.
-    w.leave("c1", "carol").await.unwrap();
-    let leave_head = w.head("c1").await.unwrap();
+    w.admin.leave("c1", "carol").await.unwrap();
+    let leave_head = w.admin.head("c1").await.unwrap();
     let seen_before = k.frames().len();
     a.send("c1", "gone", "not for carol", T).await.unwrap();
     k.wait_for("three sweep hints after the leave", T, |c| {
@@ -634,7 +637,7 @@ async fn a_stale_install_gets_nothing_queued_before_its_reinstall() {
         a.send("c1", &format!("backlog-{i}"), "x", T).await.unwrap();
     }
     let before = old.frames().len();
-    w.reinstall_device("b1").await.unwrap();
+    w.admin.reinstall_device("b1").await.unwrap();
     old.wait_closed(T).await.unwrap();
     let frames = old.frames();
     let err = frames
@@ -667,15 +670,15 @@ async fn a_reinstall_closes_every_open_connection_of_the_device() {
     let (w, _ta, tb) = alice_and_bob_with_three_conns_per_device().await;
     let mut open = Vec::new();
     for name in ["b1-x", "b1-y"] {
-        let mut c = w.create_client(name, "b1", &tb, 1).unwrap();
+        let mut c = w.admin.create_client(name, "b1", &tb, 1).unwrap();
         c.connect(&w.ws_url()).await.unwrap();
         c.sub().await.unwrap();
         open.push(c);
     }
-    let mut z = w.create_client("b1-z", "b1", &tb, 1).unwrap();
+    let mut z = w.admin.create_client("b1-z", "b1", &tb, 1).unwrap();
     z.connect(&w.ws_url()).await.unwrap();
     z.close().await;
-    w.reinstall_device("b1").await.unwrap();
+    w.admin.reinstall_device("b1").await.unwrap();
     for c in &open {
         c.wait_closed(T).await.unwrap();
         assert!(
@@ -697,7 +700,7 @@ async fn a_reinstall_closes_every_open_connection_of_the_device() {
 async fn an_install_notification_that_changed_nothing_closes_nothing() {
     let w = World::start(GatewayOpts::default()).await.unwrap();
     let (_a, b) = alice_and_bob(&w).await.unwrap();
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     sqlx::query("UPDATE devices SET install_epoch = install_epoch WHERE device_id = 'b1'")
         .execute(&pool)
         .await
@@ -778,7 +781,10 @@ async fn slowloris_does_not_starve_real_clients_nor_delay_sigterm() {
     .await
     .unwrap();
     for i in 0..20 {
-        let mut c = w.create_client(&format!("real-{i}"), "a1", &ta, 1).unwrap();
+        let mut c = w
+            .admin
+            .create_client(&format!("real-{i}"), "a1", &ta, 1)
+            .unwrap();
         let r = c.connect(&w.ws_url()).await;
         assert!(
             r.is_ok(),
@@ -806,7 +812,7 @@ async fn slowloris_does_not_starve_real_clients_nor_delay_sigterm() {
         held.push(s);
     }
     // Accept is in order: once a later connection is served, the five were accepted.
-    let mut c = w.create_client("after-held", "a1", &ta, 1).unwrap();
+    let mut c = w.admin.create_client("after-held", "a1", &ta, 1).unwrap();
     c.connect(&w.ws_url()).await.unwrap();
     let t0 = Instant::now();
     let status = w.gw_mut().terminate(T).await.unwrap();
@@ -830,7 +836,7 @@ async fn slowloris_does_not_starve_real_clients_nor_delay_sigterm() {
 #[tokio::test]
 async fn sigterm_under_load_delivers_every_committed_reply_and_1001() {
     let mut w = World::start(GatewayOpts::default()).await.unwrap();
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     for round in 0..10 {
         if round > 0 {
             w.restart_gateway(GatewayOpts::default()).await.unwrap();
@@ -838,16 +844,16 @@ async fn sigterm_under_load_delivers_every_committed_reply_and_1001() {
         // A user and a conversation per round keep the clients' stores (and sub) small.
         let (user, conv) = (format!("u{round}"), format!("c{round}"));
         let conv = conv.as_str();
-        w.add_user(&user).await.unwrap();
+        w.admin.add_user(&user).await.unwrap();
         let mut tokens = Vec::new();
         for i in 0..4 {
             let d = format!("r{round}d{i}");
-            tokens.push((d.clone(), w.add_device(&d, &user).await.unwrap()));
+            tokens.push((d.clone(), w.admin.add_device(&d, &user).await.unwrap()));
         }
-        w.add_conv(conv, &[&user]).await.unwrap();
+        w.admin.add_conv(conv, &[&user]).await.unwrap();
         let mut clients = Vec::new();
         for (d, t) in &tokens {
-            let mut c = w.create_client(d, d, t, 1).unwrap();
+            let mut c = w.admin.create_client(d, d, t, 1).unwrap();
             c.connect(&w.ws_url()).await.unwrap();
             c.sub().await.unwrap();
             clients.push(c);
@@ -946,9 +952,9 @@ async fn sigterm_with_unread_input_still_delivers_all_it_wrote() {
     })
     .await
     .unwrap();
-    w.add_user("mallory").await.unwrap();
-    let token = w.add_device("m0", "mallory").await.unwrap();
-    w.add_conv("big", &["mallory"]).await.unwrap();
+    w.admin.add_user("mallory").await.unwrap();
+    let token = w.admin.add_device("m0", "mallory").await.unwrap();
+    w.admin.add_conv("big", &["mallory"]).await.unwrap();
     fill_with_16k_events(&w, "big", "mallory", "m0", 300).await;
     let mut r = Raw::open(w.gw().addr(), Ipv4Addr::LOCALHOST).await.unwrap();
     let welcome = r.hello("m0", &token, 1).await;
@@ -1045,8 +1051,8 @@ async fn sigterm_with_unread_input_still_delivers_all_it_wrote() {
 async fn unauthenticated_hello_reveals_neither_device_nor_epoch() {
     let w = World::start(GatewayOpts::default()).await.unwrap();
     let (t1, _tb) = provision_alice_and_bob(&w).await.unwrap();
-    let t2 = w.reinstall_device("a1").await.unwrap();
-    let t3 = w.reinstall_device("a1").await.unwrap();
+    let t2 = w.admin.reinstall_device("a1").await.unwrap();
+    let t3 = w.admin.reinstall_device("a1").await.unwrap();
     let addr = w.gw().addr();
     let mut answers = Vec::new();
     for (device, token, epoch) in [
@@ -1232,11 +1238,11 @@ async fn outsider_send_does_not_take_the_conversation_lock() {
     .await
     .unwrap();
     let (a, _b) = alice_and_bob(&w).await.unwrap();
-    w.add_user("mallory").await.unwrap();
-    let tm = w.add_device("m1", "mallory").await.unwrap();
+    w.admin.add_user("mallory").await.unwrap();
+    let tm = w.admin.add_device("m1", "mallory").await.unwrap();
     let m = connect(&w, "m1", &tm).await.unwrap();
     a.send("c1", "first", "x", T).await.unwrap();
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let mut lock = pool.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM conversations WHERE conv_id = 'c1' FOR UPDATE")
         .execute(&mut *lock)
@@ -1291,11 +1297,11 @@ async fn a_members_send_skips_the_membership_read() {
     .await
     .unwrap();
     let (a, _b) = alice_and_bob(&w).await.unwrap();
-    w.add_conv("c2", &["alice", "bob"]).await.unwrap();
+    w.admin.add_conv("c2", &["alice", "bob"]).await.unwrap();
     a.send("c1", "one", "x", T).await.unwrap();
     a.send("c2", "two", "x", T).await.unwrap();
-    w.leave("c1", "alice").await.unwrap();
-    let pool = w.pool().await.unwrap();
+    w.admin.leave("c1", "alice").await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let hold = 600;
     let held = hold_conversation_lock(&pool, "c1", hold).await;
     let t0 = Instant::now();
@@ -1329,8 +1335,8 @@ async fn a_user_who_left_waits_on_the_conversation_lock_at_most_once() {
     .unwrap();
     let (a, _b) = alice_and_bob(&w).await.unwrap();
     a.send("c1", "before-leave", "x", T).await.unwrap();
-    w.leave("c1", "alice").await.unwrap();
-    let pool = w.pool().await.unwrap();
+    w.admin.leave("c1", "alice").await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let hold = 600;
     let lock = || hold_conversation_lock(&pool, "c1", hold);
     let send = |cmid: &'static str| {

@@ -20,7 +20,7 @@ const T: Duration = Duration::from_secs(10);
 
 async fn start(c: &mut Check, opts: GatewayOpts) -> anyhow::Result<World> {
     let w = World::start(opts).await?;
-    c.set_postgres(postgres_facts(&w.pool().await?).await?);
+    c.set_postgres(postgres_facts(&w.admin.pool().await?).await?);
     Ok(w)
 }
 
@@ -85,17 +85,17 @@ async fn crash_point(
         w.gw().log_text().contains(&line),
     );
     c.observe("exit_status_raw", status.to_string());
-    let rows = w.count_events("c1").await?;
+    let rows = w.admin.count_events("c1").await?;
     c.expect("rows_after_crash", rows_after_crash, rows);
     let original_seq: Option<i64> =
         sqlx::query_scalar("SELECT seq FROM events WHERE cmid = 'cmid-crash-1'")
-            .fetch_optional(&w.pool().await?)
+            .fetch_optional(&w.admin.pool().await?)
             .await?;
     c.expect("outbox_after_crash", 1, a.outbox().len());
     a.crash().await;
 
     w.restart_gateway(GatewayOpts::default()).await?;
-    let mut again = w.load_client(&state)?;
+    let mut again = w.admin.load_client(&state)?;
     again
         .connect(&w.ws_url())
         .await
@@ -107,7 +107,7 @@ async fn crash_point(
         .next()
         .ok_or_else(|| anyhow::anyhow!("no replay reply"))?;
     let reply = reply.map_err(|e| anyhow::anyhow!("replay failed: {e}"))?;
-    c.expect("rows_after_resend", 1, w.count_events("c1").await?);
+    c.expect("rows_after_resend", 1, w.admin.count_events("c1").await?);
     c.expect("resend_dup", dup, reply["dup"].as_bool());
     let expected_seq = original_seq.unwrap_or(1);
     c.expect("resend_seq", expected_seq, reply["seq"].as_i64());
@@ -115,7 +115,7 @@ async fn crash_point(
     c.expect(
         "outbox_empty",
         true,
-        again.outbox().is_empty() && w.load_client(&state)?.outbox().is_empty(),
+        again.outbox().is_empty() && w.admin.load_client(&state)?.outbox().is_empty(),
     );
     invariants(c, &w).await
 }
@@ -235,9 +235,9 @@ async fn im06_crash_send_after_commit_before_notify() {
             true,
             w.gw().log_text().contains(&line),
         );
-        c.expect("rows_after_crash", 1, w.count_events("c1").await?);
+        c.expect("rows_after_crash", 1, w.admin.count_events("c1").await?);
         let seq: i64 = sqlx::query_scalar("SELECT seq FROM events WHERE cmid = 'cmid-notify-1'")
-            .fetch_one(&w.pool().await?)
+            .fetch_one(&w.admin.pool().await?)
             .await?;
         c.expect("pushes_before_crash", 0, b.stats().pushes_received);
         c.expect("outbox_after_crash", 1, a.outbox().len());
@@ -250,7 +250,7 @@ async fn im06_crash_send_after_commit_before_notify() {
             ..Default::default()
         })
         .await?;
-        let mut a = w.load_client(&a_state)?;
+        let mut a = w.admin.load_client(&a_state)?;
         a.connect(&w.ws_url())
             .await
             .map_err(|e| anyhow::anyhow!("reconnect a1: {e}"))?;
@@ -263,8 +263,8 @@ async fn im06_crash_send_after_commit_before_notify() {
             .map_err(|e| anyhow::anyhow!("replay failed: {e}"))?;
         c.expect("resend_dup", Some(true), reply["dup"].as_bool());
         c.expect("resend_seq", Some(seq), reply["seq"].as_i64());
-        c.expect("rows_after_resend", 1, w.count_events("c1").await?);
-        let mut b = w.load_client(&b_state)?;
+        c.expect("rows_after_resend", 1, w.admin.count_events("c1").await?);
+        let mut b = w.admin.load_client(&b_state)?;
         b.connect(&w.ws_url())
             .await
             .map_err(|e| anyhow::anyhow!("reconnect b1: {e}"))?;
@@ -305,7 +305,11 @@ async fn im06_crash_send_after_commit_before_notify() {
             s.hints_received.get("sweep").copied().unwrap_or(0),
         );
         c.expect("stored_seqs", vec![seq, seq2], b.stored_seqs("c1"));
-        c.expect("delivered_seq", Some(seq2), w.cursor("b1", "c1").await?);
+        c.expect(
+            "delivered_seq",
+            Some(seq2),
+            w.admin.cursor("b1", "c1").await?,
+        );
         invariants(&mut c, &w).await
     }
     .await;
@@ -334,7 +338,7 @@ async fn im06_lost_reply_retry() {
         c.expect("first_reply", "none (timeout)", first_reply(&first));
         c.expect("outbox_after_timeout", 1, a.outbox().len());
         let seq: i64 = sqlx::query_scalar("SELECT seq FROM events WHERE cmid = 'cmid-lost-reply'")
-            .fetch_one(&w.pool().await?)
+            .fetch_one(&w.admin.pool().await?)
             .await?;
         let replies = a.replay_outbox(T).await;
         let reply = replies
@@ -344,7 +348,7 @@ async fn im06_lost_reply_retry() {
             .map_err(|e| anyhow::anyhow!("resend failed: {e}"))?;
         c.expect("resend_dup", true, reply["dup"].as_bool());
         c.expect("resend_seq", seq, reply["seq"].as_i64());
-        c.expect("rows", 1, w.count_events("c1").await?);
+        c.expect("rows", 1, w.admin.count_events("c1").await?);
         c.expect("outbox_empty", true, a.outbox().is_empty());
         c.expect(
             "fault_fired_once",
@@ -379,7 +383,7 @@ async fn im06_push_ack_advances_cursor() {
         }
         let waited = b.wait_server_delivered("c1", last, T).await;
         c.expect("seq", 7, last);
-        c.expect("delivered_seq", Some(7), w.cursor("b1", "c1").await?);
+        c.expect("delivered_seq", Some(7), w.admin.cursor("b1", "c1").await?);
         c.expect("waited_within_deadline", true, waited.is_ok());
         let s = b.stats();
         c.expect("pushes_applied", 7, s.pushes_applied);
@@ -417,8 +421,12 @@ async fn im06_ack_monotonic_and_bounded() {
             Some("CURSOR_AHEAD"),
             ahead.as_ref().err().and_then(|e| e.code()),
         );
-        c.expect("delivered_seq_after", Some(7), w.cursor("b1", "c1").await?);
-        c.expect("head", 7, w.head("c1").await?);
+        c.expect(
+            "delivered_seq_after",
+            Some(7),
+            w.admin.cursor("b1", "c1").await?,
+        );
+        c.expect("head", 7, w.admin.head("c1").await?);
         invariants(&mut c, &w).await
     }
     .await;
@@ -495,7 +503,7 @@ async fn im06_lost_push_swept() {
         c.expect(
             "delivered_seq",
             Some(trials as i64),
-            w.cursor("b1", "c1").await?,
+            w.admin.cursor("b1", "c1").await?,
         );
         invariants(&mut c, &w).await
     }
@@ -561,7 +569,7 @@ async fn im06_db_immediate_stop_keeps_acked() {
             )
             .await;
             let rate = acked.lock().unwrap().len() as f64 / load_started.elapsed().as_secs_f64();
-            let rows_before: i64 = w.count_events("c1").await.unwrap_or(-1);
+            let rows_before: i64 = w.admin.count_events("c1").await.unwrap_or(-1);
             w.crash_pg().await.map(|_| (rows_before, rate))
         };
         let (_, crashed) = tokio::join!(join_all(runs), watcher);
@@ -570,7 +578,7 @@ async fn im06_db_immediate_stop_keeps_acked() {
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
         let acked: Vec<(String, i64)> = acked.lock().unwrap().clone();
         w.restart_pg().await?;
-        let pool = w.pool().await?;
+        let pool = w.admin.pool().await?;
         let cmids: Vec<String> = acked.iter().map(|(m, _)| m.clone()).collect();
         let found: Vec<(String, i64)> =
             sqlx::query_as("SELECT cmid, seq FROM events WHERE cmid = ANY($1)")
@@ -590,7 +598,7 @@ async fn im06_db_immediate_stop_keeps_acked() {
         c.expect("acknowledged_missing_after_recovery", 0, missing.len());
         c.expect("acknowledged_found_twice", 0, found.len() - found_set.len());
         c.expect("acknowledged_with_other_seq", 0, wrong_seq);
-        let rows_after_recovery = w.count_events("c1").await?;
+        let rows_after_recovery = w.admin.count_events("c1").await?;
         c.observe("rows_before_stop", rows_before_stop);
         c.observe("rows_after_recovery", rows_after_recovery);
         c.expect_ge(
@@ -611,7 +619,11 @@ async fn im06_db_immediate_stop_keeps_acked() {
         }
         c.observe("in_flight_replayed", pending);
         let all_sent = acked.len() as i64 + pending as i64;
-        c.expect("rows_after_replay", all_sent, w.count_events("c1").await?);
+        c.expect(
+            "rows_after_replay",
+            all_sent,
+            w.admin.count_events("c1").await?,
+        );
         invariants(&mut c, &w).await
     }
     .await;
@@ -659,7 +671,7 @@ async fn im06_lost_ack_swept() {
                 .matches("fault fired: point=gw.recv.ack action=drop")
                 .count(),
         );
-        c.expect("delivered_seq", Some(1), w.cursor("b1", "c1").await?);
+        c.expect("delivered_seq", Some(1), w.admin.cursor("b1", "c1").await?);
         c.expect("repaired_within_wait", true, r.is_ok());
         c.expect_le("repair_ms", bound.as_millis() as f64, ms(took));
         let s = b.stats();
@@ -713,9 +725,9 @@ async fn im06_receiver_crash_before_ack() {
         c.expect(
             "delivered_seq_after_crash",
             None::<i64>,
-            w.cursor("b1", "c1").await?,
+            w.admin.cursor("b1", "c1").await?,
         );
-        let mut b2 = w.load_client(&state)?;
+        let mut b2 = w.admin.load_client(&state)?;
         c.expect(
             "stored_after_restart",
             vec![1, 2, 3, 4, 5],
@@ -733,7 +745,7 @@ async fn im06_receiver_crash_before_ack() {
             vec![1, 2, 3, 4, 5],
             b2.stored_seqs("c1"),
         );
-        c.expect("delivered_seq", Some(5), w.cursor("b1", "c1").await?);
+        c.expect("delivered_seq", Some(5), w.admin.cursor("b1", "c1").await?);
         invariants(&mut c, &w).await
     }
     .await;
@@ -754,7 +766,7 @@ async fn im06_listen_conn_killed_swept() {
     let r = async {
         let w = start(&mut c, GatewayOpts { sweep_ms: Some(300), ..Default::default() }).await?;
         let (a, b) = alice_and_bob(&w).await?;
-        let pool = w.pool().await?;
+        let pool = w.admin.pool().await?;
         let listen_pid = || async {
             sqlx::query_scalar::<_, i32>(
                 "SELECT pid FROM pg_stat_activity WHERE query ILIKE 'listen%' AND pid <> pg_backend_pid()")
@@ -774,7 +786,7 @@ async fn im06_listen_conn_killed_swept() {
         c.expect("receiver_caught_up", true, r.is_ok());
         c.observe("catch_up_after_last_send_ms", ms(t0.elapsed()));
         c.expect("stored_seqs", (1..=total).collect::<Vec<i64>>(), b.stored_seqs("c1"));
-        c.expect("delivered_seq", Some(total), w.cursor("b1", "c1").await?);
+        c.expect("delivered_seq", Some(total), w.admin.cursor("b1", "c1").await?);
         let new_pid = listen_pid().await?;
         c.expect("new_listen_backend_exists", true, new_pid.is_some());
         c.expect_ne("new_listen_backend", old_pid, new_pid);
@@ -835,7 +847,11 @@ async fn im06_queue_overflow_hint() {
             (1..=total).collect::<Vec<i64>>(),
             b.stored_seqs("c1"),
         );
-        c.expect("delivered_seq", Some(total), w.cursor("b1", "c1").await?);
+        c.expect(
+            "delivered_seq",
+            Some(total),
+            w.admin.cursor("b1", "c1").await?,
+        );
         invariants(&mut c, &w).await
     }
     .await;
@@ -931,7 +947,7 @@ async fn im06_lost_push_gap_synced() {
         c.expect("pushes_received", 2, s.pushes_received);
         c.expect_ge("gaps_detected", 1, s.gaps_detected);
         c.expect_ge("events_synced", 1, s.events_synced);
-        c.expect("delivered_seq", Some(3), w.cursor("b1", "c1").await?);
+        c.expect("delivered_seq", Some(3), w.admin.cursor("b1", "c1").await?);
         invariants(&mut c, &w).await
     }
     .await;
@@ -990,7 +1006,11 @@ async fn im06_sweep_hint_cadence() {
         c.observe("hint_gaps_ms", &gaps);
         c.expect_le("hint_gap_ms_median", sweep_ms * 3 / 2, median);
         c.expect_le("hint_gap_ms_max", sweep_ms + 1000, max);
-        c.expect("delivered_seq", None::<i64>, w.cursor("b1", "c1").await?);
+        c.expect(
+            "delivered_seq",
+            None::<i64>,
+            w.admin.cursor("b1", "c1").await?,
+        );
         invariants(&mut c, &w).await
     }
     .await;
@@ -1019,7 +1039,7 @@ async fn im06_sweep_cost_at_target_scale() {
     let mut c = Check::new("06-sweep-cost-at-target-scale", "boundary", None);
     let r = async {
         let w = start(&mut c, GatewayOpts::default()).await?;
-        let pool = w.pool().await?;
+        let pool = w.admin.pool().await?;
         let t = Instant::now();
         let mut tx = pool.begin().await?;
         // Consistent by construction: foreign-key triggers off for this transaction only.
@@ -1184,9 +1204,9 @@ async fn im06_receiver_crash_after_ack() {
         b.wait_for("the crash point", T, Client::is_dead).await?;
         let state = b.state_path().to_path_buf();
         b.crash().await;
-        let delivered = w.cursor("b1", "c1").await?.unwrap_or(0);
+        let delivered = w.admin.cursor("b1", "c1").await?.unwrap_or(0);
         c.observe("delivered_seq_at_crash", delivered);
-        let mut b2 = w.load_client(&state)?;
+        let mut b2 = w.admin.load_client(&state)?;
         let stored = b2.stored_seqs("c1");
         // Every seq the server counts as delivered is in the restarted client's store.
         c.expect_contains_all(
@@ -1237,7 +1257,7 @@ async fn im06_receiver_crash_mid_sync() {
         c.expect("dead_after_first_page", true, b.is_dead());
         let state = b.state_path().to_path_buf();
         b.crash().await;
-        let mut b2 = w.load_client(&state)?;
+        let mut b2 = w.admin.load_client(&state)?;
         c.expect(
             "stored_after_crash",
             (1..=10).collect::<Vec<i64>>(),
@@ -1246,7 +1266,7 @@ async fn im06_receiver_crash_mid_sync() {
         c.expect(
             "delivered_seq_at_crash",
             None::<i64>,
-            w.cursor("b1", "c1").await?,
+            w.admin.cursor("b1", "c1").await?,
         );
         b2.connect(&w.ws_url())
             .await
@@ -1260,7 +1280,7 @@ async fn im06_receiver_crash_mid_sync() {
             b2.stored_seqs("c1"),
         );
         c.expect("duplicates_ignored", 10, b2.stats().duplicates_ignored);
-        c.expect("delivered_seq", Some(25), w.cursor("b1", "c1").await?);
+        c.expect("delivered_seq", Some(25), w.admin.cursor("b1", "c1").await?);
         invariants(&mut c, &w).await
     }
     .await;
@@ -1366,9 +1386,9 @@ async fn four_senders(w: &World) -> anyhow::Result<Vec<Client>> {
     let mut senders = Vec::new();
     for i in 0..4 {
         let u = format!("s{i}");
-        w.add_user(&u).await?;
-        w.join("c1", &u).await?;
-        let t = w.add_device(&format!("sd{i}"), &u).await?;
+        w.admin.add_user(&u).await?;
+        w.admin.join("c1", &u).await?;
+        let t = w.admin.add_device(&format!("sd{i}"), &u).await?;
         senders.push(connect(w, &format!("sd{i}"), &t).await?);
     }
     Ok(senders)
@@ -1386,7 +1406,7 @@ async fn acked_after(w: &World, acked: &[(String, i64)]) -> anyhow::Result<Acked
     let found: Vec<(String, i64)> =
         sqlx::query_as("SELECT cmid, seq FROM events WHERE cmid = ANY($1)")
             .bind(&cmids)
-            .fetch_all(&w.pool().await?)
+            .fetch_all(&w.admin.pool().await?)
             .await?;
     let found_set: std::collections::HashMap<String, i64> = found.iter().cloned().collect();
     Ok(AckedAfter {
@@ -1516,7 +1536,7 @@ async fn power_cut_check(id: &str, torn: bool) {
         let load = Load::new();
         let cut_at = async {
             let rate = load.wait_acked(200).await;
-            let rows: i64 = w.count_events("c1").await.unwrap_or(-1);
+            let rows: i64 = w.admin.count_events("c1").await.unwrap_or(-1);
             let unsynced = w.pg.lazyfs_stats();
             let cut = if torn {
                 w.power_cut_pg_torn().await
@@ -1564,7 +1584,7 @@ async fn power_cut_check(id: &str, torn: bool) {
             return invariants(&mut c, &w).await;
         }
         // The layer's cost: the same 200 commits through it and on a plain directory.
-        let through = commit_bench(&w.pool().await?).await?;
+        let through = commit_bench(&w.admin.pool().await?).await?;
         let plain_cluster = harness::pg::Cluster::start().await?;
         let plain_pool = plain_cluster.pool().await?;
         let plain = commit_bench(&plain_pool).await?;
@@ -1622,7 +1642,7 @@ async fn failover_check(id: &str, synchronous: bool) {
             },
         )
         .await?;
-        c.set_postgres(postgres_facts(&w.pool().await?).await?);
+        c.set_postgres(postgres_facts(&w.admin.pool().await?).await?);
         let mut settings = durability_settings(&w).await?;
         let (mut a, mut b) = alice_and_bob(&w).await?;
         let mut senders = four_senders(&w).await?;
@@ -1634,7 +1654,7 @@ async fn failover_check(id: &str, synchronous: bool) {
                         extract(epoch FROM flush_lag)::float8 * 1000
                  FROM pg_stat_replication WHERE application_name = 'standby'",
             )
-            .fetch_optional(&w.pool().await?)
+            .fetch_optional(&w.admin.pool().await?)
             .await?;
             let t = w.failover().await;
             load.stop.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -1671,7 +1691,7 @@ async fn failover_check(id: &str, synchronous: bool) {
         let rows: Vec<(String, i64)> =
             sqlx::query_as("SELECT cmid, seq FROM events WHERE cmid = ANY($1)")
                 .bind(&resent)
-                .fetch_all(&w.pool().await?)
+                .fetch_all(&w.admin.pool().await?)
                 .await?;
         let mut per: std::collections::HashMap<&str, Vec<i64>> = Default::default();
         for (m, s) in &rows {
@@ -1686,7 +1706,7 @@ async fn failover_check(id: &str, synchronous: bool) {
         // message or nothing: what a receiver saw and the database forgot.
         let db: std::collections::HashMap<i64, String> =
             sqlx::query_as::<_, (i64, String)>("SELECT seq, mid FROM events WHERE conv_id = 'c1'")
-                .fetch_all(&w.pool().await?)
+                .fetch_all(&w.admin.pool().await?)
                 .await?
                 .into_iter()
                 .collect();
@@ -1759,7 +1779,7 @@ async fn failover_check(id: &str, synchronous: bool) {
         // receiver already holds from the old primary, so the wait above may end at once:
         // wait (bounded, judged below) for the gateway's LISTEN session on the new primary
         // before the send whose push proves it.
-        let pool = w.pool().await?;
+        let pool = w.admin.pool().await?;
         let _ = wait_until("the gateway's LISTEN on the new primary", T, async || {
             let n: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'",
@@ -1791,7 +1811,7 @@ async fn failover_check(id: &str, synchronous: bool) {
         .await?;
         c.expect_ge("listen_backends_on_new_primary", 1, listen);
         c.observe("seq_after_failover", seq);
-        c.observe("head_after_failover", w.head("c1").await?);
+        c.observe("head_after_failover", w.admin.head("c1").await?);
         if let Some(f) = &w.failover {
             c.observe("proxy", f.proxy.stats());
             let standby_settings = [
@@ -1868,7 +1888,7 @@ async fn im06_failover_pg_auto_failover() {
             },
         )
         .await?;
-        c.set_postgres(postgres_facts(&w.pool().await?).await?);
+        c.set_postgres(postgres_facts(&w.admin.pool().await?).await?);
         let mut settings = durability_settings(&w).await?;
         c.observe("pg_autoctl_version", formation.version().await);
         c.observe("pg_auto_failover_settings", formation.settings().await?);
@@ -1982,7 +2002,7 @@ async fn im06_failover_pg_auto_failover() {
         let rows: Vec<(String, i64)> =
             sqlx::query_as("SELECT cmid, seq FROM events WHERE cmid = ANY($1)")
                 .bind(&resent)
-                .fetch_all(&w.pool().await?)
+                .fetch_all(&w.admin.pool().await?)
                 .await?;
         let mut per: std::collections::HashMap<&str, Vec<i64>> = Default::default();
         for (m, s) in &rows {
@@ -2038,7 +2058,7 @@ async fn im06_failover_pg_auto_failover() {
             let n: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'",
             )
-            .fetch_one(&w.pool().await?)
+            .fetch_one(&w.admin.pool().await?)
             .await?;
             if n >= 1 || Instant::now() >= listen_deadline {
                 break n;
@@ -2061,7 +2081,7 @@ async fn im06_failover_pg_auto_failover() {
             true,
             pushed.is_ok(),
         );
-        c.observe("head_after_failover", w.head("c1").await?);
+        c.observe("head_after_failover", w.admin.head("c1").await?);
         c.observe("replication_after_failover", formation.replication().await?);
         c.observe("proxy", formation.proxy_stats());
         // The new primary's own durability settings, read through the moved address.
@@ -2124,7 +2144,7 @@ impl Traffic {
 
 /// Connects `client` to gateway `i` of `w` and subscribes (a device moving gateways).
 async fn move_to(w: &World, i: usize, client: &mut Client) -> anyhow::Result<()> {
-    let url = w.ws_url_at(i);
+    let url = w.gateways.ws_url_at(i);
     client
         .connect(&url)
         .await
@@ -2185,7 +2205,7 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
     let sweep_ms = 1000u64;
     let mut w = start(c, GatewayOpts::default()).await?;
     let b_gw = w.start_gateway(GatewayOpts::default()).await?;
-    c.expect("gateways", 2, w.gateway_count());
+    c.expect("gateways", 2, w.gateways.count());
     let mut tokens = Vec::new();
     for (user, device) in [
         ("alice", "a1"),
@@ -2193,11 +2213,13 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
         ("carol", "k1"),
         ("dave", "d1"),
     ] {
-        w.add_user(user).await?;
-        tokens.push(w.add_device(device, user).await?);
+        w.admin.add_user(user).await?;
+        tokens.push(w.admin.add_device(device, user).await?);
     }
-    w.add_conv("c1", &["alice", "bob", "carol", "dave"]).await?;
-    let new = |device: &str, token: &str| w.create_client(device, device, token, 1);
+    w.admin
+        .add_conv("c1", &["alice", "bob", "carol", "dave"])
+        .await?;
+    let new = |device: &str, token: &str| w.admin.create_client(device, device, token, 1);
     let mut a1 = new("a1", &tokens[0])?;
     let mut b1 = new("b1", &tokens[1])?;
     let mut k1 = new("k1", &tokens[2])?;
@@ -2302,12 +2324,13 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
         c.expect(
             &format!("{point}.b_exit_status"),
             137,
-            w.gw_at(b_gw).exit_code(),
+            w.gateways.at(b_gw).exit_code(),
         );
         c.expect(
             &format!("{point}.b_fault_line"),
             true,
-            w.gw_at(b_gw)
+            w.gateways
+                .at(b_gw)
                 .log_text()
                 .contains(&format!("fault fired: point={point} action=halt hit=1")),
         );
@@ -2339,7 +2362,7 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
 
         // B's devices move to the survivor: b1 restarts from its state file and replays.
         b1.crash().await;
-        b1 = w.load_client(&b1_state)?;
+        b1 = w.admin.load_client(&b1_state)?;
         move_to(&w, A, &mut b1).await?;
         let replies = b1.replay_outbox(T).await;
         c.expect(&format!("{point}.b1_replayed"), 1, replies.len());
@@ -2365,7 +2388,7 @@ async fn two_gateways(c: &mut Check) -> anyhow::Result<()> {
         );
         acked_all.push((cmid.clone(), replayed["seq"].as_i64().unwrap_or(-1)));
         move_to(&w, A, &mut d1).await?;
-        let head = w.head("c1").await?;
+        let head = w.admin.head("c1").await?;
         c.expect(
             &format!("{point}.d1_caught_up_on_a"),
             true,
@@ -2397,7 +2420,7 @@ async fn cmid_rows(w: &World, cmid: &str) -> anyhow::Result<i64> {
     Ok(
         sqlx::query_scalar("SELECT count(*) FROM events WHERE cmid = $1")
             .bind(cmid)
-            .fetch_one(&w.pool().await?)
+            .fetch_one(&w.admin.pool().await?)
             .await?,
     )
 }
@@ -2449,7 +2472,7 @@ async fn lazy_world(c: &mut Check) -> anyhow::Result<Option<(World, Vec<Client>)
         }
         Err(e) => return Err(e),
     };
-    c.set_postgres(postgres_facts(&w.pool().await?).await?);
+    c.set_postgres(postgres_facts(&w.admin.pool().await?).await?);
     c.durability(&durability_settings(&w).await?);
     let (a, _b) = alice_and_bob(&w).await?;
     drop(a);
@@ -2708,14 +2731,14 @@ async fn acked_survive_the_cut(
     );
     c.expect("acknowledged_found_twice", 0, after.twice);
     c.expect("acknowledged_with_other_seq", 0, after.other_seq);
-    c.observe("rows_after_recovery", w.count_events("c1").await?);
+    c.observe("rows_after_recovery", w.admin.count_events("c1").await?);
     let pending: usize = senders.iter().map(|s| s.outbox().len()).sum();
     replay_all(senders).await?;
     c.observe("in_flight_replayed", pending);
     c.expect(
         "rows_after_replay",
         acked.len() as i64 + pending as i64,
-        w.count_events("c1").await?,
+        w.admin.count_events("c1").await?,
     );
     Ok(())
 }

@@ -24,11 +24,11 @@ async fn broken_d4_ends_the_gateway_process() {
     let mut w = World::start(GatewayOpts::default())
         .await
         .expect("start cluster and gateway");
-    w.add_user("alice").await.unwrap();
-    let token = w.add_device("a1", "alice").await.unwrap();
-    w.add_conv("c1", &["alice"]).await.unwrap();
+    w.admin.add_user("alice").await.unwrap();
+    let token = w.admin.add_device("a1", "alice").await.unwrap();
+    w.admin.add_conv("c1", &["alice"]).await.unwrap();
 
-    let mut c = w.create_client("a1", "a1", &token, 1).unwrap();
+    let mut c = w.admin.create_client("a1", "a1", &token, 1).unwrap();
     c.connect_raw(&w.ws_url()).await.unwrap();
     let r = c
         .request(
@@ -47,7 +47,7 @@ async fn broken_d4_ends_the_gateway_process() {
         (Some("sent"), Some(1))
     );
 
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     sqlx::raw_sql(
         "CREATE FUNCTION test_lower_cursor() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN NEW.delivered_seq := 0; RETURN NEW; END $$;

@@ -31,7 +31,7 @@ async fn world() -> World {
 /// The database-wide invariants, then the history checker over the whole run: zero
 /// anomalies of any kind (D1-D6, P1, S1).
 async fn assert_invariants(w: &World) {
-    let v = db_invariant_violations(&w.pool().await.unwrap())
+    let v = db_invariant_violations(&w.admin.pool().await.unwrap())
         .await
         .unwrap();
     assert!(v.is_empty(), "database invariants violated: {v:?}");
@@ -50,10 +50,10 @@ async fn assert_invariants(w: &World) {
 #[tokio::test]
 async fn hello_first_and_bad_credentials_are_unauthenticated_then_closed() {
     let w = world().await;
-    w.add_user("alice").await.unwrap();
-    let token = w.add_device("a1", "alice").await.unwrap();
+    w.admin.add_user("alice").await.unwrap();
+    let token = w.admin.add_device("a1", "alice").await.unwrap();
 
-    let mut c = w.create_client("raw", "a1", &token, 1).unwrap();
+    let mut c = w.admin.create_client("raw", "a1", &token, 1).unwrap();
     c.connect_raw(&w.ws_url()).await.unwrap();
     for frame in [
         json!({"t":"sub"}),
@@ -100,6 +100,7 @@ async fn hello_first_and_bad_credentials_are_unauthenticated_then_closed() {
     .enumerate()
     {
         let mut c = w
+            .admin
             .create_client(&format!("bad{i}"), device, tok, epoch)
             .unwrap();
         let r = c.connect(&w.ws_url()).await;
@@ -125,11 +126,14 @@ async fn reinstall_makes_older_installs_stale() {
     let (_ta, tb) = scenarios::provision_alice_and_bob(&w).await.unwrap();
     let mut before = Vec::new();
     for i in 0..4 {
-        let mut c = w.create_client(&format!("b1-{i}"), "b1", &tb, 1).unwrap();
+        let mut c = w
+            .admin
+            .create_client(&format!("b1-{i}"), "b1", &tb, 1)
+            .unwrap();
         c.connect(&w.ws_url()).await.unwrap();
         before.push(c);
     }
-    let new_token = w.reinstall_device("b1").await.unwrap();
+    let new_token = w.admin.reinstall_device("b1").await.unwrap();
 
     for c in &before {
         c.wait_closed(T).await.unwrap();
@@ -150,12 +154,12 @@ async fn reinstall_makes_older_installs_stale() {
     let r = before[1].send("c1", "stale-1", "x", T).await;
     assert!(r.is_err(), "{r:?}");
     assert_eq!(
-        w.count_events("c1").await.unwrap(),
+        w.admin.count_events("c1").await.unwrap(),
         0,
         "a stale install writes nothing"
     );
 
-    let mut old = w.create_client("old", "b1", &tb, 1).unwrap();
+    let mut old = w.admin.create_client("old", "b1", &tb, 1).unwrap();
     let r = old.connect(&w.ws_url()).await;
     assert_eq!(
         r.as_ref().err().and_then(|e| e.code()),
@@ -163,7 +167,7 @@ async fn reinstall_makes_older_installs_stale() {
         "{r:?}"
     );
     old.wait_closed(T).await.unwrap();
-    let mut guess = w.create_client("guess", "b1", "whatever", 1).unwrap();
+    let mut guess = w.admin.create_client("guess", "b1", "whatever", 1).unwrap();
     let r = guess.connect(&w.ws_url()).await;
     assert_eq!(
         r.as_ref().err().and_then(|e| e.code()),
@@ -171,7 +175,7 @@ async fn reinstall_makes_older_installs_stale() {
         "{r:?}"
     );
 
-    let mut new = w.create_client("new", "b1", &new_token, 2).unwrap();
+    let mut new = w.admin.create_client("new", "b1", &new_token, 2).unwrap();
     let r = new.connect(&w.ws_url()).await.unwrap();
     assert_eq!(r["epoch"], 2);
 }
@@ -184,8 +188,8 @@ async fn reinstall_makes_older_installs_stale() {
 async fn send_is_idempotent_by_sender_and_cmid_across_devices() {
     let w = world().await;
     let (a, _b) = alice_and_bob(&w).await.unwrap();
-    w.add_conv("c2", &["alice", "bob"]).await.unwrap();
-    let t2 = w.add_device("a2", "alice").await.unwrap();
+    w.admin.add_conv("c2", &["alice", "bob"]).await.unwrap();
+    let t2 = w.admin.add_device("a2", "alice").await.unwrap();
     let a2 = connect(&w, "a2", &t2).await.unwrap();
 
     let first = a.send("c1", "m-1", "hello", T).await.unwrap();
@@ -218,8 +222,8 @@ async fn send_is_idempotent_by_sender_and_cmid_across_devices() {
         a.outbox().is_empty() && a2.outbox().is_empty(),
         "terminal errors clear the outbox"
     );
-    assert_eq!(w.count_events("c1").await.unwrap(), 1);
-    assert_eq!(w.count_events("c2").await.unwrap(), 0);
+    assert_eq!(w.admin.count_events("c1").await.unwrap(), 1);
+    assert_eq!(w.admin.count_events("c2").await.unwrap(), 0);
     assert_invariants(&w).await;
 }
 
@@ -229,7 +233,7 @@ async fn send_is_idempotent_by_sender_and_cmid_across_devices() {
 async fn concurrent_duplicates_of_one_cmid_give_one_row_d2() {
     let w = world().await;
     let (a, _b) = alice_and_bob(&w).await.unwrap();
-    let t2 = w.add_device("a2", "alice").await.unwrap();
+    let t2 = w.admin.add_device("a2", "alice").await.unwrap();
     let a2 = connect(&w, "a2", &t2).await.unwrap();
     for round in 0..5 {
         let cmid = format!("race-{round}");
@@ -253,7 +257,7 @@ async fn concurrent_duplicates_of_one_cmid_give_one_row_d2() {
         );
         assert_eq!(replies[0]["seq"], json!(round + 1));
     }
-    assert_eq!(w.count_events("c1").await.unwrap(), 5);
+    assert_eq!(w.admin.count_events("c1").await.unwrap(), 5);
     assert_invariants(&w).await;
 }
 
@@ -268,14 +272,14 @@ async fn concurrent_senders_get_gapless_seqs_even_with_rollbacks_p1() {
     })
     .await
     .unwrap();
-    w.add_user("bob").await.unwrap();
-    w.add_conv("big", &["bob"]).await.unwrap();
+    w.admin.add_user("bob").await.unwrap();
+    w.admin.add_conv("big", &["bob"]).await.unwrap();
     let mut senders = Vec::new();
     for i in 0..8 {
         let u = format!("u{i}");
-        w.add_user(&u).await.unwrap();
-        w.join("big", &u).await.unwrap();
-        let t = w.add_device(&format!("d{i}"), &u).await.unwrap();
+        w.admin.add_user(&u).await.unwrap();
+        w.admin.join("big", &u).await.unwrap();
+        let t = w.admin.add_device(&format!("d{i}"), &u).await.unwrap();
         senders.push(connect(&w, &format!("d{i}"), &t).await.unwrap());
     }
     let started = Instant::now();
@@ -309,7 +313,7 @@ async fn concurrent_senders_get_gapless_seqs_even_with_rollbacks_p1() {
         (1..=1600).collect::<Vec<i64>>(),
         "seqs are exactly 1..1600"
     );
-    assert_eq!(w.head("big").await.unwrap(), 1600);
+    assert_eq!(w.admin.head("big").await.unwrap(), 1600);
     eprintln!("1600 acknowledged sends from 8 senders in {elapsed:?}");
     assert_invariants(&w).await;
 }
@@ -325,10 +329,13 @@ async fn out_of_order_concurrent_acks_keep_the_maximum_d4() {
     for i in 0..40 {
         a.send("c1", &format!("m{i}"), "x", T).await.unwrap();
     }
-    let tb = w.reinstall_device("b1").await.unwrap();
+    let tb = w.admin.reinstall_device("b1").await.unwrap();
     let mut conns = Vec::new();
     for i in 0..4 {
-        let mut c = w.create_client(&format!("b1x{i}"), "b1", &tb, 2).unwrap();
+        let mut c = w
+            .admin
+            .create_client(&format!("b1x{i}"), "b1", &tb, 2)
+            .unwrap();
         c.connect(&w.ws_url()).await.unwrap();
         conns.push(c);
     }
@@ -352,7 +359,7 @@ async fn out_of_order_concurrent_acks_keep_the_maximum_d4() {
             "acked.delivered is merged: {r}"
         );
     }
-    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(40));
+    assert_eq!(w.admin.cursor("b1", "c1").await.unwrap(), Some(40));
     let r = conns[0].ack("c1", 3, T).await.unwrap();
     assert_eq!(
         r["delivered"], 40,
@@ -364,7 +371,7 @@ async fn out_of_order_concurrent_acks_keep_the_maximum_d4() {
         .request(json!({"t":"ack","conv":"c1","seq":-1}), T)
         .await;
     assert_eq!(code(&r).as_deref(), Some("BAD_REQUEST"));
-    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(40));
+    assert_eq!(w.admin.cursor("b1", "c1").await.unwrap(), Some(40));
     assert_invariants(&w).await;
 }
 
@@ -376,8 +383,8 @@ async fn out_of_order_concurrent_acks_keep_the_maximum_d4() {
 async fn membership_periods_bound_what_a_device_sees_s1() {
     let w = world().await;
     let (a, b) = alice_and_bob(&w).await.unwrap();
-    w.add_user("carol").await.unwrap();
-    let tc = w.add_device("k1", "carol").await.unwrap();
+    w.admin.add_user("carol").await.unwrap();
+    let tc = w.admin.add_device("k1", "carol").await.unwrap();
     let carol = connect(&w, "k1", &tc).await.unwrap();
     let subbed = carol.sub().await.unwrap();
     assert_eq!(
@@ -401,7 +408,7 @@ async fn membership_periods_bound_what_a_device_sees_s1() {
 
     a.send("c1", "m1", "one", T).await.unwrap();
     b.wait_cursor("c1", 1, T).await.unwrap();
-    w.leave("c1", "bob").await.unwrap();
+    w.admin.leave("c1", "bob").await.unwrap();
     a.send("c1", "m2", "two", T).await.unwrap();
     a.send("c1", "m3", "three", T).await.unwrap();
     let r = b.send("c1", "b-1", "still here?", T).await;
@@ -419,7 +426,7 @@ async fn membership_periods_bound_what_a_device_sees_s1() {
         "cannot ack what it cannot see"
     );
 
-    w.join("c1", "bob").await.unwrap();
+    w.admin.join("c1", "bob").await.unwrap();
     a.send("c1", "m4", "four", T).await.unwrap();
     b.wait_cursor("c1", 4, T).await.unwrap();
     a.wait_cursor("c1", 4, T).await.unwrap();
@@ -449,7 +456,7 @@ async fn membership_periods_bound_what_a_device_sees_s1() {
 async fn two_devices_of_one_user_get_pushes_and_keep_separate_cursors() {
     let w = world().await;
     let (a, b) = alice_and_bob(&w).await.unwrap();
-    let t2 = w.add_device("b2", "bob").await.unwrap();
+    let t2 = w.admin.add_device("b2", "bob").await.unwrap();
     let b2 = connect(&w, "b2", &t2)
         .await
         .unwrap()
@@ -458,7 +465,7 @@ async fn two_devices_of_one_user_get_pushes_and_keep_separate_cursors() {
             ..Default::default()
         });
     b2.sub().await.unwrap();
-    let t3 = w.add_device("a2", "alice").await.unwrap();
+    let t3 = w.admin.add_device("a2", "alice").await.unwrap();
     let a2 = connect(&w, "a2", &t3).await.unwrap();
     a2.sub().await.unwrap();
     for i in 0..5 {
@@ -468,9 +475,9 @@ async fn two_devices_of_one_user_get_pushes_and_keep_separate_cursors() {
     b2.wait_cursor("c1", 5, T).await.unwrap();
     a2.wait_server_delivered("c1", 5, T).await.unwrap();
     b2.ack("c1", 2, T).await.unwrap();
-    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(5));
-    assert_eq!(w.cursor("b2", "c1").await.unwrap(), Some(2));
-    assert_eq!(w.cursor("a2", "c1").await.unwrap(), Some(5));
+    assert_eq!(w.admin.cursor("b1", "c1").await.unwrap(), Some(5));
+    assert_eq!(w.admin.cursor("b2", "c1").await.unwrap(), Some(2));
+    assert_eq!(w.admin.cursor("a2", "c1").await.unwrap(), Some(5));
     assert!(b2.stats().pushes_applied >= 5);
     assert_invariants(&w).await;
 }
@@ -556,7 +563,7 @@ async fn sweep_hints_a_device_that_missed_events() {
     })
     .await
     .unwrap();
-    let mut b = w.load_client(&state).unwrap();
+    let mut b = w.admin.load_client(&state).unwrap();
     b.connect(&w.ws_url()).await.unwrap();
     b.request(json!({"t":"sub"}), T).await.unwrap(); // raw sub: the client does not sync by itself
     b.wait_server_delivered("c1", 3, T).await.unwrap();
@@ -628,8 +635,8 @@ async fn sweep_stops_hinting_a_device_that_caught_up() {
         "b1 was hinted after it caught up: {:?}",
         b.frames()
     );
-    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(1));
-    assert_eq!(w.cursor("a1", "c1").await.unwrap(), None);
+    assert_eq!(w.admin.cursor("b1", "c1").await.unwrap(), Some(1));
+    assert_eq!(w.admin.cursor("a1", "c1").await.unwrap(), None);
     assert_invariants(&w).await;
 }
 
@@ -654,7 +661,7 @@ async fn the_sweep_hints_a_member_who_left_at_the_last_event_they_may_see() {
     for m in ["m1", "m2"] {
         a.send("c1", m, "x", T).await.unwrap();
     }
-    w.leave("c1", "bob").await.unwrap();
+    w.admin.leave("c1", "bob").await.unwrap();
     for m in ["m3", "m4"] {
         a.send("c1", m, "x", T).await.unwrap();
     }
@@ -701,7 +708,7 @@ async fn the_sweep_hints_a_member_who_left_at_the_last_event_they_may_see() {
         late.is_empty(),
         "b1 was hinted after it acked its last event: {late:?}"
     );
-    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(2));
+    assert_eq!(w.admin.cursor("b1", "c1").await.unwrap(), Some(2));
     assert_invariants(&w).await;
 }
 
@@ -725,7 +732,7 @@ async fn commit_feed_pushes_an_event_committed_without_a_notification() {
     b.wait_server_delivered("c1", 1, T).await.unwrap();
     tokio::time::sleep(Duration::from_millis(800)).await; // idle: four intervals
     let before = b.stats();
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let mut tx = pool.begin().await.unwrap();
     let seq: i64 = sqlx::query_scalar(
         "UPDATE conversations SET next_seq = next_seq + 1 WHERE conv_id = 'c1' RETURNING next_seq - 1",
@@ -787,7 +794,7 @@ async fn the_notifier_batches_commits_that_arrive_during_a_notify() {
     .unwrap();
     let (ta, _tb) = provision_alice_and_bob(&w).await.unwrap();
     let a = connect(&w, "a1", &ta).await.unwrap();
-    let mut l = sqlx::postgres::PgListener::connect(w.db_url())
+    let mut l = sqlx::postgres::PgListener::connect(w.admin.db_url())
         .await
         .unwrap();
     l.listen("im_events").await.unwrap();
@@ -1010,7 +1017,7 @@ async fn bad_input_is_bad_request_and_oversize_is_too_large() {
 async fn connection_cap_refuses_extra_connections() {
     let (w, a, _b) = third_refused_with_a_503("IM_MAX_CONNECTIONS").await;
     a.close().await;
-    let mut fourth = w.create_client("fourth", "a1", "x", 1).unwrap();
+    let mut fourth = w.admin.create_client("fourth", "a1", "x", 1).unwrap();
     let url = w.ws_url();
     wait_until("a freed slot to be reused", T, async || {
         fourth.connect_raw(&url).await.map_err(|e| format!("{e:#}"))
@@ -1039,7 +1046,7 @@ async fn third_refused_with_a_503(var: &str) -> (World, Client, Client) {
     .await
     .unwrap();
     let (a, b) = alice_and_bob(&w).await.unwrap();
-    let mut third = w.create_client("third", "a1", "x", 1).unwrap();
+    let mut third = w.admin.create_client("third", "a1", "x", 1).unwrap();
     let refused = third
         .connect_raw(&w.ws_url())
         .await
@@ -1062,7 +1069,7 @@ async fn database_down_is_unavailable_then_service_resumes() {
     .await
     .unwrap();
     let (a, b) = alice_and_bob(&w).await.unwrap();
-    let t2 = w.add_device("b2", "bob").await.unwrap();
+    let t2 = w.admin.add_device("b2", "bob").await.unwrap();
     let b2 = connect(&w, "b2", &t2).await.unwrap();
     a.send("c1", "before", "x", T).await.unwrap();
     b.wait_server_delivered("c1", 1, T).await.unwrap();
@@ -1102,7 +1109,7 @@ async fn database_down_is_unavailable_then_service_resumes() {
         .filter(|(_, f)| f["t"] == "event" || f["t"] == "hint")
         .collect();
     assert!(pushed.is_empty(), "b2 never subscribed: {pushed:?}");
-    assert_eq!(w.count_events("c1").await.unwrap(), 4);
+    assert_eq!(w.admin.count_events("c1").await.unwrap(), 4);
     assert_invariants(&w).await;
 }
 
@@ -1125,7 +1132,7 @@ async fn request_connections_that_died_while_idle_are_replaced_before_use() {
     let mut tokens = vec![("a1".to_string(), ta)];
     for i in 2..=8 {
         let d = format!("a{i}");
-        let t = w.add_device(&d, "alice").await.unwrap();
+        let t = w.admin.add_device(&d, "alice").await.unwrap();
         tokens.push((d, t));
     }
     let backends = async || -> Vec<i32> {
@@ -1133,7 +1140,7 @@ async fn request_connections_that_died_while_idle_are_replaced_before_use() {
             "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
              AND query NOT ILIKE 'listen%' ORDER BY pid",
         )
-        .fetch_all(&w.pool().await.unwrap())
+        .fetch_all(&w.admin.pool().await.unwrap())
         .await
         .unwrap()
     };
@@ -1155,7 +1162,7 @@ async fn request_connections_that_died_while_idle_are_replaced_before_use() {
     })
     .await
     .unwrap();
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     for pid in backends().await {
         let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
             .bind(pid)
@@ -1176,7 +1183,10 @@ async fn request_connections_that_died_while_idle_are_replaced_before_use() {
         let r = c.send("c1", &format!("after-{i}"), "x", T).await;
         assert!(r.is_ok(), "send {i} after the quiet second: {r:?}");
     }
-    assert_eq!(w.count_events("c1").await.unwrap(), clients.len() as i64);
+    assert_eq!(
+        w.admin.count_events("c1").await.unwrap(),
+        clients.len() as i64
+    );
     assert_invariants(&w).await;
 }
 
@@ -1312,7 +1322,7 @@ async fn connection_without_hello_is_closed_after_the_hello_timeout() {
     .await
     .unwrap();
     let (a, _b) = alice_and_bob(&w).await.unwrap();
-    let mut silent = w.create_client("silent", "a1", "x", 1).unwrap();
+    let mut silent = w.admin.create_client("silent", "a1", "x", 1).unwrap();
     silent.connect_raw(&w.ws_url()).await.unwrap();
     let t0 = Instant::now();
     silent
@@ -1409,11 +1419,11 @@ async fn a_graceful_close_sends_the_acks_still_coalescing() {
     let seq = reply["seq"].as_i64().expect("seq");
     b.wait_cursor("c1", seq, T).await.unwrap();
     assert!(
-        w.cursor("b1", "c1").await.unwrap().unwrap_or(0) < seq,
+        w.admin.cursor("b1", "c1").await.unwrap().unwrap_or(0) < seq,
         "the ack is still coalescing before the close"
     );
     b.close().await;
-    assert_eq!(w.cursor("b1", "c1").await.unwrap(), Some(seq));
+    assert_eq!(w.admin.cursor("b1", "c1").await.unwrap(), Some(seq));
 }
 
 /// `gw.push:error` drops the push (README, the fault actions): a push answers no request,
@@ -1471,10 +1481,10 @@ async fn a_held_conversation_delays_only_its_own_sends() {
     let (ta, _tb) = provision_alice_and_bob(&w).await.unwrap();
     let others: Vec<String> = (2..=9).map(|i| format!("c{i}")).collect();
     for c in &others {
-        w.add_conv(c, &["alice"]).await.unwrap();
+        w.admin.add_conv(c, &["alice"]).await.unwrap();
     }
     let a = connect(&w, "a1", &ta).await.unwrap();
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let mut holder = pool.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM conversations WHERE conv_id = 'c1' FOR NO KEY UPDATE")
         .execute(&mut *holder)
@@ -1553,7 +1563,7 @@ async fn sends_whose_requests_gave_up_are_dropped_before_their_batch() {
     // The held batch goes on after its delay and stores h0 (its request gave up only after
     // the batch had taken it); the next send queues behind the four.
     wait_until("the held batch to commit", T, async || {
-        let n = w.count_events("c1").await.unwrap();
+        let n = w.admin.count_events("c1").await.unwrap();
         poll(n >= 1, n).await
     })
     .await
@@ -1564,7 +1574,7 @@ async fn sends_whose_requests_gave_up_are_dropped_before_their_batch() {
         .expect("a send after the stall");
     let stored: Vec<String> =
         sqlx::query_scalar("SELECT cmid FROM events WHERE conv_id = 'c1' ORDER BY seq")
-            .fetch_all(&w.pool().await.unwrap())
+            .fetch_all(&w.admin.pool().await.unwrap())
             .await
             .unwrap();
     assert_eq!(stored, ["h0", "after"], "after = {after}");
@@ -1593,7 +1603,7 @@ async fn a_failed_batch_fails_no_send_and_answers_only_what_committed() {
         c.send("c1", cmid, "x", T)
     }))
     .await;
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     let stored: Vec<(String, i64, String)> =
         sqlx::query_as("SELECT cmid, seq, mid FROM events WHERE conv_id = 'c1' ORDER BY seq")
             .fetch_all(&pool)

@@ -75,11 +75,11 @@ impl Steady {
         } else {
             0
         };
-        w.add_user("alice").await?;
-        w.add_user("bob").await?;
-        let ta = w.add_device("a1", "alice").await?;
-        let tb = w.add_device("b1", "bob").await?;
-        w.add_conv("c1", &["alice", "bob"]).await?;
+        w.admin.add_user("alice").await?;
+        w.admin.add_user("bob").await?;
+        let ta = w.admin.add_device("a1", "alice").await?;
+        let tb = w.admin.add_device("b1", "bob").await?;
+        w.admin.add_conv("c1", &["alice", "bob"]).await?;
         let a = join(&w, 0, "a1", &ta, false).await?;
         let b = join(&w, rx, "b1", &tb, true).await?;
         let s = Steady { w, a, b, rx };
@@ -129,7 +129,7 @@ impl Steady {
 
     /// The database invariants and the history checker over the whole run.
     async fn judge(&self) -> anyhow::Result<()> {
-        let v = db_invariant_violations(&self.w.pool().await?).await?;
+        let v = db_invariant_violations(&self.w.admin.pool().await?).await?;
         anyhow::ensure!(v.is_empty(), "database invariants violated: {v:?}");
         let r = judge_test(&self.w).await?;
         anyhow::ensure!(
@@ -151,7 +151,7 @@ impl Steady {
             .await?
             .ok_or_else(|| anyhow::anyhow!("gateway {} has no LISTEN backend", self.rx))?;
         anyhow::ensure!(self.w.terminate_backend(pid).await?, "terminate {pid}");
-        let gw = self.w.gw_at(self.rx);
+        let gw = self.w.gateways.at(self.rx);
         wait_until(
             "the gateway to notice the lost LISTEN connection",
             T,
@@ -173,8 +173,8 @@ impl Steady {
 
 /// A client for `device` on gateway `i`, connected (and subscribed if `sub`).
 async fn join(w: &World, i: usize, device: &str, token: &str, sub: bool) -> anyhow::Result<Client> {
-    let mut c = w.create_client(device, device, token, 1)?;
-    c.connect(&w.ws_url_at(i))
+    let mut c = w.admin.create_client(device, device, token, 1)?;
+    c.connect(&w.gateways.ws_url_at(i))
         .await
         .map_err(|e| anyhow::anyhow!("connect {device} to gateway {i}: {e}"))?;
     if sub {
@@ -233,7 +233,7 @@ fn pushed_not_swept(s: &Steady, before: &ClientStats) -> anyhow::Result<()> {
 
 /// Waits until gateway `i`'s log says the fault point `point` fired.
 async fn fired(s: &Steady, i: usize, point: &str) -> anyhow::Result<()> {
-    let gw = s.w.gw_at(i);
+    let gw = s.w.gateways.at(i);
     let line = format!("fault fired: point={point}");
     wait_until(&format!("{point} to fire on gateway {i}"), T, async || {
         if gw.log_text().contains(&line) {
@@ -281,7 +281,7 @@ async fn feed_repairs(two: bool, spec: &str) -> anyhow::Result<()> {
     s.w.disarm_fault(f).await?;
     let fired = format!("fault fired: point={}", f_point(spec));
     anyhow::ensure!(
-        s.w.gw_at(0).log_text().contains(&fired),
+        s.w.gateways.at(0).log_text().contains(&fired),
         "{spec} never fired"
     );
     pushed_not_swept(&s, &before)?;
@@ -328,7 +328,7 @@ async fn feed_window(two: bool) -> anyhow::Result<()> {
     let f =
         s.w.arm_fault(0, "send.after_commit_before_notify:drop:0:1")
             .await?;
-    let pool = s.w.pool().await?;
+    let pool = s.w.admin.pool().await?;
     let t_send = Instant::now();
     let other = async {
         fired(&s, 0, "send.before_commit").await?;
@@ -389,14 +389,14 @@ async fn failed_read(two: bool) -> anyhow::Result<()> {
 async fn failed_sweep_query(two: bool) -> anyhow::Result<()> {
     let s = Steady::start(two, &[("IM_DB_TIMEOUT_MS", "500")]).await?;
     let before = s.b.stats();
-    let pool = s.w.pool().await?;
+    let pool = s.w.admin.pool().await?;
     let mut lock = pool.begin().await?;
     sqlx::query("LOCK TABLE device_cursors IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *lock)
         .await?;
     let f = s.w.arm_fault(s.rx, "gw.push:drop:0:1").await?;
     let (seq, _) = s.send("m1").await?;
-    let gw = s.w.gw_at(s.rx);
+    let gw = s.w.gateways.at(s.rx);
     wait_until(
         "the sweep's question about the pair to fail",
         T,
@@ -453,7 +453,8 @@ async fn lost_listen(two: bool) -> anyhow::Result<()> {
     // first 1.55 s, then one a second, and one more in flight at the disarm. The gateway
     // must not hammer a database it cannot listen on.
     let attempts =
-        s.w.gw_at(s.rx)
+        s.w.gateways
+            .at(s.rx)
             .log_text()
             .matches("fault fired: point=fanout.listen ")
             .count();
@@ -482,7 +483,7 @@ async fn stale_install(two: bool) -> anyhow::Result<()> {
     let mut s = Steady::start(two, &[]).await?;
     let before = s.b.stats();
     let f = s.lose_listen().await?;
-    let token = s.w.reinstall_device("b1").await?;
+    let token = s.w.admin.reinstall_device("b1").await?;
     let (seq, _) = s.send("m1").await?;
     s.idle(2).await;
     anyhow::ensure!(s.b.is_connected(), "the stale install is still connected");
@@ -505,10 +506,10 @@ async fn stale_install(two: bool) -> anyhow::Result<()> {
             .iter()
             .any(|(_, f)| f["t"] == "error" && f["code"] == "STALE_INSTALL");
     anyhow::ensure!(stale, "closed with STALE_INSTALL after {closed:?}");
-    let fresh = s.w.create_client("b1-new", "b1", &token, 2)?;
+    let fresh = s.w.admin.create_client("b1-new", "b1", &token, 2)?;
     let mut fresh = fresh;
     fresh
-        .connect(&s.w.ws_url_at(s.rx))
+        .connect(&s.w.gateways.ws_url_at(s.rx))
         .await
         .map_err(|e| anyhow::anyhow!("connect the new install: {e}"))?;
     fresh.sub().await.map_err(|e| anyhow::anyhow!("sub: {e}"))?;
@@ -528,7 +529,7 @@ async fn stale_install(two: bool) -> anyhow::Result<()> {
 async fn removed_device(two: bool) -> anyhow::Result<()> {
     let s = Steady::start(two, &[]).await?;
     let f = s.lose_listen().await?;
-    let pool = s.w.pool().await?;
+    let pool = s.w.admin.pool().await?;
     let mut tx = pool.begin().await?;
     sqlx::query("DELETE FROM device_cursors WHERE device_id = 'b1'")
         .execute(&mut *tx)
@@ -565,7 +566,7 @@ async fn removed_device(two: bool) -> anyhow::Result<()> {
 async fn stale_request(two: bool) -> anyhow::Result<()> {
     let s = Steady::start(two, &[]).await?;
     let f = s.lose_listen().await?;
-    s.w.reinstall_device("b1").await?;
+    s.w.admin.reinstall_device("b1").await?;
     s.idle(2).await;
     anyhow::ensure!(
         s.b.is_connected(),
@@ -587,7 +588,7 @@ async fn stale_request(two: bool) -> anyhow::Result<()> {
         s.b.frames()
     );
     anyhow::ensure!(
-        s.w.count_events("c1").await? == 1,
+        s.w.admin.count_events("c1").await? == 1,
         "the stale install wrote nothing (only the warm-up is in c1)"
     );
     s.w.disarm_fault(f).await?;
@@ -605,9 +606,9 @@ async fn stale_request(two: bool) -> anyhow::Result<()> {
 /// and by D5 for the new install (it stores m1, by its `sub`'s sync, within the bound).
 async fn stale_ack(two: bool) -> anyhow::Result<()> {
     let s = Steady::start(two, &[]).await?;
-    let warm = s.w.cursor("b1", "c1").await?;
+    let warm = s.w.admin.cursor("b1", "c1").await?;
     let f = s.lose_listen().await?;
-    let token = s.w.reinstall_device("b1").await?;
+    let token = s.w.admin.reinstall_device("b1").await?;
     let (seq, _) = s.send("m1").await?;
     s.idle(2).await;
     anyhow::ensure!(
@@ -620,16 +621,16 @@ async fn stale_ack(two: bool) -> anyhow::Result<()> {
         r.as_ref().err().and_then(|e| e.code()) == Some("STALE_INSTALL"),
         "the old install's ack of m1: {r:?}"
     );
-    let after = s.w.cursor("b1", "c1").await?;
+    let after = s.w.admin.cursor("b1", "c1").await?;
     anyhow::ensure!(
         after == warm,
         "D3: the replaced install's ack moved b1's cursor in c1 from {warm:?} to {after:?}"
     );
     s.w.disarm_fault(f).await?;
     s.b.wait_closed(RELISTEN_MAX + bound()).await?;
-    let mut fresh = s.w.create_client("b1-new", "b1", &token, 2)?;
+    let mut fresh = s.w.admin.create_client("b1-new", "b1", &token, 2)?;
     fresh
-        .connect(&s.w.ws_url_at(s.rx))
+        .connect(&s.w.gateways.ws_url_at(s.rx))
         .await
         .map_err(|e| anyhow::anyhow!("connect the new install: {e}"))?;
     let t0 = Instant::now();
@@ -758,11 +759,11 @@ async fn repair_dropped_notify_after_a_promotion() {
     )
     .await
     .unwrap();
-    w.add_user("alice").await.unwrap();
-    w.add_user("bob").await.unwrap();
-    let ta = w.add_device("a1", "alice").await.unwrap();
-    let tb = w.add_device("b1", "bob").await.unwrap();
-    w.add_conv("c1", &["alice", "bob"]).await.unwrap();
+    w.admin.add_user("alice").await.unwrap();
+    w.admin.add_user("bob").await.unwrap();
+    let ta = w.admin.add_device("a1", "alice").await.unwrap();
+    let tb = w.admin.add_device("b1", "bob").await.unwrap();
+    w.admin.add_conv("c1", &["alice", "bob"]).await.unwrap();
     let mut a = join(&w, 0, "a1", &ta, false).await.unwrap();
     let mut b = join(&w, 0, "b1", &tb, true).await.unwrap();
     a.send("c1", "m1", "replicated", T).await.unwrap();
@@ -791,7 +792,7 @@ async fn repair_dropped_notify_after_a_promotion() {
         .link
         .switch(std::net::SocketAddr::from(([127, 0, 0, 1], 1)));
     // 300 transaction ids the standby will never know of, then the feed's next look.
-    let pool = w.pool().await.unwrap();
+    let pool = w.admin.pool().await.unwrap();
     for _ in 0..300 {
         sqlx::query("SELECT pg_current_xact_id()")
             .execute(&pool)
@@ -834,7 +835,7 @@ async fn repair_dropped_notify_after_a_promotion() {
     let reused: bool =
         sqlx::query_scalar("SELECT xid < $1::text::xid8 FROM events WHERE cmid = 'm2'")
             .bind(&burned_to)
-            .fetch_one(&w.pool().await.unwrap())
+            .fetch_one(&w.admin.pool().await.unwrap())
             .await
             .unwrap();
     assert!(

@@ -310,14 +310,17 @@ async fn provision(
 ) -> anyhow::Result<BTreeMap<String, (String, String)>> {
     let mut tokens = BTreeMap::new();
     for u in &schedule.workload.users {
-        w.add_user(&u.name).await?;
+        w.admin.add_user(&u.name).await?;
         for d in &u.devices {
-            tokens.insert(d.clone(), (u.name.clone(), w.add_device(d, &u.name).await?));
+            tokens.insert(
+                d.clone(),
+                (u.name.clone(), w.admin.add_device(d, &u.name).await?),
+            );
         }
     }
     for c in &schedule.workload.convs {
         let members: Vec<&str> = c.members.iter().map(String::as_str).collect();
-        w.add_conv(&c.id, &members).await?;
+        w.admin.add_conv(&c.id, &members).await?;
         let mut m = shared.membership.lock().unwrap_or_else(|p| p.into_inner());
         for u in &c.members {
             m.entry(u.clone()).or_default().insert(c.id.clone());
@@ -357,7 +360,7 @@ fn spawn_devices(
             user,
             token,
             seed: *seed,
-            state: w.state_path(device),
+            state: w.admin.state_path(device),
             think_ms: schedule.options.think_ms,
             client: client_options(schedule, device),
             stale_ack_one_in: schedule
@@ -507,7 +510,7 @@ impl Run<'_> {
     /// read that fails or times out keeps the last one).
     async fn read_db_epochs(&self) {
         let read = async {
-            let pool = self.w.pool().await?;
+            let pool = self.w.admin.pool().await?;
             let rows: Vec<(String, i32)> =
                 sqlx::query_as("SELECT conv_id, epoch FROM conversations")
                     .fetch_all(&pool)
@@ -627,9 +630,9 @@ async fn apply_membership(w: &World, shared: &Shared, m: &Membership) -> bool {
     let join = m.op == "join";
     let r = tokio::time::timeout(QUERY_TIMEOUT, async {
         if join {
-            w.join(&m.conv, &m.user).await
+            w.admin.join(&m.conv, &m.user).await
         } else {
-            w.leave(&m.conv, &m.user).await
+            w.admin.leave(&m.conv, &m.user).await
         }
     })
     .await;

@@ -56,7 +56,7 @@ impl Supervisor {
     /// The supervisor of the world's gateway 0 (already started with `first.opts`), the
     /// clients reaching it through a controlled proxy.
     pub fn new(w: &World, first: Started) -> anyhow::Result<Supervisor> {
-        let proxy = Proxy::start_controlled(w.gw_at(0).addr())?;
+        let proxy = Proxy::start_controlled(w.gateways.at(0).addr())?;
         Ok(Supervisor {
             slots: vec![Slot {
                 opts: first.opts,
@@ -87,7 +87,9 @@ impl Supervisor {
                 next_restart: None,
             });
         }
-        let addrs: Vec<_> = (0..self.slots.len()).map(|i| w.gw_at(i).addr()).collect();
+        let addrs: Vec<_> = (0..self.slots.len())
+            .map(|i| w.gateways.at(i).addr())
+            .collect();
         let balancer = Balancer::start(&addrs).await?;
         self.proxy.switch(balancer.addr());
         self.balancer = Some(balancer);
@@ -121,7 +123,7 @@ impl Supervisor {
     /// waited in the control socket. Anything armed now is recorded and disarmed.
     pub async fn disarm_stale(&self, w: &World) {
         for (i, slot) in self.slots.iter().enumerate() {
-            if !w.has_gateway_at(i) {
+            if !w.gateways.has_at(i) {
                 continue;
             }
             let Ok(listed) = gateway::fault_control(&slot.control, "list").await else {
@@ -151,8 +153,8 @@ impl Supervisor {
         if self.slots[i].down {
             return;
         }
-        if w.has_gateway_at(i) {
-            let Some(status) = w.take_exited_gateway_at(i) else {
+        if w.gateways.has_at(i) {
+            let Some(status) = w.gateways.take_exited_at(i) else {
                 return;
             };
             w.history().nemesis_instant(Action::GatewayExit {
@@ -172,7 +174,7 @@ impl Supervisor {
             Ok(()) => {
                 self.gateway_starts += 1;
                 self.slots[i].next_restart = None;
-                let addr = w.gw_at(i).addr();
+                let addr = w.gateways.at(i).addr();
                 match &self.balancer {
                     None => self.proxy.switch(addr),
                     Some(b) => {
@@ -185,7 +187,7 @@ impl Supervisor {
             }
             Err(e) => {
                 tracing::info!(error = %format!("{e:#}"), gateway = i, "nemesis: gateway start failed; retrying");
-                w.take_gateway_at(i);
+                w.gateways.take_at(i);
                 self.slots[i].next_restart = Some(Instant::now() + Duration::from_millis(200));
             }
         }
@@ -198,13 +200,13 @@ impl Supervisor {
 
     /// Whether every gateway runs.
     pub fn all_up(&self, w: &mut World) -> bool {
-        (0..self.slots.len()).all(|i| w.gateway_up_at(i))
+        (0..self.slots.len()).all(|i| w.gateways.up_at(i))
     }
 
     /// Kills gateway `i` (SIGKILL) and holds it down until [`Supervisor::release`].
     pub fn hold_down(&mut self, w: &mut World, i: usize) {
         self.slots[i].down = true;
-        if let Some(mut gw) = w.take_gateway_at(i) {
+        if let Some(mut gw) = w.gateways.take_at(i) {
             gw.kill();
         }
     }
@@ -215,7 +217,7 @@ impl Supervisor {
         self.slots[i].down = false;
         self.slots[i].next_restart = None;
         self.supervise_one(w, i).await;
-        w.has_gateway_at(i)
+        w.gateways.has_at(i)
     }
 
     /// Sends `cmd` once to gateway `i`'s control socket, whatever runs (a disarm after the
@@ -240,7 +242,7 @@ impl Supervisor {
     pub async fn ensure_gateway(&mut self, w: &mut World, i: usize) -> anyhow::Result<()> {
         let deadline = Instant::now() + GATEWAY_BACK_WITHIN;
         loop {
-            if w.gateway_up_at(i) {
+            if w.gateways.up_at(i) {
                 return Ok(());
             }
             anyhow::ensure!(
@@ -281,7 +283,8 @@ impl Supervisor {
         sig: nix::sys::signal::Signal,
     ) -> anyhow::Result<()> {
         let pid = w
-            .gateway_pid_at(i)
+            .gateways
+            .pid_at(i)
             .with_context(|| format!("gateway {i} not running"))?;
         let pid = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
         nix::sys::signal::kill(pid, sig).with_context(|| format!("kill({pid}, {sig})"))

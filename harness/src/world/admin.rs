@@ -1,13 +1,51 @@
-//! The world's admin side: users, devices, conversations and membership through the
-//! gateway's admin commands; look-ups in the database (events, cursors, heads) through the
-//! check pool; the clients' state files and the clients that record into the history.
+//! The world's admin side ([`Admin`], `World::admin`): users, devices, conversations and
+//! membership through the gateway's admin commands; look-ups in the database (events,
+//! cursors, heads) through the check pool; the clients' state files and the clients that
+//! record into the history.
 //!
-//! Must not: start, stop or fault a process (`topology.rs`).
+//! Owns: the database address the admin commands and look-ups use, the check pool, and
+//! where the clients' state files live. Must not: start, stop or fault a process
+//! (`topology.rs`).
 
 use super::*;
 
-impl World {
-    /// A new client for `device` with its state file at [`World::state_path`]`(name)`,
+/// The admin side of a world: what a scenario does to the data and reads from it, beside
+/// the processes ([`World`]'s own methods).
+pub struct Admin {
+    /// The database address the admin commands and the checks use: the primary's, or the
+    /// failover proxy's in a replicated world (never the gateway's controlled proxy).
+    db_url: String,
+    /// Check pool, made on first use (survives a database crash: sqlx replaces
+    /// broken connections on acquire).
+    pool: tokio::sync::OnceCell<sqlx::PgPool>,
+    /// Where the clients' state files go (`clients/` of the run's files).
+    work_dir: PathBuf,
+    /// The run's history: membership changes and reinstalls are recorded there, and
+    /// clients made here record into it.
+    hist: History,
+}
+
+impl Admin {
+    pub(super) fn new(
+        db_url: String,
+        pool: sqlx::PgPool,
+        work_dir: PathBuf,
+        hist: History,
+    ) -> Admin {
+        Admin {
+            db_url,
+            pool: tokio::sync::OnceCell::new_with(Some(pool)),
+            work_dir,
+            hist,
+        }
+    }
+
+    /// The database address the admin commands and the checks use.
+    pub fn db_url(&self) -> &str {
+        &self.db_url
+    }
+
+    /// A new client for `device` with its state file at [`Admin::state_path`]`(name)`,
     /// recording into this world's history.
     pub fn create_client(
         &self,
@@ -21,13 +59,13 @@ impl World {
             device,
             token,
             epoch,
-            Some(self.history().clone()),
+            Some(self.hist.clone()),
         )
     }
 
     /// Loads a client from its state file (a restarted device), recorded in the history.
     pub fn load_client(&self, state: &std::path::Path) -> anyhow::Result<Client> {
-        Client::load(state, Some(self.history().clone()))
+        Client::load(state, Some(self.hist.clone()))
     }
 
     /// `im-gateway admin add-user USER`.
@@ -124,7 +162,7 @@ impl World {
             !name.is_empty() && !name.contains('/') && name != "..",
             "client state name {name:?} must be a plain file name"
         );
-        let dir = self.work_dir().join("clients");
+        let dir = self.work_dir.join("clients");
         // start() made it; a failure here shows up when the client writes its file.
         let _ = std::fs::create_dir_all(&dir);
         dir.join(format!("{name}.json"))

@@ -18,8 +18,9 @@ impl World {
         let hist = &self.hist;
         hist.wait_probes(Duration::from_secs(3)).await;
         // With several gateways, the slowest sweep bounds the repair.
-        let sweep_ms = std::iter::once(&self.opts)
-            .chain(self.more.iter().map(|(_, o)| o))
+        let sweep_ms = self
+            .gateways
+            .all_opts()
             .map(|o| o.sweep_ms.unwrap_or(SWEEP_MS_DEFAULT))
             .max()
             .unwrap_or(SWEEP_MS_DEFAULT);
@@ -34,7 +35,7 @@ impl World {
             .fold(0.0, f64::max);
         let deadline_ms = from_ms + bound_ms as f64;
         let wait_start = hist.now_ms();
-        let pool = self.pool().await?;
+        let pool = self.admin.pool().await?;
         let missing = loop {
             let missing = self.missing_events(&pool, &live).await?;
             if missing.is_empty() || hist.now_ms() >= deadline_ms {

@@ -12,9 +12,9 @@
 //!
 //! In three parts besides the construction here: `topology.rs` (the processes: gateways,
 //! the database, failover, fault arming), `admin.rs` (admin commands, look-ups, clients)
-//! and `judge.rs` (the final read and the checker). The gateways are private: a supervisor
-//! replaces one only through [`World::take_exited_gateway_at`], [`World::take_gateway_at`]
-//! and [`World::restart_gateway_at`].
+//! `judge.rs` (the final read and the checker) and `gateways.rs` (the gateway processes
+//! by index, [`Gateways`]). A supervisor replaces a gateway only through
+//! [`Gateways::take_exited_at`], [`Gateways::take_at`] and [`World::restart_gateway_at`].
 
 use std::path::PathBuf;
 
@@ -59,13 +59,9 @@ CREATE TRIGGER imfault_cursor_audit AFTER INSERT OR UPDATE ON device_cursors
 /// A migrated cluster and a gateway serving it. Fields drop in declaration order: the
 /// gateway is killed before the database goes away.
 pub struct World {
-    /// The current gateway (gateway 0); `None` only once taken out
-    /// ([`World::take_gateway_at`], [`World::take_exited_gateway_at`]) and not started again.
-    gw: Option<Gateway>,
-    /// Further gateway processes on the same database (gateways 1, 2, …), each with the
-    /// options it was started with ([`World::start_gateway`]); `None` once taken out, as
-    /// gateway 0.
-    more: Vec<(Option<Gateway>, GatewayOpts)>,
+    /// The gateway processes: gateway 0 and any further ones on the same database
+    /// ([`World::start_gateway`]), each with the options it was started with.
+    pub gateways: Gateways,
     /// The standby and the proxies of a replicated world (dropped before the primary).
     pub failover: Option<Failover>,
     /// A pg_auto_failover formation the database is (issue 21): [`World::pg`] is then its
@@ -75,12 +71,11 @@ pub struct World {
     /// proxy whose condition the nemesis sets; the checks, admin commands and the judge go
     /// around it.
     pub db_proxy: Option<Proxy>,
-    /// The database address the gateway, the admin commands and the checks use: the
-    /// primary's, or the failover proxy's in a replicated world.
+    /// The database address the gateways use (behind [`World::db_proxy`] when there is
+    /// one): the primary's, or the failover proxy's in a replicated world.
     db_url: String,
-    /// Check pool, made on first use (survives a database crash: sqlx replaces
-    /// broken connections on acquire).
-    pool: tokio::sync::OnceCell<sqlx::PgPool>,
+    /// Users, devices, conversations, look-ups and clients ([`Admin`]).
+    pub admin: Admin,
     /// The database, dropped last: the primary (after [`World::failover`], the promoted
     /// standby).
     pub pg: Cluster,
@@ -89,8 +84,6 @@ pub struct World {
     work_dir: std::path::PathBuf,
     /// Where the gateways and the first primary log.
     log_dir: std::path::PathBuf,
-    /// The options the current gateway was started with.
-    opts: GatewayOpts,
     /// This run's history.
     hist: History,
 }
@@ -225,24 +218,22 @@ impl World {
         let gw = Gateway::start(&gw_db_url, &opts, &pg.log_dir()).await?;
         record_gateway_start(&hist, 0, &opts);
         Ok(World {
-            gw: Some(gw),
-            more: Vec::new(),
+            gateways: Gateways::new(gw, opts),
             failover,
             formation,
             db_proxy,
+            admin: Admin::new(
+                db_url.clone(),
+                pool,
+                pg.work_dir().to_path_buf(),
+                hist.clone(),
+            ),
             db_url,
-            pool: tokio::sync::OnceCell::new_with(Some(pool)),
             work_dir: pg.work_dir().to_path_buf(),
             log_dir: pg.log_dir(),
             pg,
-            opts,
             hist,
         })
-    }
-
-    /// The database address everything connects to (see [`World::start_with`]).
-    pub fn db_url(&self) -> &str {
-        &self.db_url
     }
 
     /// The run's files: history, client state files, the judge's output.
@@ -262,7 +253,7 @@ impl World {
 
     /// The options the current gateway was started with.
     pub fn opts(&self) -> &GatewayOpts {
-        &self.opts
+        self.gateways.opts_at(0)
     }
 }
 
@@ -286,17 +277,20 @@ impl World {
         let gw = Gateway::start(&db_url, &opts, &pg.log_dir()).await?;
         record_gateway_start(&hist, 0, &opts);
         Ok(World {
-            gw: Some(gw),
-            more: Vec::new(),
+            gateways: Gateways::new(gw, opts),
             failover: None,
             formation: None,
             db_proxy: None,
+            admin: Admin::new(
+                db_url.clone(),
+                pool,
+                pg.work_dir().to_path_buf(),
+                hist.clone(),
+            ),
             db_url,
-            pool: tokio::sync::OnceCell::new_with(Some(pool)),
             work_dir: pg.work_dir().to_path_buf(),
             log_dir: pg.log_dir(),
             pg,
-            opts,
             hist,
         })
     }
@@ -401,6 +395,9 @@ fn record_gateway_start(hist: &History, i: usize, opts: &GatewayOpts) {
 }
 
 mod admin;
+pub use admin::Admin;
+mod gateways;
+pub use gateways::Gateways;
 mod judge;
 mod topology;
 

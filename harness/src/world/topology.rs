@@ -261,10 +261,10 @@ impl World {
         i: usize,
         within: Duration,
     ) -> anyhow::Result<std::process::ExitStatus> {
-        let status = self.gw_at_mut(i).wait_exit(within).await?;
+        let status = self.gateways.at_mut(i).wait_exit(within).await?;
         self.hist.nemesis_instant(Action::GatewayExit {
             gateway: Some(i),
-            status: self.gw_at(i).exit_code(),
+            status: self.gateways.at(i).exit_code(),
             raw: status.to_string(),
         });
         Ok(status)
@@ -294,7 +294,7 @@ impl World {
     pub async fn terminate_backend(&self, pid: i32) -> anyhow::Result<bool> {
         let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
             .bind(pid)
-            .fetch_one(&self.pool().await?)
+            .fetch_one(&self.admin.pool().await?)
             .await
             .context("pg_terminate_backend")?;
         self.hist.nemesis_instant(Action::PgTerminateBackend {
@@ -318,12 +318,11 @@ impl World {
                 .await
                 .context("join the faults check")??;
         }
-        let i = self.more.len() + 1;
+        let i = self.gateways.count();
         let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
         let gw = Gateway::start(&gw_db_url, &opts, self.log_dir()).await?;
         record_gateway_start(&self.hist, i, &opts);
-        self.more.push((Some(gw), opts));
-        Ok(i)
+        Ok(self.gateways.push(gw, opts))
     }
 
     /// Arms `spec` (`point:action[:skip[:count]]`, `IM_FAULT` syntax) on gateway `i` through
@@ -340,7 +339,7 @@ impl World {
             .next()
             .context("a fault spec is point:action…")?
             .to_string();
-        self.gw_at(i).control(&format!("arm {spec}")).await?;
+        self.gateways.at(i).control(&format!("arm {spec}")).await?;
         let armed = Action::GwFault {
             leaves_the_sweep_alone: gateway::frame_fault_leaves_the_sweep_alone(point, &action),
             point,
@@ -359,7 +358,8 @@ impl World {
 
     /// Disarms what [`World::arm_fault`] armed and ends its history period.
     pub async fn disarm_fault(&self, f: ArmedFault) -> anyhow::Result<()> {
-        self.gw_at(f.gateway)
+        self.gateways
+            .at(f.gateway)
             .control(&format!("disarm {}", f.point))
             .await?;
         self.hist.nemesis_end(f.id, f.armed);
@@ -368,7 +368,7 @@ impl World {
 
     /// The backend of gateway `i`'s LISTEN connection, if it has one now.
     pub async fn listen_backend(&self, i: usize) -> anyhow::Result<Option<i32>> {
-        let pool = self.pool().await?;
+        let pool = self.admin.pool().await?;
         Ok(sqlx::query_scalar(
             "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query ILIKE 'listen%'",
         )
@@ -377,16 +377,11 @@ impl World {
         .await?)
     }
 
-    /// How many gateways the world holds (the first one included).
-    pub fn gateway_count(&self) -> usize {
-        1 + self.more.len()
-    }
-
     /// SIGKILLs gateway `i` if it is there and still runs, recorded as a nemesis action.
     pub fn kill_gateway_at(&mut self, i: usize) {
-        if self.gateway_up_at(i) {
+        if self.gateways.up_at(i) {
             let id = self.hist.nemesis_start(Action::GatewayKill { gateway: i });
-            self.gw_at_mut(i).kill();
+            self.gateways.at_mut(i).kill();
             self.hist
                 .nemesis_end(id, Action::GatewayKill { gateway: i });
         }
@@ -400,114 +395,24 @@ impl World {
                 .await
                 .context("join the faults check")??;
         }
-        if self.has_gateway_at(i) {
+        if self.gateways.has_at(i) {
             self.kill_gateway_at(i);
         }
         let gw_db_url = gateway_db_url(&self.db_proxy, &self.db_url, i);
         let gw = Gateway::start(&gw_db_url, &opts, self.log_dir()).await?;
         record_gateway_start(&self.hist, i, &opts);
-        if i == 0 {
-            self.gw = Some(gw);
-            self.opts = opts;
-        } else {
-            // The old process was killed and reaped above; dropping it does nothing more.
-            self.more[i - 1] = (Some(gw), opts);
-        }
+        self.gateways.replace(i, gw, opts);
         Ok(())
-    }
-
-    /// Gateway `i`'s slot: `None` once taken out ([`World::take_gateway_at`]) and not
-    /// started again. Panics on an index the world never handed out.
-    fn slot(&mut self, i: usize) -> &mut Option<Gateway> {
-        match i {
-            0 => &mut self.gw,
-            _ => &mut self.more.get_mut(i - 1).expect("no such gateway").0,
-        }
-    }
-
-    fn slot_ref(&self, i: usize) -> Option<&Gateway> {
-        match i {
-            0 => self.gw.as_ref(),
-            _ => self.more.get(i - 1).expect("no such gateway").0.as_ref(),
-        }
-    }
-
-    /// Whether gateway `i` is there and has not exited.
-    pub fn gateway_up_at(&mut self, i: usize) -> bool {
-        self.slot(i)
-            .as_mut()
-            .is_some_and(|g| g.try_exit_status().is_none())
-    }
-
-    /// Whether gateway 0 is there and has not exited.
-    pub fn gateway_up(&mut self) -> bool {
-        self.gateway_up_at(0)
-    }
-
-    /// Whether gateway `i` is there (it may have exited since it was last looked at).
-    pub fn has_gateway_at(&self, i: usize) -> bool {
-        self.slot_ref(i).is_some()
-    }
-
-    /// Gateway `i`'s exit status if it exited; the exited process is then taken out (a
-    /// supervisor records the exit and starts another: [`World::restart_gateway_at`]).
-    pub fn take_exited_gateway_at(&mut self, i: usize) -> Option<std::process::ExitStatus> {
-        let slot = self.slot(i);
-        let status = slot.as_mut()?.try_exit_status()?;
-        *slot = None;
-        Some(status)
-    }
-
-    /// Takes gateway `i` out of the world (the caller kills it, or it was killed already);
-    /// [`World::restart_gateway_at`] starts another in its place.
-    pub fn take_gateway_at(&mut self, i: usize) -> Option<Gateway> {
-        self.slot(i).take()
-    }
-
-    /// Gateway `i`'s process id, if it is there.
-    pub fn gateway_pid_at(&self, i: usize) -> Option<u32> {
-        self.slot_ref(i).map(Gateway::pid)
     }
 
     /// The current gateway. Panics if a test took it out of `gw`.
     pub fn gw(&self) -> &Gateway {
-        self.gw
-            .as_ref()
-            .expect("World has no gateway (taken out of World::gw)")
+        self.gateways.at(0)
     }
 
     /// The current gateway, mutably. Panics if a test took it out of `gw`.
     pub fn gw_mut(&mut self) -> &mut Gateway {
-        self.gw
-            .as_mut()
-            .expect("World has no gateway (taken out of World::gw)")
-    }
-
-    /// Gateway `i`: 0 is [`World::gw`], 1.. the ones [`World::start_gateway`] started.
-    /// Panics on an index the world never handed out.
-    pub fn gw_at(&self, i: usize) -> &Gateway {
-        match i {
-            0 => self.gw(),
-            _ => self
-                .slot_ref(i)
-                .expect("World has no such gateway (taken out)"),
-        }
-    }
-
-    /// Gateway `i`, mutably (see [`World::gw_at`]).
-    pub fn gw_at_mut(&mut self, i: usize) -> &mut Gateway {
-        match i {
-            0 => self.gw_mut(),
-            _ => self
-                .slot(i)
-                .as_mut()
-                .expect("World has no such gateway (taken out)"),
-        }
-    }
-
-    /// Gateway `i`'s `ws://ADDR/ws`.
-    pub fn ws_url_at(&self, i: usize) -> String {
-        self.gw_at(i).ws_url()
+        self.gateways.at_mut(0)
     }
 
     /// The current gateway's `ws://ADDR/ws`.

@@ -476,14 +476,14 @@ async fn provision(w: &World) -> anyhow::Result<(Vec<Client>, Vec<Client>)> {
         .chain((0..2).map(|i| format!("r{i}")))
         .collect();
     for m in &members {
-        w.add_user(m).await?;
+        w.admin.add_user(m).await?;
     }
     let refs: Vec<&str> = members.iter().map(String::as_str).collect();
-    w.add_conv("c1", &refs).await?;
+    w.admin.add_conv("c1", &refs).await?;
     let (mut senders, mut receivers) = (Vec::new(), Vec::new());
     for m in &members {
         let dev = format!("{m}d");
-        let token = w.add_device(&dev, m).await?;
+        let token = w.admin.add_device(&dev, m).await?;
         let c = connect(w, &dev, &token).await?;
         c.sub()
             .await
@@ -562,7 +562,7 @@ async fn events_of_c1(w: &World) -> anyhow::Result<BTreeMap<i64, (String, Option
     Ok(sqlx::query_as::<_, (i64, String, Option<String>)>(
         "SELECT seq, mid, cmid FROM events WHERE conv_id = 'c1'",
     )
-    .fetch_all(&w.pool().await?)
+    .fetch_all(&w.admin.pool().await?)
     .await?
     .into_iter()
     .map(|(seq, mid, cmid)| (seq, (mid, cmid)))

@@ -162,9 +162,9 @@ async fn run(args: &Args) -> anyhow::Result<(Output, String, bool)> {
             None => json!("still running"),
         },
         fault_lines: fired,
-        events_rows_c1: w.count_events("c1").await?,
-        head_c1: w.head("c1").await?,
-        b1_delivered_seq: w.cursor("b1", "c1").await?,
+        events_rows_c1: w.admin.count_events("c1").await?,
+        head_c1: w.admin.head("c1").await?,
+        b1_delivered_seq: w.admin.cursor("b1", "c1").await?,
         a1_outbox: json!(a.outbox()),
         b1_stats: json!(b.stats()),
         replay: Value::Null,
@@ -176,7 +176,7 @@ async fn run(args: &Args) -> anyhow::Result<(Output, String, bool)> {
     if exited.is_some() || !a.outbox().is_empty() {
         a.crash().await;
         w.restart_gateway(GatewayOpts::default()).await?;
-        let mut again = w.load_client(&state)?;
+        let mut again = w.admin.load_client(&state)?;
         again
             .connect(&w.ws_url())
             .await
@@ -185,11 +185,11 @@ async fn run(args: &Args) -> anyhow::Result<(Output, String, bool)> {
         doc.replay = json!({
             "what": "a new client loaded from a1's state file replays its outbox against a healthy gateway",
             "replies": replies,
-            "events_rows_c1": w.count_events("c1").await?,
+            "events_rows_c1": w.admin.count_events("c1").await?,
             "a1_outbox": again.outbox(),
         });
     }
-    let violations = scenarios::db_invariant_violations(&w.pool().await?).await?;
+    let violations = scenarios::db_invariant_violations(&w.admin.pool().await?).await?;
     let j = w.judge().await?;
     doc.checker = json!({
         "verdict": j.report.verdict,

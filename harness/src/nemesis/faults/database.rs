@@ -174,7 +174,7 @@ impl DatabaseFault {
 
 /// The gateway's backends (`application_name` `im-gateway-<i>`): LISTEN or not.
 async fn gateway_backends(w: &World, listen: bool) -> anyhow::Result<Vec<i32>> {
-    let pool = tokio::time::timeout(QUERY_TIMEOUT, w.pool())
+    let pool = tokio::time::timeout(QUERY_TIMEOUT, w.admin.pool())
         .await
         .context("the check pool timed out")??;
     let sql = if listen {

@@ -153,7 +153,7 @@ async fn back(cx: &mut FaultCtx<'_>) -> anyhow::Result<(u64, u32)> {
         }
         let w = &*cx.w;
         let ok = async {
-            let pool = w.pool().await?;
+            let pool = w.admin.pool().await?;
             sqlx::query("SELECT 1").execute(&pool).await?;
             anyhow::Ok(())
         };
