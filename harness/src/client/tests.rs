@@ -875,7 +875,7 @@ fn owed(c: &Client) -> (i64, bool) {
 /// after the epoch moved is not the new epoch's ack. Its answer (`delivered` 3) must not
 /// tell the forgotten-and-resynced conversation that the server has seq 3, or the new
 /// epoch's seqs 1 and 2 are never acked (`a_moved_epoch_discards_the_conversation_and_
-/// syncs_from_zero` waited in vain for the ack of 2 about once in 40 runs under load).
+/// syncs_from_zero` once waited in vain for the ack of 2, in a whole suite under load).
 #[tokio::test]
 async fn an_ack_answered_after_the_epoch_moved_leaves_the_new_epochs_ack_owed() -> anyhow::Result<()>
 {
