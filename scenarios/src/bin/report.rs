@@ -14,8 +14,16 @@ use scenarios::site::{self, Provenance, PARTS};
 use scenarios::{git, target_dir, workspace};
 use std::path::PathBuf;
 
-/// The code every part depends on: the gateway, its schema, the protocol, the harness.
-const COMMON: &[&str] = &["gateway", "protocol", "migrations", "harness", "Cargo.lock"];
+/// The code every part that runs the gateway through the harness depends on: the gateway,
+/// its protocol and schema, the harness, and the checker that judges its histories.
+const COMMON: &[&str] = &[
+    "gateway",
+    "protocol",
+    "migrations",
+    "harness",
+    "check",
+    "Cargo.lock",
+];
 
 /// The paths whose change makes a part's evidence older than the code: what produces that
 /// part, and [`COMMON`] for the parts that run the gateway through the harness (the site's
