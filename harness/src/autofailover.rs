@@ -132,6 +132,13 @@ pub struct Crash {
     pub processes: usize,
 }
 
+/// What [`Formation::restart_monitor`] had to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MonitorRestart {
+    /// The monitor's `pg_autoctl.cfg` was torn by the crash and put back from the copy.
+    pub config_restored: bool,
+}
+
 /// One `pg_autoctl` node: the monitor or a data node.
 struct Node {
     name: String,
@@ -158,6 +165,9 @@ pub struct Formation {
     nodes: Vec<Node>,
     tuning: Tuning,
     keep: bool,
+    /// The monitor's `pg_autoctl.cfg` as it stood once the formation was built: restored
+    /// by [`Formation::restart_monitor`] when a crash left the file torn.
+    monitor_cfg: Option<Vec<u8>>,
 }
 
 /// Whether pg_auto_failover can run here: `Ok(path of pg_autoctl)`, or why not.
@@ -233,6 +243,7 @@ impl Formation {
             nodes: Vec::new(),
             tuning,
             keep: false,
+            monitor_cfg: None,
         };
         if let Err(e) = f.build().await {
             f.keep = true;
@@ -296,7 +307,19 @@ impl Formation {
         )?);
         self.proxy = Some(proxy.clone());
         self.start_follower(proxy)?;
+        let cfg = self.cfg_path(0);
+        self.monitor_cfg = Some(fs::read(&cfg).with_context(|| format!("read {}", cfg.display()))?);
         Ok(())
+    }
+
+    /// Node `i`'s `pg_autoctl.cfg`: pg_autoctl keeps it under `XDG_CONFIG_HOME`, at the
+    /// node's PGDATA path (see [`Formation::autoctl_command`]).
+    fn cfg_path(&self, i: usize) -> PathBuf {
+        let pgdata = &self.nodes[i].pgdata;
+        self.work_dir
+            .join("home/config/pg_autoctl")
+            .join(pgdata.strip_prefix("/").unwrap_or(pgdata))
+            .join("pg_autoctl.cfg")
     }
 
     /// Waits until the monitor answers with its extension installed (its pg_autoctl
@@ -685,13 +708,28 @@ impl Formation {
 
     /// `pg_autoctl run` of the killed monitor (its PostgreSQL recovers from the crash);
     /// waits until it answers with its extension ([`NODE_READY_TIMEOUT`] at most).
-    pub async fn restart_monitor(&mut self) -> anyhow::Result<()> {
+    ///
+    /// pg_autoctl rewrites its `pg_autoctl.cfg` in place (truncate, then write) whenever
+    /// it reloads, so a kill during a reload can leave the file torn; the restarted
+    /// monitor then exits 12 ("Failed to find section pg_autoctl"; upstream, the same
+    /// message when two services race on the file: hapostgres/pg_auto_failover#415). That
+    /// is pg_auto_failover's weakness, not the gateway's, and the machine a user runs it on
+    /// would need the same repair: a torn file is put back from the copy taken once the
+    /// formation was built (the monitor's configuration does not change after), and the
+    /// returned [`MonitorRestart`] says so, for the history.
+    pub async fn restart_monitor(&mut self) -> anyhow::Result<MonitorRestart> {
         anyhow::ensure!(
             self.nodes[0].child.is_none(),
             "the monitor is running already"
         );
+        let saved = self
+            .monitor_cfg
+            .as_deref()
+            .context("the formation was not built")?;
+        let config_restored = restore_if_torn(&self.cfg_path(0), saved)?;
         self.run(0)?;
-        self.wait_monitor_ready().await
+        self.wait_monitor_ready().await?;
+        Ok(MonitorRestart { config_restored })
     }
 
     /// Node `i` (0: the monitor) has every process stopped, then SIGKILLed; waits until
@@ -1023,4 +1061,99 @@ fn rel_ms(t0: Instant, at: Instant) -> f64 {
         -(t0.duration_since(at).as_secs_f64() * 1000.0)
     };
     (ms * 10.0).round() / 10.0
+}
+
+/// Puts `saved` back at `path` when the file there is missing or torn: it lacks one of
+/// the settings of `saved` (a `key` under its `[section]`: pg_autoctl cannot read a file
+/// cut before one), or its last line is cut (no final newline). A whole file, even one
+/// whose values differ, is left as it is. Writes a temporary file and renames it over the
+/// torn one, keeping the torn file's owner and mode (the service runs as the server
+/// user). `Ok(true)` when it restored.
+fn restore_if_torn(path: &Path, saved: &[u8]) -> anyhow::Result<bool> {
+    let now = match fs::read(path) {
+        Ok(b) => Some(b),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
+    };
+    let whole = now.as_deref().is_some_and(|b| {
+        settings(saved).is_subset(&settings(b)) && (b.ends_with(b"\n") || !saved.ends_with(b"\n"))
+    });
+    if whole {
+        return Ok(false);
+    }
+    let tmp = path.with_extension("cfg.restore");
+    fs::write(&tmp, saved).with_context(|| format!("write {}", tmp.display()))?;
+    if let Ok(meta) = fs::metadata(path) {
+        use std::os::unix::fs::MetadataExt;
+        fs::set_permissions(&tmp, meta.permissions())
+            .with_context(|| format!("chmod {}", tmp.display()))?;
+        std::os::unix::fs::chown(&tmp, Some(meta.uid()), Some(meta.gid()))
+            .with_context(|| format!("chown {}", tmp.display()))?;
+    }
+    fs::rename(&tmp, path)
+        .with_context(|| format!("rename {} over {}", tmp.display(), path.display()))?;
+    Ok(true)
+}
+
+/// The `(section, key)` pairs of an ini file such as `pg_autoctl.cfg`.
+fn settings(ini: &[u8]) -> BTreeSet<(String, String)> {
+    let mut section = String::new();
+    let mut out = BTreeSet::new();
+    for line in String::from_utf8_lossy(ini).lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = name.to_string();
+        } else if let Some((key, _)) = line.split_once('=') {
+            out.insert((section.clone(), key.trim().to_string()));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::restore_if_torn;
+    use std::fs;
+
+    const SAVED: &str = "[pg_autoctl]\nrole = monitor\nhostname = 127.0.0.1\n\n\
+                         [postgresql]\npgdata = /x/monitor\nport = 5432\n\n[ssl]\nactive = 0\n";
+
+    fn dir() -> tempfile::TempDir {
+        tempfile::tempdir().expect("a temporary directory")
+    }
+
+    #[test]
+    fn a_torn_monitor_config_is_put_back_and_said_so() {
+        let d = dir();
+        let path = d.path().join("pg_autoctl.cfg");
+        let cuts = [
+            "",
+            "[pg_autoctl]\nrole = mon",
+            &SAVED[..SAVED.len() / 2],
+            &SAVED[..SAVED.len() - 1],
+        ];
+        for torn in cuts {
+            fs::write(&path, torn).unwrap();
+            assert!(
+                restore_if_torn(&path, SAVED.as_bytes()).unwrap(),
+                "{torn:?}"
+            );
+            assert_eq!(fs::read_to_string(&path).unwrap(), SAVED);
+        }
+        fs::remove_file(&path).unwrap();
+        assert!(
+            restore_if_torn(&path, SAVED.as_bytes()).unwrap(),
+            "a missing file"
+        );
+        assert_eq!(fs::read_to_string(&path).unwrap(), SAVED);
+    }
+
+    #[test]
+    fn a_whole_monitor_config_is_left_as_it_is() {
+        let d = dir();
+        let path = d.path().join("pg_autoctl.cfg");
+        let rewritten = SAVED.replace("port = 5432", "port = 6543");
+        fs::write(&path, &rewritten).unwrap();
+        assert!(!restore_if_torn(&path, SAVED.as_bytes()).unwrap());
+        assert_eq!(fs::read_to_string(&path).unwrap(), rewritten);
+    }
 }

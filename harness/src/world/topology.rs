@@ -228,7 +228,8 @@ impl World {
         Ok(out)
     }
 
-    /// The killed monitor started again; waits until it answers.
+    /// The killed monitor started again (its configuration put back if the kill tore it:
+    /// `config_restored`); waits until it answers.
     pub async fn formation_restart_monitor(&mut self) -> anyhow::Result<Value> {
         let Some(m) = self.formation.as_mut() else {
             anyhow::bail!("this world runs no pg_auto_failover formation");
@@ -236,8 +237,11 @@ impl World {
         let Some(crash) = m.monitor_down.take() else {
             anyhow::bail!("the formation's monitor was not killed");
         };
-        m.formation.restart_monitor().await?;
-        Ok(json!({"down_ms": crash.at.elapsed().as_secs_f64() * 1000.0}))
+        let restart = m.formation.restart_monitor().await?;
+        Ok(json!({
+            "down_ms": crash.at.elapsed().as_secs_f64() * 1000.0,
+            "config_restored": restart.config_restored,
+        }))
     }
 
     /// The formation's logs directory (one file per node), if the world runs one.
