@@ -86,11 +86,7 @@ fn reply(req: &Value, t: &str, extra: Value) -> Value {
 /// `other` for everything else.
 fn responder(other: impl Fn(&Value) -> Vec<Value> + Send + Sync + 'static) -> Responder {
     Arc::new(move |req: &Value| match field_str(req, "t") {
-        Some("hello") => vec![reply(
-            req,
-            "welcome",
-            json!({"user": "u1", "device": req["device"], "epoch": req["epoch"]}),
-        )],
+        Some("hello") => vec![welcome(req)],
         Some("ack") => vec![reply(
             req,
             "acked",
@@ -100,9 +96,26 @@ fn responder(other: impl Fn(&Value) -> Vec<Value> + Send + Sync + 'static) -> Re
     })
 }
 
+/// The fake gateway's `welcome` to `req` (a `hello`): user `u1`, the device and epoch it named.
+fn welcome(req: &Value) -> Value {
+    reply(
+        req,
+        "welcome",
+        json!({"user": "u1", "device": req["device"], "epoch": req["epoch"]}),
+    )
+}
+
 fn ev(conv: &str, seq: i64) -> Value {
     json!({"conv": conv, "seq": seq, "kind": "msg", "mid": format!("m{seq}"), "sender": "u2",
            "cmid": format!("x{seq}"), "body": format!("b{seq}"), "at": 1_735_689_600_000_i64, "epoch": 1})
+}
+
+/// Event `seq` of `a` after its epoch moved to 2: another message (`new{seq}`).
+fn moved(seq: i64) -> Value {
+    let mut e = ev("a", seq);
+    e["epoch"] = json!(2);
+    e["mid"] = json!(format!("new{seq}"));
+    e
 }
 
 fn push_ev(conv: &str, seq: i64) -> Value {
@@ -767,12 +780,6 @@ fn typed_requests_are_the_frames_and_invokes_of_before() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moved_epoch_discards_the_conversation_and_syncs_from_zero() -> anyhow::Result<()> {
     let dir = TestDir::new("epoch")?;
-    let moved = |seq: i64| {
-        let mut e = ev("a", seq);
-        e["epoch"] = json!(2);
-        e["mid"] = json!(format!("new{seq}"));
-        e
-    };
     let mut s = fake(responder(move |req| match field_str(req, "t") {
         Some("sync") => vec![reply(
             req,
@@ -817,18 +824,8 @@ async fn a_moved_epoch_discards_the_conversation_and_syncs_from_zero() -> anyhow
 /// and 2) and that answers acks only when the test pushes the reply; `a` holds seqs 1..=3
 /// of epoch 1.
 async fn moved_epoch_setup(dir: &TestDir) -> anyhow::Result<(Client, Fake)> {
-    let moved = |seq: i64| {
-        let mut e = ev("a", seq);
-        e["epoch"] = json!(2);
-        e["mid"] = json!(format!("new{seq}"));
-        e
-    };
     let s = fake(Arc::new(move |req: &Value| match field_str(req, "t") {
-        Some("hello") => vec![reply(
-            req,
-            "welcome",
-            json!({"user": "u1", "device": req["device"], "epoch": req["epoch"]}),
-        )],
+        Some("hello") => vec![welcome(req)],
         Some("sync") => vec![reply(
             req,
             "synced",
@@ -853,10 +850,7 @@ async fn moved_epoch_setup(dir: &TestDir) -> anyhow::Result<(Client, Fake)> {
 /// Moves `a` to epoch 2 (the fake's sync answers seqs 1 and 2 of it) and waits until
 /// the client resynced.
 async fn move_the_epoch(c: &Client, s: &mut Fake) -> anyhow::Result<()> {
-    let mut e = ev("a", 2);
-    e["epoch"] = json!(2);
-    e["mid"] = json!("new2");
-    s.push.send(json!({"t": "event", "ev": e}))?;
+    s.push.send(json!({"t": "event", "ev": moved(2)}))?;
     expect(&mut s.got, WAIT, is("sync")).await?;
     c.wait_for("the resync of epoch 2", WAIT, |c| {
         c.stats().epoch_moves == 1 && c.cursor("a") == 2 && c.stored_seqs("a") == vec![1, 2]
