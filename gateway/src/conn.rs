@@ -543,7 +543,8 @@ impl Members {
 }
 
 impl Session {
-    /// Replies; STALE_INSTALL (the device was reinstalled meanwhile) also ends the connection.
+    /// Replies; STALE_INSTALL (the device was reinstalled meanwhile) also revokes the
+    /// connection's pushes and ends it ([`ConnHandle::revoke_answered`]).
     async fn reply(&self, rid: Option<&str>, r: Result<Reply, WireError>) {
         self.reply_reserved(rid, r, None).await
     }
@@ -557,7 +558,7 @@ impl Session {
         let stale = matches!(r, Err(WireError::StaleInstall));
         reply(&self.handle.outbox, self.id, rid, r, reserved).await;
         if stale {
-            self.handle.close(CloseCode::Policy.into(), None);
+            self.handle.revoke_answered();
         }
     }
 

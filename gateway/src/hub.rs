@@ -363,10 +363,23 @@ impl ConnHandle {
     /// The install is no longer current (reinstalled or removed): no push or hint is
     /// offered or written from now on, and the connection closes with STALE_INSTALL (1008).
     pub fn revoke(&self) {
+        self.revoke_with(Some(WireError::StaleInstall));
+    }
+
+    /// As [`ConnHandle::revoke`], for a connection whose own request was just answered
+    /// STALE_INSTALL (that answer is its error frame). The answer may come first: the
+    /// connection then leaves the hub before the install notification looks for it, so
+    /// this is the only revocation it gets, and without it the pushes still queued (the
+    /// backlog a reinstall cuts off) would be written before the close.
+    pub fn revoke_answered(&self) {
+        self.revoke_with(None);
+    }
+
+    fn revoke_with(&self, error: Option<WireError>) {
         if self.outbox.revoke() {
             tracing::info!(conn = self.id, device = %self.who.device, epoch = self.who.epoch, "install is stale: closing");
         }
-        self.close(1008, Some(WireError::StaleInstall));
+        self.close(1008, error);
     }
 }
 
@@ -473,5 +486,55 @@ impl Hub {
     pub fn all(&self) -> Vec<Arc<ConnHandle>> {
         let m = self.by_user.read().unwrap_or_else(|p| p.into_inner());
         m.values().flatten().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle() -> (
+        Arc<ConnHandle>,
+        mpsc::Receiver<Out>,
+        mpsc::Receiver<CloseRequest>,
+    ) {
+        let (outbox, rx) = Outbox::new(1, 8, 1 << 16);
+        let (close_tx, close_rx) = close_channel();
+        let who = Principal {
+            user: "bob".into(),
+            device: "b1".into(),
+            epoch: 1,
+        };
+        (
+            Arc::new(ConnHandle::new(1, who, outbox, close_tx)),
+            rx,
+            close_rx,
+        )
+    }
+
+    /// A STALE_INSTALL answer revokes the connection's pushes as the install notification
+    /// does (the writer then skips the backlog), and closes with 1008 without a second
+    /// error frame.
+    #[test]
+    fn a_stale_install_answer_revokes_pushes_and_closes_quietly() {
+        let (h, _rx, mut close_rx) = handle();
+        h.revoke_answered();
+        assert!(
+            h.outbox.is_revoked(),
+            "pushes still open after STALE_INSTALL"
+        );
+        assert_eq!(close_rx.try_recv().unwrap(), (1008, None));
+    }
+
+    /// The notification's revocation closes with the STALE_INSTALL error frame.
+    #[test]
+    fn a_revoked_install_closes_with_its_error() {
+        let (h, _rx, mut close_rx) = handle();
+        h.revoke();
+        assert!(h.outbox.is_revoked());
+        assert_eq!(
+            close_rx.try_recv().unwrap(),
+            (1008, Some(WireError::StaleInstall))
+        );
     }
 }

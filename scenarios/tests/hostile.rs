@@ -614,7 +614,9 @@ async fn reinstall_closes_the_old_connection_and_it_sees_nothing_more() {
 /// install's writer is slowed (`gw.push:delay(1000)`, so the backlog lasts 8 s: the
 /// reinstall, a process of its own, lands within it even on a loaded machine) so that
 /// pushes of eight messages wait in its queue when `admin reinstall-device` commits. Once the gateway learns of the reinstall
-/// it drops every push still queued: between the reinstall and the STALE_INSTALL error the
+/// (its notification, or the old install's own ack answered STALE_INSTALL, whichever comes
+/// first: the ack that wins takes the connection out of the hub before the notification
+/// looks for it) it drops every push still queued: between the reinstall and the STALE_INSTALL error the
 /// old install gets at most the push being written then and one more written before the
 /// notification arrived, never the backlog. (A reinstall is how a user cuts off a lost
 /// device.)
