@@ -210,13 +210,16 @@ impl Inner {
             syncing.entry(conv.to_string()).or_default().clone()
         };
         let _one_at_a_time = one.lock().await;
+        let cancelled = SyncCancelled {
+            inner: self,
+            conv,
+            armed: true,
+        };
         let r = self.sync_pages(conv, from).await;
+        cancelled.disarm();
         let mut st = self.lock();
         if r.is_err() {
-            st.delivery.sync_failed(conv);
-            if st.resync.contains(conv) {
-                st.subscribed = false;
-            }
+            sync_failed(&mut st, conv);
         } else {
             st.resync.remove(conv);
         }
@@ -598,5 +601,41 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at.into()).await,
         None => std::future::pending().await,
+    }
+}
+
+/// A sync that failed (no page, or a page refused): the delivery core's sync of `conv` is
+/// over, and a conversation that had to be synced again after its epoch moved makes the
+/// client subscribe again.
+fn sync_failed(st: &mut State, conv: &str) {
+    st.delivery.sync_failed(conv);
+    if st.resync.contains(conv) {
+        st.subscribed = false;
+    }
+}
+
+/// Ends, as failed, a sync whose future was dropped before it ended (a caller's `select!`
+/// or timeout cancelled it). Without it the delivery core takes the conversation for still
+/// syncing and answers every later hint `SyncRunning`, so nothing syncs it again: nemesis
+/// seed 2 on three gateways at 85cb913, a device's turn dropped inside `sub`'s sync left
+/// it missing 29 events for the rest of the run while the sweep hinted it every interval.
+/// Armed only while the one sync of `conv` is held, so it never ends another's sync.
+struct SyncCancelled<'a> {
+    inner: &'a Inner,
+    conv: &'a str,
+    armed: bool,
+}
+
+impl SyncCancelled<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for SyncCancelled<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            sync_failed(&mut self.inner.lock(), self.conv);
+        }
     }
 }

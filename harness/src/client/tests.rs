@@ -511,6 +511,45 @@ async fn two_syncs_of_one_conversation_never_overlap() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A sync whose future is dropped (a caller's `select!` or timeout cancelled `sub`) ends
+/// as a failed one: a later hint of the conversation syncs it again. The fake never
+/// answers the first sync request; `sub` is cancelled while it waits; then a hint at head
+/// 4 must bring a second sync and the events. Before, the delivery core kept the dropped
+/// sync as running and answered every hint `SyncRunning` (nemesis seed 2 on three
+/// gateways at 85cb913: a device missed 29 events for the rest of the run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_sync_lets_the_next_hint_sync_again() -> anyhow::Result<()> {
+    let dir = TestDir::new("cancelled-sync")?;
+    let syncs = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen = syncs.clone();
+    let mut s = fake(responder(move |req| match field_str(req, "t") {
+        Some("sub") => vec![reply(
+            req,
+            "subbed",
+            json!({"convs": [{"conv": "a", "head": 4, "delivered": 0, "epoch": 1}],
+                   "lineage": 0}),
+        )],
+        // The first sync request is never answered.
+        Some("sync") if seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 => vec![],
+        Some("sync") => vec![page_of_a(req)],
+        _ => vec![],
+    }))
+    .await?;
+    let c = paging_client(&dir, &s.url).await?;
+    let got = &mut s.got;
+    tokio::select! {
+        r = c.sub() => bail!("sub ended though its sync was never answered: {r:?}"),
+        r = expect(got, WAIT, is("sync")) => { r?; }
+    }
+    s.push
+        .send(json!({"t": "hint", "conv": "a", "head": 4, "why": "sweep"}))?;
+    let (_, again) = expect(&mut s.got, WAIT, is("sync")).await?;
+    assert_eq!(again["after"], json!(0), "{again}");
+    c.wait_cursor("a", 4, WAIT).await?;
+    assert_eq!(c.stored_seqs("a"), vec![1, 2, 3, 4]);
+    Ok(())
+}
+
 /// Proves gap repair: after seq 1, a push of seq 3 makes the client sync with
 /// after=1, and the synced events close the gap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,7 +12,7 @@
 //! Must not: judge anything itself (the checker does), or retry a send on a client's
 //! behalf except through the client's own outbox replay.
 
-use super::faults::{CrashSwitches, FaultCtx, Package};
+use super::faults::{CrashSwitch, CrashSwitches, FaultCtx, Package};
 use super::outcome::Outcome;
 use super::schedule::{Fault, Membership, Schedule};
 use super::supervisor::{Started, Supervisor};
@@ -353,7 +353,7 @@ fn spawn_devices(
             .get(device)
             .cloned()
             .with_context(|| format!("device {device} of device_seeds is no user's"))?;
-        let (crashed, crashed_rx) = watch::channel(false);
+        let (crashed, crashed_rx) = watch::channel(CrashSwitch::default());
         let settled = Arc::new(AtomicBool::new(false));
         let task = tokio::spawn(device_loop(DeviceArgs {
             device: device.clone(),
@@ -715,7 +715,7 @@ struct DeviceArgs {
     /// A stale acker's one-in ([`super::schedule::StaleAck`]).
     stale_ack_one_in: Option<u64>,
     shared: Arc<Shared>,
-    crashed: watch::Receiver<bool>,
+    crashed: watch::Receiver<CrashSwitch>,
     stop: watch::Receiver<bool>,
     settled: Arc<AtomicBool>,
     /// The run's history, which the device's clients record into.
@@ -747,18 +747,23 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
     let mut client =
         Some(Client::create(&state, &device, &token, 1, Some(hist.clone()))?.with_options(copts));
     let mut n: u64 = 0;
+    // Crashes carried out: one started and already ended when this device looked is
+    // carried out too (crashed, then loaded again at once).
+    let mut crashes_done: u64 = 0;
     loop {
         if *stop.borrow() {
             return Ok(client);
         }
-        if *crashed.borrow() {
+        let switch = *crashed.borrow();
+        if switch.crashed || switch.crashes > crashes_done {
+            crashes_done = switch.crashes;
             settled.store(false, Ordering::SeqCst);
             if let Some(c) = client.take() {
                 c.crash().await;
             }
             // Dead until told to come back, or the run stops (then it stays dead).
             tokio::select! {
-                _ = crashed.wait_for(|c| !*c) => {}
+                _ = crashed.wait_for(|c| !c.crashed) => {}
                 _ = stop.wait_for(|s| *s) => return Ok(None),
             }
             client = Some(Client::load(&state, Some(hist.clone()))?.with_options(copts));

@@ -72,6 +72,6 @@ fn switch(cx: &FaultCtx<'_>, device: &str, crashed: bool) -> anyhow::Result<()> 
     cx.crash_switches
         .get(device)
         .with_context(|| format!("no device {device}"))?
-        .send_replace(crashed);
+        .send_modify(|s| s.set(crashed));
     Ok(())
 }

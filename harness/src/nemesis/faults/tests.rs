@@ -230,3 +230,20 @@ fn every_kind_is_written_under_its_name_and_reads_back() {
     let e = serde_json::from_str::<FaultKind>(r#"{"target":"x"}"#).unwrap_err();
     assert!(e.to_string().contains("kind"), "{e}");
 }
+
+/// A crash switch counts each crash started (not a second `on`, not an `off`), so a crash
+/// started and ended before its device looked is still carried out.
+#[test]
+fn a_crash_switch_counts_the_crashes_started() {
+    let mut s = CrashSwitch::default();
+    for on in [true, true, false, false, true, false] {
+        s.set(on);
+    }
+    assert_eq!(
+        s,
+        CrashSwitch {
+            crashed: false,
+            crashes: 2
+        }
+    );
+}
