@@ -1001,6 +1001,60 @@ fn events_inside_the_membership_are_not_s1() {
     assert!(only(&b, &f, Kind::S1Outside).is_empty());
 }
 
+/// A `subbed` of `dev` showing `conv` at `epoch`.
+fn subbed(b: &mut B, dev: &str, conv: &str, epoch: i64) -> u64 {
+    let id = b.invoke(dev, "sub", json!({}));
+    b.done(
+        dev,
+        Type::Ok,
+        "sub",
+        id,
+        json!({"convs": [{"conv": conv, "head": 0, "delivered": 0, "epoch": epoch}]}),
+    )
+}
+
+/// Issue 42 (`hint-past-leave`): a hint's head is the last event its device may see, so
+/// a hint one past a member's leave is S1-outside; the hint at the period's last event,
+/// and a hint at 0 (nothing to see), are not.
+#[test]
+fn s1_a_hint_past_the_leave_is_outside_the_membership() {
+    let mut b = B::new();
+    subbed(&mut b, "b1", "c1", 1);
+    b.hint("b1", "c1", 1, "sweep");
+    b.hint("b1", "c1", 0, "sweep");
+    let past = b.hint("b1", "c1", 2, "sweep");
+    let mut f = two_rows();
+    f.memberships[1].to_seq = Some(2);
+    let s1 = only(&b, &f, Kind::S1Outside);
+    assert_eq!(s1.len(), 1, "{s1:?}");
+    assert_eq!(s1[0].entries, vec![past]);
+    assert_eq!(
+        s1[0].msg,
+        format!(
+            "b1 (bob) was hinted at c1 head 2 at line {past}, outside bob's periods of c1: [1, 2)"
+        )
+    );
+}
+
+/// A hint carries no epoch: judged only while its device's newest view of the
+/// conversation is the conversation's newest epoch, and not where no epoch was seen.
+#[test]
+fn s1_judges_a_hint_only_under_the_newest_epoch_its_device_saw() {
+    let mut f = two_rows();
+    f.memberships[1].to_seq = Some(2);
+    let mut b = B::new();
+    b.hint("b1", "c1", 2, "sweep");
+    subbed(&mut b, "b1", "c1", 1);
+    b.hint("b1", "c1", 2, "sweep");
+    subbed(&mut b, "a1", "c1", 2);
+    assert!(only(&b, &f, Kind::S1Outside).is_empty());
+    subbed(&mut b, "b1", "c1", 2);
+    let judged = b.hint("b1", "c1", 2, "sweep");
+    let s1 = only(&b, &f, Kind::S1Outside);
+    assert_eq!(s1.len(), 1, "{s1:?}");
+    assert_eq!(s1[0].entries, vec![judged]);
+}
+
 #[test]
 fn d5_not_repaired_only_for_non_empty_missing_lists() {
     let mut b = B::new();

@@ -85,7 +85,8 @@ pub enum Witness {
         delivered: i64,
         head: i64,
     },
-    /// `s1-outside`: events received outside the user's membership periods.
+    /// `s1-outside`: events received (pushed, in a sync page, or named by a hint's head)
+    /// outside the user's membership periods.
     OutsidePeriods {
         device: String,
         user: String,
@@ -329,6 +330,19 @@ impl Witness {
     /// [`Witness::explain`] of what a device was delivered and when (S1, D5).
     fn explain_delivery(&self) -> String {
         match self {
+            Witness::OutsidePeriods {
+                device,
+                user,
+                conv,
+                seqs,
+                how,
+                line,
+                periods,
+            } if how == "hint" => format!(
+                "{device} ({user}) was hinted at {conv} head {} at line {line}, outside {user}'s periods of {conv}: {}",
+                list(seqs),
+                periods_text(periods)
+            ),
             Witness::OutsidePeriods {
                 device,
                 user,
