@@ -149,13 +149,6 @@ fn nemesis_would_need(bug: &str) -> Option<&'static str> {
              gateway's LISTEN lost, or the ack racing the reinstall's notification), and a \
              check that every current install's cursor was written by an ack of that install"
         }
-        "hint-past-leave" => {
-            "a check of hints, not only of what devices stored and acked: a member who left \
-             is hinted one past its period's end, its sync finds nothing more and its ack of \
-             its last event is accepted, so every message is delivered and the checker is \
-             content; the nemesis would need a liveness check after the heal that the hints \
-             to each device stop once it acked its visible head"
-        }
         _ => return None,
     })
 }
