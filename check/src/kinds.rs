@@ -57,6 +57,8 @@ kinds! {
         "after the judge's wait, a live device still lacks an event visible to it";
     D5SweepLate = "d5-sweep-late", "D5",
         "for a device that stayed behind (no ack reaching the hinted head in between), consecutive sweep hints more than sweep + 1000 ms apart, or (3+ gaps) a median gap over 1.5 x sweep. A reconnect of the device, a gateway start, or a fault that took the database away (`pg-crash`, `pg-power-cut`, `pg-primary-kill`: the sweep is a query; hints are not judged until a `pg-restart` succeeded or the address moved to the promoted standby) starts a new series. Hints received while any other fault is in force are not judged, except during a `client-crash` or a `gw-fault` that drops or refuses frames at a point other than `gw.reply.ack` (these leave the sweep alone; a dropped ack reply does not: the ack took effect unseen)";
+    D5LockedOut = "d5-locked-out", "D5",
+        "a hello refused over the failed-hello limit (`too many failed hellos`) although no hello of any device before it was refused `UNAUTHENTICATED` or `STALE_INSTALL`: only a hello the database refused may be charged, so an honest device was kept out (after an outage, say) and nothing it lacks can be repaired";
     StoreMismatch = "store-mismatch", "D1/D6",
         "a stored event whose row is missing or has another mid; one device received two different mids for one `(conv, seq)` within one epoch of the conversation (its `epoch` line starts another)";
     HeldLost = "held-lost", "D1/D6",

@@ -33,8 +33,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::history::{
-    Action, Done, Entry, EventRef, HintWhy, Invoke, Life, Line, Nemesis, Phase, ProbeLine, Recv,
-    Store, Type, Via, MALFORMED_REPLY,
+    Action, Done, Entry, EventRef, HintWhy, Invoke, Life, Line, Nemesis, OpName, Phase, ProbeLine,
+    Recv, Store, Type, Via, MALFORMED_REPLY,
 };
 
 /// Version of the `final.json` format; [`load_dir`] refuses any other.
@@ -170,6 +170,12 @@ pub const RULES: &[Rule] = &[
         "sweep",
         &[Kind::D5SweepLate],
         sweep::d5_sweep_late,
+    ),
+    rule(
+        "d5_locked_out",
+        "sweep",
+        &[Kind::D5LockedOut],
+        sweep::d5_locked_out,
     ),
     rule(
         "store_mismatch",

@@ -32,6 +32,47 @@ pub(super) fn d5_not_repaired(cx: &Ctx, out: &mut Findings) {
     }
 }
 
+/// Rule 14, `d5-locked-out` (D5: nothing a device lacks is repaired while it cannot get
+/// in): a hello refused over the failed-hello limit ([`im_protocol::error::HELLO_THROTTLED`])
+/// must have been earned. The gateway charges only the hellos the database refused
+/// (`UNAUTHENTICATED`, `STALE_INSTALL`); one it could not check (`UNAVAILABLE`, an outage)
+/// is not charged, or every device that reconnects through an outage is locked out after
+/// it. The limits are per device and per source address, and every client of a run may
+/// share one address, so a throttle is earned by a refused hello of any device anywhere
+/// before it: the rule flags only a throttle with no refused hello at all before it in the
+/// history. A refusal the client never saw (its connection lost first) is not in the
+/// history; an honest device is refused only for a stale install or a removal, which a
+/// workload that does neither never has.
+pub(super) fn d5_locked_out(cx: &Ctx, out: &mut Findings) {
+    let mut refused_before = false;
+    for e in cx.h {
+        match &e.line {
+            Line::Fail(c)
+                if c.op == OpName::Hello
+                    && matches!(
+                        c.value.code.as_deref(),
+                        Some("UNAUTHENTICATED" | "STALE_INSTALL")
+                    ) =>
+            {
+                refused_before = true;
+            }
+            Line::Info(c)
+                if c.op == OpName::Hello
+                    && c.value.why == "UNAVAILABLE"
+                    && c.value.msg.as_deref() == Some(im_protocol::error::HELLO_THROTTLED)
+                    && !refused_before =>
+            {
+                let w = Witness::LockedOut {
+                    device: e.process.clone(),
+                    line: e.i,
+                };
+                out.push(Anomaly::new(Kind::D5LockedOut, w, vec![e.i]));
+            }
+            _ => {}
+        }
+    }
+}
+
 /// A sweep hint waiting for the next one.
 pub(super) struct PendingHint {
     t_ms: f64,

@@ -330,7 +330,7 @@ fn a_clean_realistic_history_passes_with_every_count_zero() {
     let r = check(&b.h, &f);
     assert_eq!(r.anomalies, vec![], "{}", r.summary());
     assert_eq!(r.verdict, Verdict::Pass);
-    assert_eq!(r.counts.len(), 14);
+    assert_eq!(r.counts.len(), 15);
     assert!(Kind::ALL.iter().all(|k| r.counts[k] == 0));
     let json = serde_json::to_value(&r).unwrap();
     for k in Kind::ALL {
@@ -1053,6 +1053,62 @@ fn s1_judges_a_hint_only_under_the_newest_epoch_its_device_saw() {
     let s1 = only(&b, &f, Kind::S1Outside);
     assert_eq!(s1.len(), 1, "{s1:?}");
     assert_eq!(s1[0].entries, vec![judged]);
+}
+
+/// A hello of `dev` answered `kind` (`Info` or `Fail`) with `value`; returns that line.
+fn hello_refused(b: &mut B, dev: &str, kind: Type, value: Value) -> u64 {
+    let id = b.invoke(dev, "hello", json!({"device": dev, "epoch": 1}));
+    b.done(dev, kind, "hello", id, value)
+}
+
+/// D5 (issue 42, `outage-charges-hello`): a hello refused over the failed-hello limit is an
+/// anomaly unless some hello before it was refused by the database; an outage's
+/// `UNAVAILABLE` earns nothing, and another limit's `UNAVAILABLE` is not this one.
+#[test]
+fn d5_a_hello_throttled_with_no_refused_hello_before_it_is_a_lockout() {
+    let throttled = json!({"why": "UNAVAILABLE", "msg": im_protocol::error::HELLO_THROTTLED});
+    let mut b = B::new();
+    for _ in 0..3 {
+        hello_refused(
+            &mut b,
+            "a1",
+            Type::Info,
+            json!({"why": "UNAVAILABLE", "msg": "database unavailable, retry later"}),
+        );
+    }
+    hello_refused(
+        &mut b,
+        "a1",
+        Type::Info,
+        json!({"why": "UNAVAILABLE", "msg": "too many connections for this device"}),
+    );
+    let locked = hello_refused(&mut b, "a1", Type::Info, throttled.clone());
+    let d5 = only(&b, &two_rows(), Kind::D5LockedOut);
+    assert_eq!(d5.len(), 1, "{d5:?}");
+    assert_eq!(d5[0].entries, vec![locked]);
+    assert!(
+        d5[0]
+            .msg
+            .starts_with(&format!("a1's hello at line {locked} was refused")),
+        "{}",
+        d5[0].msg
+    );
+
+    // Earned: another device's hello refused UNAUTHENTICATED first (the address's limit).
+    for refused in ["UNAUTHENTICATED", "STALE_INSTALL"] {
+        let mut b = B::new();
+        hello_refused(
+            &mut b,
+            "x9",
+            Type::Fail,
+            json!({"code": refused, "msg": "no"}),
+        );
+        hello_refused(&mut b, "a1", Type::Info, throttled.clone());
+        assert!(
+            only(&b, &two_rows(), Kind::D5LockedOut).is_empty(),
+            "{refused}"
+        );
+    }
 }
 
 #[test]

@@ -143,6 +143,9 @@ pub enum Witness {
         held: Named,
         row: Option<FinalEvent>,
     },
+    /// `d5-locked-out`: a hello refused over the failed-hello limit with no refused hello
+    /// before it.
+    LockedOut { device: String, line: u64 },
     /// `reply-before-commit` / `push-before-commit`: a probe right after the reply or push
     /// did not find the message.
     NotVisible {
@@ -320,6 +323,11 @@ impl Witness {
             | Witness::NotRepaired { .. }
             | Witness::SweepGap { .. }
             | Witness::SweepMedian { .. }) => w.explain_delivery(),
+            Witness::LockedOut { device, line } => format!(
+                "{device}'s hello at line {line} was refused as over the failed-hello limit, \
+                 yet no hello of any device before it was refused UNAUTHENTICATED or \
+                 STALE_INSTALL"
+            ),
             w @ (Witness::TwoMessagesAtOneSeq { .. }
             | Witness::HeldNotKept { .. }
             | Witness::StoredNotKept { .. }
@@ -476,6 +484,7 @@ impl Witness {
             | Witness::SweepGap { conv, .. }
             | Witness::SweepMedian { conv, .. } => Some(conv),
             Witness::RowsOfOneCmid { rows, .. } => rows.first().map(|r| r.conv.as_str()),
+            Witness::LockedOut { .. } => None,
             Witness::AnswersOfOneCmid { answers, .. } => answers.first().map(|a| a.conv.as_str()),
         }
     }
@@ -494,7 +503,8 @@ impl Witness {
             | Witness::TwoMessagesAtOneSeq { device, .. }
             | Witness::StoredNotKept { device, .. }
             | Witness::HeldNotKept { device, .. }
-            | Witness::NotVisible { device, .. } => Some(device),
+            | Witness::NotVisible { device, .. }
+            | Witness::LockedOut { device, .. } => Some(device),
             Witness::CursorUnexplained { write, .. } | Witness::CursorWrittenDown { write } => {
                 Some(&write.device)
             }

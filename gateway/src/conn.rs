@@ -433,7 +433,7 @@ impl Hello<'_> {
         let ip = self.peer.ip();
         if !state.hello_throttle.attempt(ip, &device) {
             tracing::info!(conn = id, peer = %self.peer, device, "failed hellos over the limit: refused");
-            let e = WireError::Throttled("too many failed hellos: retry later".into());
+            let e = WireError::hello_throttled();
             reply(outbox, id, rid, Err(e), None).await;
             return Err(CloseCode::Again);
         }

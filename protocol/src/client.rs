@@ -302,7 +302,7 @@ mod tests {
             WireError::CmidConflict,
             WireError::TooLarge("body is longer than 10 bytes".into()),
             WireError::Unavailable,
-            WireError::Throttled("too many failed hellos: retry later".into()),
+            WireError::hello_throttled(),
             WireError::Internal,
         ] {
             out.push(Reply::Error(e));

@@ -32,7 +32,17 @@ pub enum WireError {
     Internal,
 }
 
+/// The message of a hello refused because its device or its address made too many failed
+/// hellos (the gateway's `IM_HELLO_FAILS_PER_*` limits): the one `UNAVAILABLE` a checker
+/// may hold to account, since only hellos the database refused may be charged.
+pub const HELLO_THROTTLED: &str = "too many failed hellos: retry later";
+
 impl WireError {
+    /// A hello refused over the failed-hello limits ([`HELLO_THROTTLED`]).
+    pub fn hello_throttled() -> WireError {
+        WireError::Throttled(Cow::Borrowed(HELLO_THROTTLED))
+    }
+
     /// The stable error code of SPEC 2.
     pub fn code(&self) -> &'static str {
         match self {

@@ -96,7 +96,8 @@ pub(super) fn completion(op: OpName, r: &Result<Received, ClientError>) -> Line 
                 },
             })
         }
-        Err(ClientError::Server { code, .. }) => unsure(code, None),
+        // The message too: a limit's `UNAVAILABLE` names the limit (`d5-locked-out` reads it).
+        Err(ClientError::Server { code, msg, .. }) => unsure(code, Some(msg.clone())),
         Err(ClientError::Timeout) => unsure("timeout", None),
         Err(ClientError::Disconnected) => unsure("disconnected", None),
         Err(ClientError::Other(e)) => unsure("other", Some(format!("{e:#}"))),

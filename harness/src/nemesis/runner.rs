@@ -145,6 +145,13 @@ async fn run_inner(
 }
 
 /// Each gateway's options: the same but for its control socket (in `sock_dir`).
+/// The gateways' `IM_HELLO_FAILS_PER_DEVICE_PER_MIN`: strict, as a deployment wary of
+/// token guessing sets it, so that the few hellos a reconnecting device makes through one
+/// database outage would lock it out if the gateway charged them (it must not: only a hello
+/// the database refused is a failed one; `d5-locked-out`). The workload's devices never
+/// present a wrong token, so the limit never refuses an honest hello.
+const HELLO_FAILS_PER_DEVICE_PER_MIN: u32 = 3;
+
 fn gateway_options(schedule: &Schedule, sock_dir: &Path) -> Vec<Started> {
     (0..schedule.options.gateways.max(1))
         .map(|i| {
@@ -155,10 +162,16 @@ fn gateway_options(schedule: &Schedule, sock_dir: &Path) -> Vec<Started> {
             let opts = GatewayOpts {
                 sweep_ms: Some(schedule.options.sweep_ms),
                 db_timeout_ms: Some(GW_DB_TIMEOUT_MS),
-                env: vec![(
-                    "IM_FAULT_CONTROL".to_string(),
-                    control.to_string_lossy().to_string(),
-                )],
+                env: vec![
+                    (
+                        "IM_FAULT_CONTROL".to_string(),
+                        control.to_string_lossy().to_string(),
+                    ),
+                    (
+                        "IM_HELLO_FAILS_PER_DEVICE_PER_MIN".to_string(),
+                        HELLO_FAILS_PER_DEVICE_PER_MIN.to_string(),
+                    ),
+                ],
                 ..Default::default()
             };
             Started { opts, control }
@@ -369,6 +382,12 @@ fn spawn_devices(
                 .iter()
                 .find(|a| a.device == *device)
                 .map(|a| a.one_in),
+            reconnect_one_in: schedule
+                .workload
+                .reconnects
+                .iter()
+                .find(|r| r.device == *device)
+                .map(|r| r.one_in),
             shared: shared.clone(),
             crashed: crashed_rx,
             stop: stop_rx.clone(),
@@ -714,6 +733,8 @@ struct DeviceArgs {
     client: ClientOptions,
     /// A stale acker's one-in ([`super::schedule::StaleAck`]).
     stale_ack_one_in: Option<u64>,
+    /// A reconnecting device's one-in ([`super::schedule::Reconnects`]).
+    reconnect_one_in: Option<u64>,
     shared: Arc<Shared>,
     crashed: watch::Receiver<CrashSwitch>,
     stop: watch::Receiver<bool>,
@@ -735,6 +756,7 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
         think_ms,
         client: copts,
         stale_ack_one_in,
+        reconnect_one_in,
         shared,
         mut crashed,
         mut stop,
@@ -744,6 +766,7 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
     let mut rng = super::schedule::Rng::new(seed);
     // A stream of its own: the think times and picks are as without it.
     let mut stale_rng = super::schedule::Rng::new(seed ^ 0x57A1_EAC4);
+    let mut reconnect_rng = super::schedule::Rng::new(seed ^ 0x4EC0_22EC);
     let mut client =
         Some(Client::create(&state, &device, &token, 1, Some(hist.clone()))?.with_options(copts));
     let mut n: u64 = 0;
@@ -774,6 +797,7 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
         let pick = rng.next_u64();
         let stale_ack = stale_ack_one_in.is_some_and(|k| stale_rng.chance(1, k));
         let stale_pick = stale_rng.next_u64();
+        let reconnect = reconnect_one_in.is_some_and(|k| reconnect_rng.chance(1, k));
         let convs: Vec<String> = shared
             .membership
             .lock()
@@ -793,6 +817,7 @@ async fn device_loop(a: DeviceArgs) -> anyhow::Result<Option<Client>> {
             sending,
             stale_ack,
             stale_pick,
+            reconnect,
         };
         let step = device_turn(c, turn, &settled, &shared);
         let failed = tokio::select! {
@@ -821,9 +846,12 @@ struct Turn {
     sending: bool,
     stale_ack: bool,
     stale_pick: u64,
+    /// Drop the connection and connect again first (while sending only: after the heal a
+    /// device must settle).
+    reconnect: bool,
 }
 
-/// One turn of a device: reconnect and `sub` if needed, replay the outbox if it holds
+/// One turn of a device: reconnect and `sub` if needed (or drawn to), replay the outbox if it holds
 /// anything, else send (and, for the stale acker, sometimes ack an old seq) or, after the
 /// heal, report whether it is settled; then think.
 async fn device_turn(
@@ -832,6 +860,12 @@ async fn device_turn(
     settled: &AtomicBool,
     shared: &Shared,
 ) -> Result<(), ClientError> {
+    if t.reconnect && t.sending && c.is_connected() {
+        settled.store(false, Ordering::SeqCst);
+        // `connect` drops the connection it has first, as a phone's network change does.
+        c.connect(&shared.ws_url).await?;
+        c.sub().await?;
+    }
     if !c.is_connected() || !c.is_subscribed() {
         settled.store(false, Ordering::SeqCst);
         // Connected but no longer subscribed: a sync after an epoch move failed (issue 21),

@@ -32,8 +32,10 @@ pub const SCHEDULE_VERSION: u32 = 1;
 /// too, at most one per schedule and none before a fault that needs the LazyFS layer. 6:
 /// the pg_auto_failover kinds (`pg-autofailover`, `pg-autofailover-monitor`, issue 21) are
 /// drawn too, never beside a kind that acts on a cluster the harness runs itself. 7: one
-/// device re-sends old acks ([`StaleAck`], issue 42), drawn from a stream of its own.
-pub const GENERATOR_VERSION: u32 = 7;
+/// device re-sends old acks ([`StaleAck`], issue 42), drawn from a stream of its own. 8:
+/// one device drops its connection and connects again now and then ([`Reconnects`], issue
+/// 42), drawn from a stream of its own.
+pub const GENERATOR_VERSION: u32 = 8;
 
 fn generator_one() -> u32 {
     1
@@ -175,7 +177,25 @@ pub struct Workload {
     /// Devices that also re-send old acks (absent in schedules written before them: none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stale_acks: Vec<StaleAck>,
+    /// Devices that also reconnect now and then (absent in schedules written before them:
+    /// none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reconnects: Vec<Reconnects>,
 }
+
+/// A device that drops its connection and connects again (a new WebSocket, `hello`, `sub`)
+/// after one step in `one_in`, as a phone does that moves between networks (issue 42).
+/// Through a database outage its hellos fail `UNAVAILABLE`, which the gateway must not
+/// charge as failed hellos (`IM_HELLO_FAILS_PER_DEVICE_PER_MIN` is 10): a gateway that
+/// does locks it out after the heal (`d5-locked-out`), with no fault aimed at it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reconnects {
+    pub device: String,
+    pub one_in: u64,
+}
+
+/// A reconnecting device reconnects after one step in this many.
+pub const RECONNECT_ONE_IN: u64 = 4;
 
 /// A device that also re-sends old acks, as a client does that retries acks from a queue
 /// or acks from a second connection (issue 42): after one step in `one_in`, an explicit
@@ -267,20 +287,24 @@ impl Schedule {
                 l.after_ms
             );
         }
-        for a in &self.workload.stale_acks {
+        let w = &self.workload;
+        let one_ins = (w
+            .stale_acks
+            .iter()
+            .map(|a| ("stale_acks", &a.device, a.one_in)))
+        .chain(
+            w.reconnects
+                .iter()
+                .map(|r| ("reconnects", &r.device, r.one_in)),
+        );
+        for (role, device, one_in) in one_ins {
             anyhow::ensure!(
-                self.workload
-                    .device_seeds
-                    .iter()
-                    .any(|(d, _)| *d == a.device),
-                "stale_acks: {} is no device of the workload",
-                a.device
+                w.device_seeds.iter().any(|(d, _)| d == device),
+                "{role}: {device} is no device of the workload"
             );
             anyhow::ensure!(
-                (1..=1000).contains(&a.one_in),
-                "stale_acks: {}'s one_in {} is not within 1..=1000",
-                a.device,
-                a.one_in
+                (1..=1000).contains(&one_in),
+                "{role}: {device}'s one_in {one_in} is not within 1..=1000"
             );
         }
         anyhow::ensure!(
@@ -447,6 +471,7 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
         .collect();
     let devices: Vec<String> = users.iter().flat_map(|u| u.devices.clone()).collect();
     let (lazy_acks, stale_acks) = draw_ackers(&mut root, &devices);
+    let reconnects = draw_reconnects(&mut root, &devices, &lazy_acks, &stale_acks);
     let on = Targets {
         devices: &devices,
         gateways: opts.gateways,
@@ -465,6 +490,7 @@ pub fn generate(seed: u64, opts: &Options) -> anyhow::Result<Schedule> {
             device_seeds,
             lazy_acks,
             stale_acks,
+            reconnects,
         },
         faults,
     };
@@ -577,6 +603,28 @@ fn draw_ackers(root: &mut Rng, devices: &[String]) -> (Vec<LazyAck>, Vec<StaleAc
         }]
     };
     (lazy_acks, stale_acks)
+}
+
+/// One reconnecting device, neither the lazy acker (whose hint series a reconnect would
+/// cut short) nor the stale acker, from a stream of its own (fork 5 of `root`).
+fn draw_reconnects(
+    root: &mut Rng,
+    devices: &[String],
+    lazy: &[LazyAck],
+    stale: &[StaleAck],
+) -> Vec<Reconnects> {
+    let mut rr = root.fork(5);
+    let plain: Vec<&String> = devices
+        .iter()
+        .filter(|d| lazy.iter().all(|l| l.device != **d) && stale.iter().all(|a| a.device != **d))
+        .collect();
+    if plain.is_empty() {
+        return Vec::new();
+    }
+    vec![Reconnects {
+        device: (*rr.pick(&plain)).clone(),
+        one_in: RECONNECT_ONE_IN,
+    }]
 }
 
 /// The kinds `opts.kinds` names (all when empty), in the registry's draw order; an unknown
@@ -785,11 +833,11 @@ mod tests {
         assert_eq!(h, PINNED_SCHEDULES_DIGEST, "{h:#018x}");
     }
 
-    /// Generator 7 (generator 1 gave 0x1761_d812_f730_02f4, generator 2
+    /// Generator 8 (generator 1 gave 0x1761_d812_f730_02f4, generator 2
     /// 0x6147_e705_dcd2_bb52, generator 3 0x2fd1_f324_51cf_f6f4, generator 4
     /// 0x39ea_82d8_8eac_5812, generator 5 0x6730_d244_1014_0a62, generator 6
-    /// 0x2335_16d0_d858_bb64).
-    const PINNED_SCHEDULES_DIGEST: u64 = 0x58be_12dd_c6a1_fb97;
+    /// 0x2335_16d0_d858_bb64, generator 7 0x58be_12dd_c6a1_fb97).
+    const PINNED_SCHEDULES_DIGEST: u64 = 0x9536_9614_d7be_def3;
 
     #[test]
     fn schedules_are_valid_for_many_seeds_and_use_every_kind() {
@@ -828,6 +876,32 @@ mod tests {
             bad.workload.stale_acks[0].one_in = 0;
             let e = bad.validate().unwrap_err().to_string();
             assert!(e.contains("one_in 0"), "{e}");
+        }
+        assert!(chosen.len() > 3, "{chosen:?}");
+    }
+
+    /// Issue 42: every schedule has one reconnecting device, neither its lazy acker nor its
+    /// stale acker, and validation refuses one that is no device or never reconnects.
+    #[test]
+    fn every_schedule_has_one_reconnecting_device_of_its_own() {
+        let mut chosen = std::collections::BTreeSet::new();
+        for seed in 0..100 {
+            let s = generate(seed, &Options::default()).unwrap();
+            let [r] = s.workload.reconnects.as_slice() else {
+                panic!("seed {seed}: {:?}", s.workload.reconnects);
+            };
+            assert_eq!(r.one_in, RECONNECT_ONE_IN);
+            assert!(s.workload.lazy_acks.iter().all(|l| l.device != r.device));
+            assert!(s.workload.stale_acks.iter().all(|a| a.device != r.device));
+            chosen.insert(r.device.clone());
+            let mut bad = s.clone();
+            bad.workload.reconnects[0].device = "nobody".into();
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains("reconnects: nobody is no device"), "{e}");
+            let mut bad = s.clone();
+            bad.workload.reconnects[0].one_in = 1001;
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains("one_in 1001"), "{e}");
         }
         assert!(chosen.len() > 3, "{chosen:?}");
     }

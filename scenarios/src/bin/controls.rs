@@ -106,12 +106,6 @@ fn nemesis_would_need(bug: &str) -> Option<&'static str> {
              connection is down: they get their pushes by the NOTIFY round trip instead, \
              milliseconds later, and the regain pass repairs the rest within D5's bound"
         }
-        "outage-charges-hello" => {
-            "hellos during a database outage: a device that loses its connection while the \
-             database is down (a client cut or crash over a pg-crash or pg-pause) and retries \
-             through it until IM_HELLO_FAILS_PER_DEVICE_PER_MIN is spent, then a check that \
-             every device is let in again promptly after the heal"
-        }
         "batch-fails-innocents" => {
             "a check that a send fails only for its own reasons: a batch that failed answers \
              its innocent rows with the batch's error, their clients retry the same cmid (D2) \
