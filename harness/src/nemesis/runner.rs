@@ -27,7 +27,7 @@ use im_check::Verdict;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -50,6 +50,10 @@ struct Shared {
     membership: Mutex<BTreeMap<String, BTreeSet<String>>>,
     /// False from the heal on: no new messages, outboxes are still replayed.
     sending: AtomicBool,
+    /// New messages sent and not answered yet ([`InFlight`]): the heal waits for them
+    /// before it ends the faults, so what a tail fault lost has no later message to reveal
+    /// it (a turn that began before the heal would otherwise send one more).
+    sends_in_flight: AtomicUsize,
     /// Each conversation's epoch in the database, read during the heal of a schedule with
     /// a failover (issue 21): a device is settled only once it knows each of its
     /// conversations' (the epoch told it of the lost history, and it reconciled).
@@ -63,6 +67,23 @@ impl Shared {
         c.epochs()
             .iter()
             .all(|(conv, e)| db.get(conv).is_none_or(|d| e >= d))
+    }
+}
+
+/// One new message in flight ([`Shared::sends_in_flight`]), counted until it is dropped:
+/// also when its turn is cut short (a crash, the stop).
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn new(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::SeqCst);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -269,6 +290,7 @@ async fn drive(
         membership: Mutex::new(BTreeMap::new()),
         db_epochs: Mutex::new(BTreeMap::new()),
         sending: AtomicBool::new(true),
+        sends_in_flight: AtomicUsize::new(0),
     });
     let tokens = provision(w, schedule, &shared).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -551,6 +573,12 @@ impl Run<'_> {
     /// Returns why it did not finish, if it did not.
     async fn heal(&mut self, devices: &[DeviceHandle]) -> Option<String> {
         self.shared.sending.store(false, Ordering::SeqCst);
+        // The last new messages answered first (bounded: a send a fault holds is answered
+        // only once the fault ends), so the faults end on a quiet workload.
+        let quiet_by = Instant::now() + REQUEST_TIMEOUT;
+        while self.shared.sends_in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < quiet_by {
+            tokio::time::sleep(TICK).await;
+        }
         let active: Vec<usize> = self.active.keys().rev().copied().collect();
         for i in active {
             self.end_fault(i, true).await;
@@ -890,6 +918,7 @@ async fn device_turn(
         if !t.convs.is_empty() {
             let conv = &t.convs[(t.pick % t.convs.len() as u64) as usize];
             let cmid = format!("{device}-{n}", device = c.device(), n = t.n);
+            let _in_flight = InFlight::new(&shared.sends_in_flight);
             match c
                 .send(conv, &cmid, &format!("m{}", t.n), REQUEST_TIMEOUT)
                 .await

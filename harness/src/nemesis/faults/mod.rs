@@ -40,10 +40,10 @@ pub trait Package:
     /// The parameters of one fault of kind `name` and what it acts on (among `on`), drawn
     /// from `r`; `None` (and nothing drawn) when `name` is not one of [`Package::kinds`].
     fn draw(name: &str, r: &mut Rng, on: &Targets) -> Option<Drawn<Self>>;
-    /// The kinds a schedule's tail fault may be (the last fault of half the schedules, from
+    /// The kinds a schedule's tail fault may be (the last fault of every schedule, from
     /// the last 15% of the traffic to its end, `draw_faults`): those that silently lose
     /// something only a repair path brings back, since no later message will reveal it.
-    /// None by default.
+    /// A kind listed twice is drawn twice as often. None by default.
     fn tail_kinds() -> Vec<&'static str> {
         Vec::new()
     }

@@ -27,8 +27,11 @@ pub const CRASH_POINTS: &[FaultPoint] = &[
     FaultPoint::GwRecvAck,
 ];
 
-/// Points a drop, delay or error may be armed at (`gw-fault`): the frames, and the
-/// notification after a commit (a drop there is a NOTIFY that never happens).
+/// Points a drop, delay or error may be armed at (`gw-fault`): the frames, the
+/// notification after a commit (a drop there is a NOTIFY that never happens), and the
+/// fan-out's own steps (issue 42: the NOTIFY with its local hand-off, a fan-out read, a
+/// look of the commit feed), so that each repair path is exercised by a failure of the
+/// step it repairs.
 pub const FRAME_POINTS: &[FaultPoint] = &[
     FaultPoint::GwReplySend,
     FaultPoint::GwReplyAck,
@@ -37,6 +40,9 @@ pub const FRAME_POINTS: &[FaultPoint] = &[
     FaultPoint::SendAfterCommitBeforeNotify,
     FaultPoint::SendBatchBeforeCommit,
     FaultPoint::SendBatchAfterCommit,
+    FaultPoint::FanoutNotify,
+    FaultPoint::FanoutRead,
+    FaultPoint::FanoutFeed,
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,9 +63,16 @@ const KINDS: &[&str] = &["gw-kill", "gw-crash-point", "gw-pause", "gw-fault"];
 
 /// Points a tail fault is armed at: the notification after a commit (a NOTIFY that never
 /// happens: only the commit feed and the local handoff bring the message to connected
-/// devices) and the push (only the sweep brings it again).
-pub const TAIL_POINTS: &[FaultPoint] =
-    &[FaultPoint::SendAfterCommitBeforeNotify, FaultPoint::GwPush];
+/// devices), the NOTIFY with its local hand-off (only the commit feed brings it), the
+/// push (only the sweep brings it again) and a fan-out read (only the sweep's question
+/// about a conversation whose read failed brings it: the workload falls quiet at the heal,
+/// so no later notification reads it again).
+pub const TAIL_POINTS: &[FaultPoint] = &[
+    FaultPoint::SendAfterCommitBeforeNotify,
+    FaultPoint::GwPush,
+    FaultPoint::FanoutNotify,
+    FaultPoint::FanoutRead,
+];
 
 /// The gateway a fault acts on, drawn after the kind's parameters and only with several
 /// gateways: one gateway's schedules keep every draw they had.
@@ -127,9 +140,12 @@ impl Package for ProcessFault {
     }
 
     /// A crash just after a commit, before its notification, on one of its first hits; a
-    /// notification or a push dropped or failed.
+    /// notification, a push or a fan-out read dropped or failed. `gw-fault` is listed once
+    /// per tail point, so that each way of losing a message is drawn as often as another.
     fn tail_kinds() -> Vec<&'static str> {
-        vec!["gw-crash-point", "gw-fault"]
+        let mut kinds = vec!["gw-crash-point"];
+        kinds.extend(TAIL_POINTS.iter().map(|_| "gw-fault"));
+        kinds
     }
 
     fn draw_tail(name: &str, r: &mut Rng, on: &Targets) -> Option<Drawn<Self>> {
