@@ -580,34 +580,46 @@ fn listed(
     }
 }
 
-fn report(a: ReportArgs) -> anyhow::Result<bool> {
-    let (ran, ran_mutants, info) = read_outcomes(&a.outcomes)?;
-    let mutants = all_mutants(read_json(&a.list)?, ran_mutants);
-    let text = std::fs::read_to_string(&a.equivalent)
-        .with_context(|| format!("read {}", a.equivalent.display()))?;
-    let eq = parse_equivalent(&text).with_context(|| format!("{}", a.equivalent.display()))?;
-    let (eq_hit, stale) = match_equivalents(&scenarios::workspace(), &mutants, &eq);
-    let mut totals = Counts::default();
-    let mut per_file: BTreeMap<String, Counts> = BTreeMap::new();
-    let (mut missed, mut timeout, mut equivalent) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut builds, mut tests, mut selected) = (Vec::new(), Vec::new(), Vec::new());
-    let mut runs = Vec::new();
-    for m in &mutants {
+/// The mutants sorted by fate: the counts in total and per file, the lists the
+/// evidence names, and the costs the timing figures are taken from.
+#[derive(Default)]
+struct Tally {
+    totals: Counts,
+    per_file: BTreeMap<String, Counts>,
+    missed: Vec<Listed>,
+    timeout: Vec<Listed>,
+    equivalent: Vec<Listed>,
+    builds: Vec<f64>,
+    tests: Vec<f64>,
+    selected: Vec<f64>,
+    runs: Vec<RunEntry>,
+}
+
+/// Gives every mutant its fate (its outcome, else equivalent when the list explains it,
+/// else not run) and adds it to the tally.
+fn tally(
+    mutants: &[Mutant],
+    ran: &Ran,
+    eq_hit: &BTreeMap<String, usize>,
+    eq: &[Equivalent],
+) -> Tally {
+    let mut t = Tally::default();
+    for m in mutants {
         let outcome = ran.get(&m.name);
         let fate = match (outcome, eq_hit.get(&m.name)) {
             (Some((f, _, _)), _) => *f,
             (None, Some(_)) => Fate::Equivalent,
             (None, None) => Fate::NotRun,
         };
-        totals.add(fate);
-        per_file.entry(m.file.clone()).or_default().add(fate);
+        t.totals.add(fate);
+        t.per_file.entry(m.file.clone()).or_default().add(fate);
         if let Some((_, cost, _)) = outcome {
-            builds.push(cost.build_s);
+            t.builds.push(cost.build_s);
             if fate != Fate::Unviable {
-                tests.push(cost.test_s);
-                selected.extend(cost.selected_tests.map(|n| n as f64));
+                t.tests.push(cost.test_s);
+                t.selected.extend(cost.selected_tests.map(|n| n as f64));
             }
-            runs.push(RunEntry {
+            t.runs.push(RunEntry {
                 name: m.name.clone(),
                 fate,
                 selected_tests: cost.selected_tests,
@@ -619,13 +631,24 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
         let cost = outcome.map(|o| &o.1);
         let because = eq_hit.get(&m.name).map(|i| eq[*i].because.clone());
         match fate {
-            Fate::Missed => missed.push(listed(m, diff(), because, cost)),
-            Fate::Timeout => timeout.push(listed(m, diff(), None, cost)),
-            Fate::Equivalent => equivalent.push(listed(m, None, because, None)),
+            Fate::Missed => t.missed.push(listed(m, diff(), because, cost)),
+            Fate::Timeout => t.timeout.push(listed(m, diff(), None, cost)),
+            Fate::Equivalent => t.equivalent.push(listed(m, None, because, None)),
             _ => {}
         }
     }
-    let reasons = failures(&missed, &totals);
+    t
+}
+
+fn report(a: ReportArgs) -> anyhow::Result<bool> {
+    let (ran, ran_mutants, info) = read_outcomes(&a.outcomes)?;
+    let mutants = all_mutants(read_json(&a.list)?, ran_mutants);
+    let text = std::fs::read_to_string(&a.equivalent)
+        .with_context(|| format!("read {}", a.equivalent.display()))?;
+    let eq = parse_equivalent(&text).with_context(|| format!("{}", a.equivalent.display()))?;
+    let (eq_hit, stale) = match_equivalents(&scenarios::workspace(), &mutants, &eq);
+    let t = tally(&mutants, &ran, &eq_hit, &eq);
+    let reasons = failures(&t.missed, &t.totals);
     let mutants_run = ran.len();
     let coverage = a.coverage_map.as_deref().map(coverage_info).transpose()?;
     let wall_s = a.wall_s.or(info.wall_s);
@@ -650,33 +673,40 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
         verdict: Verdict::of(reasons.is_empty()),
         reasons,
         kill_rate_min: KILL_RATE_MIN,
-        totals: totals.clone(),
-        per_file,
+        totals: t.totals.clone(),
+        per_file: t.per_file,
         timing: Timing {
             wall_s,
             mutants_run,
             per_mutant_wall_s: wall_s
                 .filter(|_| mutants_run > 0)
                 .map(|w| (w / mutants_run as f64 * 10.0).round() / 10.0),
-            build_s_median: median(builds),
-            test_s_median: median(tests),
+            build_s_median: median(t.builds),
+            test_s_median: median(t.tests),
             baseline_test_s: a.baseline_s,
-            selected_tests_median: median(selected),
+            selected_tests_median: median(t.selected),
         },
-        missed,
-        timeout,
-        equivalent,
-        runs,
+        missed: t.missed,
+        timeout: t.timeout,
+        equivalent: t.equivalent,
+        runs: t.runs,
         stale_equivalent: stale.iter().map(|i| eq[*i].name.clone()).collect(),
     };
-    let json = serde_json::to_string_pretty(&doc)? + "\n";
-    let out = harness::util::publish_path(&a.out);
+    let out = write_doc(&doc, &a.out)?;
+    print_summary(&doc, &out);
+    Ok(doc.verdict.is_pass())
+}
+
+/// Writes the report, atomically, where the run publishes (creating its directory),
+/// and returns that path.
+fn write_doc(doc: &Doc, out: &Path) -> anyhow::Result<PathBuf> {
+    let json = serde_json::to_string_pretty(doc)? + "\n";
+    let out = harness::util::publish_path(out);
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     }
     harness::util::write_atomic(&out, json.as_bytes())?;
-    print_summary(&doc, &out);
-    Ok(doc.verdict.is_pass())
+    Ok(out)
 }
 
 /// Why a run fails (empty: it passes): a missed mutant the equivalent list does not
