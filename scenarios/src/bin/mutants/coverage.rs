@@ -153,22 +153,13 @@ fn durations(log: &str) -> BTreeMap<TestId, f64> {
     out
 }
 
-pub fn build_map(a: MapArgs) -> anyhow::Result<()> {
-    let list: NextestList = crate::read_json(&a.tests)?;
-    let by_file: BTreeMap<String, String> = list
-        .rust_suites
-        .iter()
-        .filter_map(|(id, s)| {
-            let f = s.binary_path.file_name()?.to_string_lossy().into_owned();
-            Some((f, id.clone()))
-        })
-        .collect();
-    let times = match &a.run_log {
-        Some(p) => {
-            durations(&std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?)
-        }
-        None => BTreeMap::new(),
-    };
+/// The tests whose coverage was read, and per source file, per line, the indices of the
+/// tests that executed it.
+type Lcov = (Vec<TestId>, BTreeMap<String, BTreeMap<usize, Vec<u32>>>);
+
+/// Every test's lcov under `a.lcov` (a directory per test binary, a file per test), in
+/// name order: the tests, and for each source line which of them (by index) executed it.
+fn read_lcov(a: &MapArgs, by_file: &BTreeMap<String, String>) -> anyhow::Result<Lcov> {
     let mut tests = Vec::new();
     let mut files: BTreeMap<String, BTreeMap<usize, Vec<u32>>> = BTreeMap::new();
     let mut bins: Vec<_> = std::fs::read_dir(&a.lcov)
@@ -207,6 +198,26 @@ pub fn build_map(a: MapArgs) -> anyhow::Result<()> {
             tests.push(id);
         }
     }
+    Ok((tests, files))
+}
+
+pub fn build_map(a: MapArgs) -> anyhow::Result<()> {
+    let list: NextestList = crate::read_json(&a.tests)?;
+    let by_file: BTreeMap<String, String> = list
+        .rust_suites
+        .iter()
+        .filter_map(|(id, s)| {
+            let f = s.binary_path.file_name()?.to_string_lossy().into_owned();
+            Some((f, id.clone()))
+        })
+        .collect();
+    let times = match &a.run_log {
+        Some(p) => {
+            durations(&std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?)
+        }
+        None => BTreeMap::new(),
+    };
+    let (tests, files) = read_lcov(&a, &by_file)?;
     if tests.is_empty() {
         bail!("{}: no test's coverage", a.lcov.display());
     }
