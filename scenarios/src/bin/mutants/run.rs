@@ -107,6 +107,33 @@ struct Outcome {
     widened_tests: Vec<String>,
 }
 
+impl Outcome {
+    /// A mutant's outcome before it runs: a failure until its build and tests say
+    /// otherwise, with its list entry (less the diff) and the tests of its lines.
+    fn new(raw: &Value, diff_path: String, log_path: String, tests: &[&TestId]) -> Outcome {
+        let mut scenario = BTreeMap::new();
+        let mut mutant = raw.clone();
+        if let Some(o) = mutant.as_object_mut() {
+            o.remove("diff");
+        }
+        scenario.insert("Mutant", mutant);
+        Outcome {
+            scenario,
+            summary: Summary::Failure,
+            diff_path,
+            log_path,
+            phase_results: Vec::new(),
+            selected_tests: tests.len(),
+            tests: tests
+                .iter()
+                .map(|t| format!("{} {}", t.binary_id, t.name))
+                .collect(),
+            note: None,
+            widened_tests: Vec::new(),
+        }
+    }
+}
+
 #[derive(Debug, Serialize)]
 struct Outcomes {
     /// Written by `mutants run` (not cargo-mutants).
@@ -404,6 +431,17 @@ impl Runner<'_> {
         c
     }
 
+    /// Records the file and function of the mutant about to run.
+    fn set_current(&self, m: &crate::Mutant) {
+        *self.current.borrow_mut() = (
+            m.file.clone(),
+            m.function
+                .as_ref()
+                .map(|f| f.function_name.clone())
+                .unwrap_or_default(),
+        );
+    }
+
     /// One mutant: apply, build, test, restore.
     fn one(&self, i: usize, raw: &Value, m: &crate::Mutant) -> anyhow::Result<Outcome> {
         let diff = raw
@@ -446,34 +484,9 @@ impl Runner<'_> {
         // makes a branch run where it did not is reached by tests the lines do not name.
         let wider = self.wider(m, &selected);
         let wider_targets = targets_of(&wider);
-        let mut scenario = BTreeMap::new();
-        let mut mutant = raw.clone();
-        if let Some(o) = mutant.as_object_mut() {
-            o.remove("diff");
-        }
-        scenario.insert("Mutant", mutant);
-        let mut outcome = Outcome {
-            scenario,
-            summary: Summary::Failure,
-            diff_path,
-            log_path,
-            phase_results: Vec::new(),
-            selected_tests: tests.len(),
-            tests: tests
-                .iter()
-                .map(|t| format!("{} {}", t.binary_id, t.name))
-                .collect(),
-            note: None,
-            widened_tests: Vec::new(),
-        };
+        let mut outcome = Outcome::new(raw, diff_path, log_path, &tests);
 
-        *self.current.borrow_mut() = (
-            m.file.clone(),
-            m.function
-                .as_ref()
-                .map(|f| f.function_name.clone())
-                .unwrap_or_default(),
-        );
+        self.set_current(m);
         let original = self.apply(m, &outcome.diff_path)?;
         let result = self
             .build_and_test(&mut outcome, &targets, &tests, &log)
@@ -718,6 +731,19 @@ pub fn run(mut a: RunArgs) -> anyhow::Result<bool> {
         "mutants: unmutated test binaries built in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
+    let failures = run_each(&r, &todo, &raw, &mutants, started)?;
+    Ok(failures == 0)
+}
+
+/// Runs each mutant of `todo`, one after the other, printing its line and writing the
+/// outcomes so far after each; returns how many ended in `Failure`.
+fn run_each(
+    r: &Runner<'_>,
+    todo: &[usize],
+    raw: &[Value],
+    mutants: &[crate::Mutant],
+    started: Instant,
+) -> anyhow::Result<usize> {
     let mut outcomes = Vec::new();
     let mut failures = 0;
     for (done, i) in todo.iter().enumerate() {
@@ -738,12 +764,12 @@ pub fn run(mut a: RunArgs) -> anyhow::Result<bool> {
         );
         outcomes.push(o);
         // Written after every mutant: a run cut short still has what it did.
-        outcomes = write_outcomes(&a.out, secs(started.elapsed()), outcomes)?;
+        outcomes = write_outcomes(&r.a.out, secs(started.elapsed()), outcomes)?;
     }
     if todo.is_empty() {
-        write_outcomes(&a.out, 0.0, outcomes)?;
+        write_outcomes(&r.a.out, 0.0, outcomes)?;
     }
-    Ok(failures == 0)
+    Ok(failures)
 }
 
 /// The indices of the mutants this run runs: those not `equivalent`, of `shard` (`k/n`:
