@@ -97,6 +97,14 @@ pub fn nemesis(v: &Value) -> String {
     }
     // Repair time: the distribution over runs of each run's median and maximum.
     let runs: Vec<&Value> = v["per_run"].as_array().into_iter().flatten().collect();
+    repair_time(&mut s, &runs, n);
+    failed_runs(&mut s, &runs);
+    s
+}
+
+/// The repair-time section: the distribution over runs of each run's median and
+/// maximum, plotted, with the series' own figures under it.
+fn repair_time(s: &mut String, runs: &[&Value], n: impl Fn(&str) -> String) {
     let cdf = |key: &str| {
         let mut xs: Vec<f64> = runs
             .iter()
@@ -138,6 +146,11 @@ pub fn nemesis(v: &Value) -> String {
         n("/repair_ms/max"),
         n("/repair_ms/repairs")
     );
+}
+
+/// The runs that did not pass: seed, verdict, anomalies, error, a link to the
+/// timeline when the run kept its directory, and the command that repeats it.
+fn failed_runs(s: &mut String, runs: &[&Value]) {
     let failed: Vec<&&Value> = runs.iter().filter(|r| r["verdict"] != "PASS").collect();
     let _ = write!(s, "<h2>Runs that did not pass ({})</h2>", failed.len());
     if failed.is_empty() {
@@ -163,7 +176,6 @@ pub fn nemesis(v: &Value) -> String {
         }
         s.push_str("</table>");
     }
-    s
 }
 
 /// A table of counts by name, each with a bar.
@@ -286,40 +298,46 @@ pub fn controls(v: &Value) -> String {
     s.push_str(&matrix(v));
     s.push_str("<h2>Each bug</h2><table><tr><th>bug</th><th>side</th><th>suite</th><th>runs</th><th>anomaly kinds</th><th>catching tests</th><th>nemesis</th></tr>");
     for c in v["controls"].as_array().into_iter().flatten() {
-        let tests: Vec<String> = c["caught_by"]
-            .as_array()
-            .map(|a| a.iter().map(|t| text(&t["test"])).collect())
-            .unwrap_or_default();
-        let kinds: Vec<String> = c["anomaly_kinds"]
-            .as_array()
-            .map(|a| a.iter().map(text).collect())
-            .unwrap_or_default();
-        let nem = &c["nemesis"];
-        let nemesis = if nem.is_null() {
-            "not run".to_string()
-        } else {
-            format!(
-                "{} {}",
-                verdict(&text(&nem["result"])),
-                match nem["first_catching_seed"].as_u64() {
-                    Some(seed) => format!("at seed {seed}"),
-                    None => format!("after {} seeds", text(&nem["seeds_run"])),
-                }
-            )
-        };
-        let _ = write!(
-            s,
-            "<tr><td><b>{}</b></td><td>{}</td><td>{}</td><td>{}/{}</td><td>{}</td><td><details><summary>{} test(s)</summary>{}</details></td><td>{nemesis}</td></tr>",
-            esc(&text(&c["bug"])),
-            esc(&text(&c["side"])),
-            verdict(&text(&c["result"])),
-            text(&c["caught_runs"]),
-            text(&c["runs"]),
-            esc(&kinds.join(", ")),
-            tests.len(),
-            esc(&tests.join(", ")),
-        );
+        control_row(&mut s, c);
     }
     s.push_str("</table>");
     s
+}
+
+/// One bug's row: its side, the suite's result, how many runs caught it, the anomaly
+/// kinds, the catching tests (folded) and what the nemesis did.
+fn control_row(s: &mut String, c: &Value) {
+    let tests: Vec<String> = c["caught_by"]
+        .as_array()
+        .map(|a| a.iter().map(|t| text(&t["test"])).collect())
+        .unwrap_or_default();
+    let kinds: Vec<String> = c["anomaly_kinds"]
+        .as_array()
+        .map(|a| a.iter().map(text).collect())
+        .unwrap_or_default();
+    let nem = &c["nemesis"];
+    let nemesis = if nem.is_null() {
+        "not run".to_string()
+    } else {
+        format!(
+            "{} {}",
+            verdict(&text(&nem["result"])),
+            match nem["first_catching_seed"].as_u64() {
+                Some(seed) => format!("at seed {seed}"),
+                None => format!("after {} seeds", text(&nem["seeds_run"])),
+            }
+        )
+    };
+    let _ = write!(
+        s,
+        "<tr><td><b>{}</b></td><td>{}</td><td>{}</td><td>{}/{}</td><td>{}</td><td><details><summary>{} test(s)</summary>{}</details></td><td>{nemesis}</td></tr>",
+        esc(&text(&c["bug"])),
+        esc(&text(&c["side"])),
+        verdict(&text(&c["result"])),
+        text(&c["caught_runs"]),
+        text(&c["runs"]),
+        esc(&kinds.join(", ")),
+        tests.len(),
+        esc(&tests.join(", ")),
+    );
 }
