@@ -14,11 +14,12 @@
 
 use anyhow::Context;
 use clap::Parser;
-use harness::client::ClientError;
+use harness::client::{Client, ClientError};
 use harness::gateway::GatewayOpts;
 use harness::world::World;
 use im_check::Report;
 use serde_json::{json, Value};
+use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -122,19 +123,55 @@ fn verdict(report: &Report, violations: &[String]) -> (String, bool) {
     (line, false)
 }
 
-async fn run(args: &Args) -> anyhow::Result<(Output, String, bool)> {
-    let fault = args.fault.clone();
+/// Starts a throwaway cluster and the gateway with this IM_FAULT (a sweep every 500 ms,
+/// database calls bounded at 2 s); `--keep` keeps the cluster's directory.
+async fn start(fault: &str, keep: bool) -> anyhow::Result<World> {
     let mut w = World::start(GatewayOpts {
-        fault: Some(fault.clone()),
+        fault: Some(fault.to_string()),
         sweep_ms: Some(500),
         db_timeout_ms: Some(2000),
         ..Default::default()
     })
     .await
     .context("start a cluster and the gateway with this IM_FAULT")?;
-    if args.keep {
+    if keep {
         w.pg.keep();
     }
+    Ok(w)
+}
+
+/// The gateway's `fault fired: …` lines, from its log.
+fn fault_lines(w: &World) -> Vec<String> {
+    w.gw()
+        .log_text()
+        .lines()
+        .filter(|l| l.starts_with("fault fired"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Crashes a1, restarts a healthy gateway, and has a new client loaded from a1's state
+/// file replay the outbox against it: what it got, the rows of c1 and its outbox after.
+async fn replay(w: &mut World, a: Client, state: &Path) -> anyhow::Result<Value> {
+    a.crash().await;
+    w.restart_gateway(GatewayOpts::default()).await?;
+    let mut again = w.admin.load_client(state)?;
+    again
+        .connect(&w.ws_url())
+        .await
+        .map_err(|e| anyhow::anyhow!("reconnect: {e}"))?;
+    let replies: Vec<Value> = again.replay_outbox(T).await.iter().map(reply).collect();
+    Ok(json!({
+        "what": "a new client loaded from a1's state file replays its outbox against a healthy gateway",
+        "replies": replies,
+        "events_rows_c1": w.admin.count_events("c1").await?,
+        "a1_outbox": again.outbox(),
+    }))
+}
+
+async fn run(args: &Args) -> anyhow::Result<(Output, String, bool)> {
+    let fault = args.fault.clone();
+    let mut w = start(&fault, args.keep).await?;
     let work_dir = w.work_dir().to_path_buf();
     let (a, b) = scenarios::alice_and_bob(&w).await?;
     let state = a.state_path().to_path_buf();
@@ -147,13 +184,7 @@ async fn run(args: &Args) -> anyhow::Result<(Output, String, bool)> {
             .wait_server_delivered("c1", 1, Duration::from_millis(1500))
             .await;
     }
-    let fired: Vec<String> = w
-        .gw()
-        .log_text()
-        .lines()
-        .filter(|l| l.starts_with("fault fired"))
-        .map(str::to_string)
-        .collect();
+    let fired = fault_lines(&w);
     let mut doc = Output {
         fault,
         a1_send: reply(&sent),
@@ -174,20 +205,7 @@ async fn run(args: &Args) -> anyhow::Result<(Output, String, bool)> {
     };
 
     if exited.is_some() || !a.outbox().is_empty() {
-        a.crash().await;
-        w.restart_gateway(GatewayOpts::default()).await?;
-        let mut again = w.admin.load_client(&state)?;
-        again
-            .connect(&w.ws_url())
-            .await
-            .map_err(|e| anyhow::anyhow!("reconnect: {e}"))?;
-        let replies: Vec<Value> = again.replay_outbox(T).await.iter().map(reply).collect();
-        doc.replay = json!({
-            "what": "a new client loaded from a1's state file replays its outbox against a healthy gateway",
-            "replies": replies,
-            "events_rows_c1": w.admin.count_events("c1").await?,
-            "a1_outbox": again.outbox(),
-        });
+        doc.replay = replay(&mut w, a, &state).await?;
     }
     let violations = scenarios::db_invariant_violations(&w.admin.pool().await?).await?;
     let j = w.judge().await?;
