@@ -162,14 +162,15 @@ fn im06_records(records_dir: &std::path::Path, whole_suite: bool) -> anyhow::Res
     Ok(checks)
 }
 
-fn main() -> anyhow::Result<()> {
-    let args: Args = clap::Parser::parse();
-    let started = Instant::now();
-    let generated_at = rfc3339(SystemTime::now());
-    let root = workspace();
-    let (run_dir, records_dir) = run_dirs(&args, &generated_at)?;
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = if let Some(dir) = &args.records {
+/// Runs the im-06 checks, or with `--records` runs nothing and judges that directory:
+/// nextest's exit status, or none when nothing ran.
+fn run_unless_given(
+    args: &Args,
+    cargo: &str,
+    records_dir: &Path,
+    root: &Path,
+) -> anyhow::Result<Option<std::process::ExitStatus>> {
+    Ok(if let Some(dir) = &args.records {
         eprintln!(
             "evidence: judging the records of {} (nothing run)",
             dir.display()
@@ -180,17 +181,62 @@ fn main() -> anyhow::Result<()> {
             "evidence: running {} im-06 checks under cargo-nextest",
             IM06_CHECKS.len()
         );
-        Some(run_checks(&cargo, &records_dir, &root)?)
-    };
+        Some(run_checks(cargo, records_dir, root)?)
+    })
+}
 
-    let mut checks = im06_records(&records_dir, args.records.is_some())?;
+/// The PostgreSQL the checks' clusters reported: the same for all, else a mark that it
+/// differs per check, or null when no check reported one.
+fn reported_postgres(checks: &[Record]) -> Value {
     // The environment is what the clusters reported, not what we configured.
     let pg: Vec<&Value> = checks.iter().filter_map(|r| r.postgres.as_ref()).collect();
-    let postgres = match pg.first() {
+    match pg.first() {
         Some(first) if pg.iter().all(|p| p == first) => (*first).clone(),
         Some(_) => json!({"differs_per_check": true}),
         None => Value::Null,
-    };
+    }
+}
+
+/// Writes evidence/im-06/result.json, atomically, where this run publishes (creating
+/// its directory), and returns that path.
+fn write_doc(doc: &Doc, root: &Path) -> anyhow::Result<std::path::PathBuf> {
+    let out = harness::util::publish_path(&root.join("evidence/im-06/result.json"));
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    harness::util::write_atomic(&out, (serde_json::to_string_pretty(doc)? + "\n").as_bytes())?;
+    Ok(out)
+}
+
+/// Prints where the result went and how long the run took, then one line per check:
+/// its result, id and reason.
+fn print_checks(out: &Path, root: &Path, started: Instant, checks: &[Record]) {
+    println!(
+        "\n{} ({} s)",
+        out.strip_prefix(root).unwrap_or(out).display(),
+        started.elapsed().as_secs()
+    );
+    for r in checks {
+        println!(
+            "  {:<8} {:<34} {}",
+            r.result,
+            r.id,
+            r.reason.as_deref().unwrap_or("")
+        );
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Args = clap::Parser::parse();
+    let started = Instant::now();
+    let generated_at = rfc3339(SystemTime::now());
+    let root = workspace();
+    let (run_dir, records_dir) = run_dirs(&args, &generated_at)?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = run_unless_given(&args, &cargo, &records_dir, &root)?;
+
+    let mut checks = im06_records(&records_dir, args.records.is_some())?;
+    let postgres = reported_postgres(&checks);
     checks.extend(im06_not_run());
     let count = |v: Verdict| checks.iter().filter(|r| r.result == v).count();
     let (pass, fail, not_run) = (
@@ -226,28 +272,9 @@ fn main() -> anyhow::Result<()> {
         }),
         checks: &checks,
     };
-    let out = harness::util::publish_path(&root.join("evidence/im-06/result.json"));
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    harness::util::write_atomic(
-        &out,
-        (serde_json::to_string_pretty(&doc)? + "\n").as_bytes(),
-    )?;
+    let out = write_doc(&doc, &root)?;
 
-    println!(
-        "\n{} ({} s)",
-        out.strip_prefix(&root).unwrap_or(&out).display(),
-        started.elapsed().as_secs()
-    );
-    for r in &checks {
-        println!(
-            "  {:<8} {:<34} {}",
-            r.result,
-            r.id,
-            r.reason.as_deref().unwrap_or("")
-        );
-    }
+    print_checks(&out, &root, started, &checks);
     println!("  {pass} PASS, {fail} FAIL, {not_run} NOT_RUN");
     if fail > 0 || status.is_some_and(|s| !s.success()) {
         std::process::exit(1);
