@@ -331,24 +331,25 @@ fn nemesis_control(
     Ok(n)
 }
 
-/// Seeds `first..first + seeds` of the nemesis against `bug`, stopping at the first that
-/// catches it.
-fn nemesis_series(
-    bug: &str,
-    env: &[(&str, String)],
+/// A clean directory at `dir`: whatever an earlier run left there is removed first.
+fn fresh_dir(dir: &Path) -> anyhow::Result<()> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).with_context(|| format!("clear {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir)?;
+    Ok(())
+}
+
+/// The nemesis over seeds `first..first + seeds`, stopping at the first failure, its runs
+/// under `dir` and its summary in `summary`, in the bug's environment `env`.
+fn nemesis_command(
+    dir: &Path,
+    summary: &Path,
     first: u64,
     seeds: u64,
     gateways: u32,
-) -> anyhow::Result<Value> {
-    let dir = target_dir()
-        .join("imfault-controls")
-        .join(format!("{bug}-nemesis"));
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir).with_context(|| format!("clear {}", dir.display()))?;
-    }
-    std::fs::create_dir_all(&dir)?;
-    let summary = dir.join("summary.json");
-    let started = Instant::now();
+    env: &[(&str, String)],
+) -> Command {
     let mut cmd = Command::new(target_dir().join("debug/nemesis"));
     cmd.args([
         "--first-seed",
@@ -364,9 +365,9 @@ fn nemesis_series(
         &gateways.to_string(),
     ])
     .arg("--out")
-    .arg(&dir)
+    .arg(dir)
     .arg("--summary")
-    .arg(&summary)
+    .arg(summary)
     .env("RUST_BACKTRACE", "0")
     .env_remove("IM_BUG")
     .env_remove("IM_GATEWAY_BIN")
@@ -374,6 +375,25 @@ fn nemesis_series(
     for (k, v) in env {
         cmd.env(k, v);
     }
+    cmd
+}
+
+/// Seeds `first..first + seeds` of the nemesis against `bug`, stopping at the first that
+/// catches it.
+fn nemesis_series(
+    bug: &str,
+    env: &[(&str, String)],
+    first: u64,
+    seeds: u64,
+    gateways: u32,
+) -> anyhow::Result<Value> {
+    let dir = target_dir()
+        .join("imfault-controls")
+        .join(format!("{bug}-nemesis"));
+    fresh_dir(&dir)?;
+    let summary = dir.join("summary.json");
+    let started = Instant::now();
+    let mut cmd = nemesis_command(&dir, &summary, first, seeds, gateways, env);
     let out = cmd.output().context("run target/debug/nemesis")?;
     std::fs::write(dir.join("nemesis.log"), &out.stdout)?;
     let s: Value = serde_json::from_slice(&std::fs::read(&summary).with_context(|| {
@@ -462,18 +482,9 @@ fn status_line(line: &str) -> Option<(&str, usize, f64, String)> {
     Some((status, iteration, secs, name))
 }
 
-fn run_suite(
-    filter: &str,
-    env: &[(&str, String)],
-    label: &str,
-    runs: u32,
-) -> anyhow::Result<RunResult> {
-    let dir = target_dir().join("imfault-controls").join(label);
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir).with_context(|| format!("clear {}", dir.display()))?;
-    }
-    std::fs::create_dir_all(&dir)?;
-    let started = Instant::now();
+/// cargo nextest over the tests `filter` selects, `runs` iterations of them, every status
+/// line on stderr, the tests' records written to `dir`, in the bug's environment `env`.
+fn nextest_command(filter: &str, env: &[(&str, String)], dir: &Path, runs: u32) -> Command {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.args([
         "nextest",
@@ -492,7 +503,7 @@ fn run_suite(
     if runs > 1 {
         cmd.args(["--stress-count", &runs.to_string()]);
     }
-    cmd.env("IMFAULT_EVIDENCE_DIR", &dir)
+    cmd.env("IMFAULT_EVIDENCE_DIR", dir)
         .env("RUST_BACKTRACE", "0")
         // Failures are expected here, by the hundred: don't keep their clusters.
         .env("IMFAULT_KEEP_FAILED", "0")
@@ -502,9 +513,12 @@ fn run_suite(
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().context("run cargo nextest")?;
-    let log = String::from_utf8_lossy(&out.stderr).to_string();
-    std::fs::write(dir.join("nextest.log"), &log)?;
+    cmd
+}
+
+/// Reads nextest's status lines: which tests passed and failed in each of the `runs`
+/// iterations, and each test's longest duration.
+fn read_log(log: &str, runs: u32) -> (Vec<Iteration>, BTreeMap<String, u64>) {
     let mut iterations = vec![Iteration::default(); runs.max(1) as usize];
     let mut duration_ms: BTreeMap<String, u64> = BTreeMap::new();
     for line in log.lines() {
@@ -524,6 +538,23 @@ fn run_suite(
         *d = (*d).max(ms);
         bucket.push(name);
     }
+    (iterations, duration_ms)
+}
+
+fn run_suite(
+    filter: &str,
+    env: &[(&str, String)],
+    label: &str,
+    runs: u32,
+) -> anyhow::Result<RunResult> {
+    let dir = target_dir().join("imfault-controls").join(label);
+    fresh_dir(&dir)?;
+    let started = Instant::now();
+    let mut cmd = nextest_command(filter, env, &dir, runs);
+    let out = cmd.output().context("run cargo nextest")?;
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    std::fs::write(dir.join("nextest.log"), &log)?;
+    let (iterations, duration_ms) = read_log(&log, runs);
     if iterations
         .iter()
         .any(|it| it.passed.is_empty() && it.failed.is_empty())
@@ -673,7 +704,31 @@ fn main() -> anyhow::Result<()> {
     } else {
         Vec::new()
     };
-    let environment = json!({
+    let environment = environment(&o, &record_file, partial, &bugs_bin)?;
+    let doc = document(
+        environment,
+        controls,
+        clean,
+        started.elapsed().as_millis() as u64,
+    );
+    let written = publish(&out, &doc)?;
+    println!(
+        "\n{} ({} s)",
+        written.display(),
+        started.elapsed().as_secs()
+    );
+    finish(&doc)
+}
+
+/// The run's `environment`: the commit, the host, the options, where the catchers came
+/// from, the partial runs merged in, and the shard.
+fn environment(
+    o: &Opts,
+    record_file: &Path,
+    partial: Vec<Value>,
+    bugs_bin: &Path,
+) -> anyhow::Result<Value> {
+    Ok(json!({
         "git_commit": git(&["rev-parse", "HEAD"]),
         "git_dirty": git(&["status", "--porcelain", "--", ".", ":(exclude)evidence"]).map(|s| !s.is_empty()),
         "generated_at": scenarios::rfc3339_now(),
@@ -684,29 +739,23 @@ fn main() -> anyhow::Result<()> {
         "nemesis_seeds": o.nemesis_seeds,
         "rerun_tests_max": RERUN_TESTS_MAX,
         "bugs_binary": "target/debug/im-gateway-bugs (--features faults,bugs)",
-        "catchers_from": record_file.strip_prefix(workspace()).unwrap_or(&record_file).display().to_string(),
+        "catchers_from": record_file.strip_prefix(workspace()).unwrap_or(record_file).display().to_string(),
         "whole": o.whole,
         "partial_runs": partial,
         "shard": o.shard.map(|(k, n)| format!("{k}/{n}")),
-        "bugs_total": o.shard.map(|_| unsharded_bugs(&o, &bugs_bin).map(|b| b.len())).transpose()?,
-    });
-    let doc = document(
-        environment,
-        controls,
-        clean,
-        started.elapsed().as_millis() as u64,
-    );
-    let written = harness::util::publish_path(&out);
+        "bugs_total": o.shard.map(|_| unsharded_bugs(o, bugs_bin).map(|b| b.len())).transpose()?,
+    }))
+}
+
+/// Writes `doc` as pretty JSON, atomically, where this run publishes `out`, and returns
+/// that path.
+fn publish(out: &Path, doc: &Value) -> anyhow::Result<PathBuf> {
+    let written = harness::util::publish_path(out);
     harness::util::write_atomic(
         &written,
-        (serde_json::to_string_pretty(&doc)? + "\n").as_bytes(),
+        (serde_json::to_string_pretty(doc)? + "\n").as_bytes(),
     )?;
-    println!(
-        "\n{} ({} s)",
-        written.display(),
-        started.elapsed().as_secs()
-    );
-    finish(&doc)
+    Ok(written)
 }
 
 /// The clean side: every test a bug was run against, as many runs, on the clean gateway.
@@ -951,11 +1000,7 @@ fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
         }
     }
     let doc = document(environment, controls, clean, wall);
-    let written = harness::util::publish_path(out);
-    harness::util::write_atomic(
-        &written,
-        (serde_json::to_string_pretty(&doc)? + "\n").as_bytes(),
-    )?;
+    let written = publish(out, &doc)?;
     println!(
         "\n{} (joined from {} shards)",
         written.display(),
@@ -1168,54 +1213,28 @@ fn control(
         Some(r) => (r.catchers.clone(), r.catchers_commit.clone()),
         None => (Vec::new(), None),
     };
-    let (targeted, targeted_missed) = targeted_runs(o, bug, side, &env, &recorded);
-    let Runs {
-        mode,
-        caught_by,
-        per_run_failed,
-        run_walls,
-        whole: (whole, whole_commit),
-        selected,
-    } = match targeted {
-        Some(r) => {
-            let selected = pick(&recorded.0, designed);
-            Runs {
-                mode: "targeted",
-                caught_by: r.first().failed.iter().map(|t| how_caught(&r, t)).collect(),
-                per_run_failed: r.iterations.iter().map(|it| it.failed.clone()).collect(),
-                run_walls: vec![r.wall_ms],
-                whole: recorded,
-                selected,
-            }
-        }
-        None => whole_suite_runs(o, bug, side, &env, head.clone())?,
-    };
+    let (
+        Runs {
+            mode,
+            caught_by,
+            per_run_failed,
+            run_walls,
+            whole: (whole, whole_commit),
+            selected,
+        },
+        targeted_missed,
+    ) = bug_runs(o, bug, side, &env, designed, head.clone(), recorded)?;
     let runs = per_run_failed.len() as u32;
     let caught_runs = per_run_failed.iter().filter(|f| !f.is_empty()).count() as u32;
     // How often each picked test caught it (a racy catcher shows as k/N).
-    let per_test: BTreeMap<&str, u32> = selected
-        .iter()
-        .map(|(t, _)| {
-            let k = per_run_failed
-                .iter()
-                .filter(|f| f.iter().any(|x| x == t))
-                .count() as u32;
-            (t.as_str(), k)
-        })
-        .collect();
+    let per_test = caught_runs_per_test(&selected, &per_run_failed);
     let caught = caught_runs == runs && caught_runs > 0;
     let first_detection_ms = caught_by
         .iter()
         .filter_map(|c| c["duration_ms"].as_u64())
         .min();
     eprintln!("  {bug}: caught in {caught_runs}/{runs} runs ({mode})");
-    let mut kinds: Vec<String> = caught_by
-        .iter()
-        .flat_map(|c| c["anomaly_kinds"].as_array().cloned().unwrap_or_default())
-        .filter_map(|k| k.as_str().map(str::to_string))
-        .collect();
-    kinds.sort();
-    kinds.dedup();
+    let kinds = anomaly_kinds(&caught_by);
     Ok(json!({
         "bug": bug,
         "git_commit": head,
@@ -1241,6 +1260,65 @@ fn control(
         "known_limit": known_limit(bug),
         "nemesis": Value::Null,
     }))
+}
+
+/// The bug's runs: its recorded catchers when they still catch it ([`targeted_runs`]),
+/// else the whole suite and the runs left ([`whole_suite_runs`]); with what the targeted
+/// miss was, for the record.
+fn bug_runs(
+    o: &Opts,
+    bug: &str,
+    side: &str,
+    env: &[(&str, String)],
+    designed: &[&str],
+    head: Option<String>,
+    recorded: (Vec<(String, u64)>, Option<String>),
+) -> anyhow::Result<(Runs, Value)> {
+    let (targeted, targeted_missed) = targeted_runs(o, bug, side, env, &recorded);
+    let runs = match targeted {
+        Some(r) => {
+            let selected = pick(&recorded.0, designed);
+            Runs {
+                mode: "targeted",
+                caught_by: r.first().failed.iter().map(|t| how_caught(&r, t)).collect(),
+                per_run_failed: r.iterations.iter().map(|it| it.failed.clone()).collect(),
+                run_walls: vec![r.wall_ms],
+                whole: recorded,
+                selected,
+            }
+        }
+        None => whole_suite_runs(o, bug, side, env, head)?,
+    };
+    Ok((runs, targeted_missed))
+}
+
+/// How many of the runs each picked test caught the bug in.
+fn caught_runs_per_test<'a>(
+    selected: &'a [(String, u64)],
+    per_run_failed: &[Vec<String>],
+) -> BTreeMap<&'a str, u32> {
+    selected
+        .iter()
+        .map(|(t, _)| {
+            let k = per_run_failed
+                .iter()
+                .filter(|f| f.iter().any(|x| x == t))
+                .count() as u32;
+            (t.as_str(), k)
+        })
+        .collect()
+}
+
+/// The anomaly kinds the catching tests saw, sorted, each once.
+fn anomaly_kinds(caught_by: &[Value]) -> Vec<String> {
+    let mut kinds: Vec<String> = caught_by
+        .iter()
+        .flat_map(|c| c["anomaly_kinds"].as_array().cloned().unwrap_or_default())
+        .filter_map(|k| k.as_str().map(str::to_string))
+        .collect();
+    kinds.sort();
+    kinds.dedup();
+    kinds
 }
 
 /// What a bug's runs observed.
@@ -1590,10 +1668,7 @@ fn nemesis_only(
             "wall_ms": started.elapsed().as_millis() as u64,
         }));
     }
-    harness::util::write_atomic(
-        &harness::util::publish_path(out),
-        (serde_json::to_string_pretty(&doc)? + "\n").as_bytes(),
-    )?;
+    publish(out, &doc)?;
     println!("\n{} ({} s)", out.display(), started.elapsed().as_secs());
     print_table(&doc);
     Ok(())
