@@ -590,26 +590,19 @@ async fn run_child(mut cmd: tokio::process::Command, out: &Path, p: &Planned) ->
     }
 }
 
-async fn do_shrink(
+/// Shrinks `schedule` under `work`, each candidate run `args.shrink_reps` times (at most
+/// `args.shrink_runs` runs), keeping those that still show anomalies of `kinds`; prints
+/// each try and removes its directory after it.
+async fn try_shrinking(
     args: &Args,
     schedule: &Schedule,
-    o: &Outcome,
-    dir: &Path,
-) -> anyhow::Result<ShrinkLine> {
-    let kinds = kinds_of(o);
-    println!(
-        "nemesis: shrinking seed {} ({} faults; keeps anomalies of {:?}; {} runs per candidate, {} at most)",
-        schedule.seed,
-        schedule.faults.len(),
-        kinds,
-        args.shrink_reps,
-        args.shrink_runs
-    );
-    let work = dir.join("shrink");
+    kinds: &BTreeSet<String>,
+    work: &Path,
+) -> Shrunk {
     let mut n = 0u32;
-    let r: Shrunk = shrink(
+    shrink(
         schedule,
-        &kinds,
+        kinds,
         ShrinkOpts {
             reps: args.shrink_reps,
             max_runs: args.shrink_runs,
@@ -633,18 +626,17 @@ async fn do_shrink(
             }
         },
     )
-    .await;
-    let minimal_path = dir.join("minimal.json");
-    std::fs::write(&minimal_path, r.minimal.to_json())?;
-    std::fs::write(
-        dir.join("shrink.json"),
-        serde_json::to_string_pretty(
-            &json!({"runs": r.runs, "one_minimal": r.one_minimal, "finding": r.finding,
-            "attempts": r.attempts, "repro": r.repro}),
-        )? + "\n",
-    )?;
-    let _ = std::fs::remove_dir_all(&work);
-    let repeat = repeat_replay(&minimal_path);
+    .await
+}
+
+/// Prints what the shrinking found: the minimal schedule's faults and length, how to
+/// repeat it, and the one fault point that does the same, when there is one.
+fn print_shrunk(
+    schedule: &Schedule,
+    r: &Shrunk,
+    minimal_path: &Path,
+    repeat: &str,
+) -> anyhow::Result<()> {
     println!(
         "nemesis: seed {} shrunk to {} fault(s) in {} ms ({} runs, {}): {}",
         schedule.seed,
@@ -661,6 +653,38 @@ async fn do_shrink(
     if let Some(line) = &r.repro {
         println!("  the same as one fault point: {line}");
     }
+    Ok(())
+}
+
+async fn do_shrink(
+    args: &Args,
+    schedule: &Schedule,
+    o: &Outcome,
+    dir: &Path,
+) -> anyhow::Result<ShrinkLine> {
+    let kinds = kinds_of(o);
+    println!(
+        "nemesis: shrinking seed {} ({} faults; keeps anomalies of {:?}; {} runs per candidate, {} at most)",
+        schedule.seed,
+        schedule.faults.len(),
+        kinds,
+        args.shrink_reps,
+        args.shrink_runs
+    );
+    let work = dir.join("shrink");
+    let r: Shrunk = try_shrinking(args, schedule, &kinds, &work).await;
+    let minimal_path = dir.join("minimal.json");
+    std::fs::write(&minimal_path, r.minimal.to_json())?;
+    std::fs::write(
+        dir.join("shrink.json"),
+        serde_json::to_string_pretty(
+            &json!({"runs": r.runs, "one_minimal": r.one_minimal, "finding": r.finding,
+            "attempts": r.attempts, "repro": r.repro}),
+        )? + "\n",
+    )?;
+    let _ = std::fs::remove_dir_all(&work);
+    let repeat = repeat_replay(&minimal_path);
+    print_shrunk(schedule, &r, &minimal_path, &repeat)?;
     Ok(ShrinkLine {
         seed: schedule.seed,
         minimal: minimal_path.display().to_string(),
@@ -702,30 +726,44 @@ fn write_summary(
         shards: None,
     };
     let s = summarize(meta, opts, lines, shrunk);
+    write_json(path, &s).map(|_| ())
+}
+
+/// Writes the summary as pretty JSON, atomically, where this run publishes `path`
+/// (creating its directory), and returns that path.
+fn write_json(path: &Path, s: &Summary) -> anyhow::Result<PathBuf> {
     let path = &harness::util::publish_path(path);
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)?;
     }
-    harness::util::write_atomic(path, (serde_json::to_string_pretty(&s)? + "\n").as_bytes())
+    harness::util::write_atomic(path, (serde_json::to_string_pretty(s)? + "\n").as_bytes())?;
+    Ok(path.clone())
 }
 
-/// The summary of `lines`: counts, aggregates, and the runs themselves.
-fn summarize(meta: Meta, opts: &Options, lines: &[RunLine], shrunk: &[ShrinkLine]) -> Summary {
-    let mut anomalies = BTreeMap::new();
-    let mut faults = BTreeMap::new();
-    let mut ops: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
-    let mut p50s = Vec::new();
-    let mut max: Option<f64> = None;
-    let mut repairs = 0;
+/// What the runs add up to: anomalies, faults and client operations by kind, and the
+/// repair times (each run's median, the maximum over all, how many repairs).
+#[derive(Default)]
+struct Totals {
+    anomalies: BTreeMap<String, u64>,
+    faults: BTreeMap<String, u64>,
+    ops: BTreeMap<String, BTreeMap<String, u64>>,
+    p50s: Vec<f64>,
+    max: Option<f64>,
+    repairs: u64,
+}
+
+/// Adds up the runs of `lines` (the medians unsorted).
+fn totals(lines: &[RunLine]) -> Totals {
+    let mut t = Totals::default();
     for l in lines {
         for (k, n) in &l.anomalies {
-            *anomalies.entry(k.clone()).or_insert(0) += n;
+            *t.anomalies.entry(k.clone()).or_insert(0) += n;
         }
         for (k, n) in &l.faults {
-            *faults.entry(k.clone()).or_insert(0) += n;
+            *t.faults.entry(k.clone()).or_insert(0) += n;
         }
         for (op, c) in &l.ops {
-            let e = ops.entry(op.clone()).or_default();
+            let e = t.ops.entry(op.clone()).or_default();
             for (how, n) in [
                 ("invoke", c.invoke),
                 ("ok", c.ok),
@@ -735,14 +773,27 @@ fn summarize(meta: Meta, opts: &Options, lines: &[RunLine], shrunk: &[ShrinkLine
                 *e.entry(how.to_string()).or_insert(0) += n;
             }
         }
-        repairs += l.repair_ms.n;
+        t.repairs += l.repair_ms.n;
         if let Some(p) = l.repair_ms.p50 {
-            p50s.push(p);
+            t.p50s.push(p);
         }
         if let Some(m) = l.repair_ms.max {
-            max = Some(max.map_or(m, |x: f64| x.max(m)));
+            t.max = Some(t.max.map_or(m, |x: f64| x.max(m)));
         }
     }
+    t
+}
+
+/// The summary of `lines`: counts, aggregates, and the runs themselves.
+fn summarize(meta: Meta, opts: &Options, lines: &[RunLine], shrunk: &[ShrinkLine]) -> Summary {
+    let Totals {
+        anomalies,
+        faults,
+        ops,
+        mut p50s,
+        max,
+        repairs,
+    } = totals(lines);
     p50s.sort_by(f64::total_cmp);
     let count = |v: Verdict| lines.iter().filter(|l| l.verdict == v).count() as u64;
     let (pass, fail, error) = (
@@ -784,11 +835,8 @@ fn summarize(meta: Meta, opts: &Options, lines: &[RunLine], shrunk: &[ShrinkLine
     }
 }
 
-/// `--join`: the shards' summaries as the one an unsharded series writes: their runs by
-/// seed, the counts and aggregates computed again, each shard's provenance in `shards`.
-/// Refused unless the files are shards K/N for every K of one N, at one commit, with one
-/// generator, options and bug. Ok(true) when every run passed.
-fn join(files: &[PathBuf], out: &Path) -> anyhow::Result<bool> {
+/// The shards' summaries, each with its file.
+fn read_summaries(files: &[PathBuf]) -> anyhow::Result<Vec<(PathBuf, Summary)>> {
     let mut parts: Vec<(PathBuf, Summary)> = Vec::new();
     for f in files {
         let text = std::fs::read(f).with_context(|| format!("read {}", f.display()))?;
@@ -796,6 +844,12 @@ fn join(files: &[PathBuf], out: &Path) -> anyhow::Result<bool> {
             serde_json::from_slice(&text).with_context(|| format!("parse {}", f.display()))?;
         parts.push((f.clone(), s));
     }
+    Ok(parts)
+}
+
+/// Sorts the parts by shard and checks they are shards K/N for every K of one N, of one
+/// series (commit, generator, options, bug); returns N.
+fn check_shards(parts: &mut [(PathBuf, Summary)]) -> anyhow::Result<u64> {
     let shard_of = |s: &Summary| -> anyhow::Result<(u64, u64)> {
         let sh = s
             .shard
@@ -829,12 +883,14 @@ fn join(files: &[PathBuf], out: &Path) -> anyhow::Result<bool> {
     if parts.len() as u64 != n {
         bail!("{} shard(s) of {n}", parts.len());
     }
-    let mut lines: Vec<RunLine> = parts.iter().flat_map(|(_, s)| s.per_run.clone()).collect();
-    lines.sort_by_key(|l| l.seed);
-    let mut shrunk: Vec<ShrinkLine> = parts.iter().flat_map(|(_, s)| s.shrunk.clone()).collect();
-    shrunk.sort_by_key(|l| l.seed);
+    Ok(n)
+}
+
+/// The joined series' provenance: the first shard's commit, generator and bug, dirty if
+/// any shard was (or did not say), the shards' walls added, and each shard's own.
+fn joined_meta(parts: &[(PathBuf, Summary)]) -> Meta {
     let first = &parts[0].1;
-    let meta = Meta {
+    Meta {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         git_commit: first.git_commit.clone(),
         git_dirty: Some(parts.iter().any(|(_, s)| s.git_dirty != Some(false))),
@@ -854,14 +910,25 @@ fn join(files: &[PathBuf], out: &Path) -> anyhow::Result<bool> {
                 })
                 .collect(),
         ),
-    };
+    }
+}
+
+/// `--join`: the shards' summaries as the one an unsharded series writes: their runs by
+/// seed, the counts and aggregates computed again, each shard's provenance in `shards`.
+/// Refused unless the files are shards K/N for every K of one N, at one commit, with one
+/// generator, options and bug. Ok(true) when every run passed.
+fn join(files: &[PathBuf], out: &Path) -> anyhow::Result<bool> {
+    let mut parts = read_summaries(files)?;
+    let n = check_shards(&mut parts)?;
+    let mut lines: Vec<RunLine> = parts.iter().flat_map(|(_, s)| s.per_run.clone()).collect();
+    lines.sort_by_key(|l| l.seed);
+    let mut shrunk: Vec<ShrinkLine> = parts.iter().flat_map(|(_, s)| s.shrunk.clone()).collect();
+    shrunk.sort_by_key(|l| l.seed);
+    let first = &parts[0].1;
+    let meta = joined_meta(&parts);
     let opts = first.options.clone();
     let s = summarize(meta, &opts, &lines, &shrunk);
-    let out = &harness::util::publish_path(out);
-    if let Some(parent) = out.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    harness::util::write_atomic(out, (serde_json::to_string_pretty(&s)? + "\n").as_bytes())?;
+    let out = &write_json(out, &s)?;
     println!(
         "nemesis: joined {} shards: {} runs, {} PASS, {} FAIL, {} ERROR: {}",
         n,
