@@ -164,18 +164,7 @@ fn main() -> anyhow::Result<()> {
     let faults = chosen(&FAULTS, &a.faults, "fault")?;
     let rt = tokio::runtime::Runtime::new()?;
     let started = Instant::now();
-    let mut cells = Vec::new();
-    for &topology in &topologies {
-        for &fault in &faults {
-            for &setting in &settings {
-                cells.push(Cell {
-                    setting,
-                    topology,
-                    fault,
-                });
-            }
-        }
-    }
+    let cells = matrix(&topologies, &faults, &settings);
     let total = cells.iter().filter(|c| c.applicable()).count() as u32 * a.runs;
     let mut done = 0;
     let mut rows = Vec::new();
@@ -199,23 +188,7 @@ fn main() -> anyhow::Result<()> {
                 a.runs,
                 started.elapsed().as_secs()
             );
-            let t = Instant::now();
-            let mut r = rt.block_on(run(cell, a.acked)).unwrap_or_else(|e| Run {
-                error: Some(format!("{e:#}")),
-                ..Default::default()
-            });
-            r.wall_ms = t.elapsed().as_millis() as u64;
-            eprintln!(
-                "  acknowledged {}, lost {}, receivers wrong {}{}",
-                r.acknowledged,
-                r.acknowledged_lost,
-                r.receivers_wrong,
-                r.error
-                    .as_deref()
-                    .map(|e| format!(", ERROR {e}"))
-                    .unwrap_or_default()
-            );
-            runs.push(r);
+            runs.push(timed_run(&rt, cell, a.acked));
         }
         rows.push(cell_row(cell, &runs));
         write(&out, &rows, &a, started, false)?;
@@ -224,6 +197,49 @@ fn main() -> anyhow::Result<()> {
     println!("{}", out.display());
     print!("{}", table(&serde_json::from_slice(&std::fs::read(&out)?)?));
     Ok(())
+}
+
+/// Every cell of the chosen topologies, faults and settings, in that nesting order.
+fn matrix(
+    topologies: &[&'static str],
+    faults: &[&'static str],
+    settings: &[&'static str],
+) -> Vec<Cell> {
+    let mut cells = Vec::new();
+    for &topology in topologies {
+        for &fault in faults {
+            for &setting in settings {
+                cells.push(Cell {
+                    setting,
+                    topology,
+                    fault,
+                });
+            }
+        }
+    }
+    cells
+}
+
+/// One run of `cell`, timed (a run that could not be made is a run with its error), and
+/// its line on stderr.
+fn timed_run(rt: &tokio::runtime::Runtime, cell: Cell, acked: u64) -> Run {
+    let t = Instant::now();
+    let mut r = rt.block_on(run(cell, acked)).unwrap_or_else(|e| Run {
+        error: Some(format!("{e:#}")),
+        ..Default::default()
+    });
+    r.wall_ms = t.elapsed().as_millis() as u64;
+    eprintln!(
+        "  acknowledged {}, lost {}, receivers wrong {}{}",
+        r.acknowledged,
+        r.acknowledged_lost,
+        r.receivers_wrong,
+        r.error
+            .as_deref()
+            .map(|e| format!(", ERROR {e}"))
+            .unwrap_or_default()
+    );
+    r
 }
 
 /// A cell's entry: its runs and what they add up to, judged against its promise.
