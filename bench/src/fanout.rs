@@ -63,88 +63,108 @@ async fn open_loop(
     convs: Vec<(usize, String)>,
     user: String,
     body: Arc<String>,
-    mut pace: watch::Receiver<Pace>,
+    pace: watch::Receiver<Pace>,
     me: Arc<Sender>,
-    mut rng: Rng,
+    rng: Rng,
 ) {
-    const MAX_INFLIGHT: u64 = 64;
-    let (mut sink, mut stream) = ws.split();
-    let reader_me = me.clone();
-    let reader_user = user.clone();
-    let reader = async move {
-        while let Some(Ok(msg)) = stream.next().await {
-            let Message::Text(t) = msg else { continue };
-            let now = now_us();
-            let Some(f) = wire::parse(t.as_str()) else {
-                continue;
-            };
-            // rid = s<n>-<send time µs>-<cmid n>-<conversation index>
-            let mut parts = f.rid().unwrap_or("").split('-');
-            let (_, sent_at, n, ci) = (parts.next(), parts.next(), parts.next(), parts.next());
-            let sent_at: i64 = sent_at.and_then(|s| s.parse().ok()).unwrap_or(now);
-            let conv_idx: usize = ci.and_then(|s| s.parse().ok()).unwrap_or(usize::MAX);
-            reader_me.inflight.fetch_sub(1, Ordering::Relaxed);
-            let mut l = reader_me.log.lock().unwrap_or_else(|p| p.into_inner());
-            match wire::sent(&f) {
-                // A dup reply means a cmid was reused: nothing new was stored.
-                Some((seq, false)) => {
-                    l.replies.push((conv_idx, seq, now, now - sent_at));
-                    l.acked
-                        .push((reader_user.clone(), format!("f{idx}-{}", n.unwrap_or("?"))));
-                }
-                _ => l.errors += 1,
-            }
-        }
-    };
-    let writer = async move {
-        let mut n: u64 = 0;
-        loop {
-            let current = *pace.borrow_and_update();
-            let rate = match current {
-                Pace::Quit => break,
-                Pace::Pause => {
-                    if pace.changed().await.is_err() {
-                        break;
-                    }
-                    continue;
-                }
-                Pace::Rate(r) => r,
-            };
-            let period = Duration::from_secs_f64(1.0 / rate.max(0.001));
-            // A random phase per sender so the senders do not fire in lockstep.
-            let mut next = Instant::now() + period.mul_f64(rng.unit());
-            loop {
-                tokio::select! {
-                    _ = tokio::time::sleep_until(next) => {}
-                    r = pace.changed() => {
-                        if r.is_err() { return sink; }
-                        break;
-                    }
-                }
-                next += period;
-                if me.inflight.load(Ordering::Relaxed) >= MAX_INFLIGHT {
-                    me.log.lock().unwrap_or_else(|p| p.into_inner()).skipped += 1;
-                    continue;
-                }
-                n += 1;
-                // Round robin over the pair's conversations.
-                let (ci, conv) = &convs[(n as usize) % convs.len()];
-                let rid = format!("s{n}-{}-{n}-{ci}", now_us());
-                let frame = wire::send_frame(&rid, conv, &format!("f{idx}-{n}"), &body);
-                me.inflight.fetch_add(1, Ordering::Relaxed);
-                if sink.send(Message::text(frame)).await.is_err() {
-                    return sink;
-                }
-            }
-        }
-        sink
-    };
+    let (sink, stream) = ws.split();
+    let reader = read_replies(stream, idx, user, me.clone());
+    let writer = pace_sends(sink, idx, convs, body, pace, me, rng);
     let reader = tokio::spawn(reader);
     let mut sink = writer.await;
     // Give the last replies a moment, then close.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let _ = sink.close().await;
     let _ = tokio::time::timeout(Duration::from_secs(2), reader).await;
+}
+
+/// The sender's reader: counts each reply off `inflight` and logs a `sent` (seq, reply
+/// time, latency from the send time in its rid) or an error.
+async fn read_replies(
+    mut stream: futures_util::stream::SplitStream<wire::Ws>,
+    idx: usize,
+    user: String,
+    me: Arc<Sender>,
+) {
+    while let Some(Ok(msg)) = stream.next().await {
+        let Message::Text(t) = msg else { continue };
+        let now = now_us();
+        let Some(f) = wire::parse(t.as_str()) else {
+            continue;
+        };
+        // rid = s<n>-<send time µs>-<cmid n>-<conversation index>
+        let mut parts = f.rid().unwrap_or("").split('-');
+        let (_, sent_at, n, ci) = (parts.next(), parts.next(), parts.next(), parts.next());
+        let sent_at: i64 = sent_at.and_then(|s| s.parse().ok()).unwrap_or(now);
+        let conv_idx: usize = ci.and_then(|s| s.parse().ok()).unwrap_or(usize::MAX);
+        me.inflight.fetch_sub(1, Ordering::Relaxed);
+        let mut l = me.log.lock().unwrap_or_else(|p| p.into_inner());
+        match wire::sent(&f) {
+            // A dup reply means a cmid was reused: nothing new was stored.
+            Some((seq, false)) => {
+                l.replies.push((conv_idx, seq, now, now - sent_at));
+                l.acked
+                    .push((user.clone(), format!("f{idx}-{}", n.unwrap_or("?"))));
+            }
+            _ => l.errors += 1,
+        }
+    }
+}
+
+/// The sender's writer: a send every `1/rate` seconds while the pace says `Rate`, a
+/// skipped slot when `MAX_INFLIGHT` are unanswered; returns the sink on `Quit` or when the
+/// socket or the pace channel closes.
+async fn pace_sends(
+    mut sink: futures_util::stream::SplitSink<wire::Ws, Message>,
+    idx: usize,
+    convs: Vec<(usize, String)>,
+    body: Arc<String>,
+    mut pace: watch::Receiver<Pace>,
+    me: Arc<Sender>,
+    mut rng: Rng,
+) -> futures_util::stream::SplitSink<wire::Ws, Message> {
+    const MAX_INFLIGHT: u64 = 64;
+    let mut n: u64 = 0;
+    loop {
+        let current = *pace.borrow_and_update();
+        let rate = match current {
+            Pace::Quit => break,
+            Pace::Pause => {
+                if pace.changed().await.is_err() {
+                    break;
+                }
+                continue;
+            }
+            Pace::Rate(r) => r,
+        };
+        let period = Duration::from_secs_f64(1.0 / rate.max(0.001));
+        // A random phase per sender so the senders do not fire in lockstep.
+        let mut next = Instant::now() + period.mul_f64(rng.unit());
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => {}
+                r = pace.changed() => {
+                    if r.is_err() { return sink; }
+                    break;
+                }
+            }
+            next += period;
+            if me.inflight.load(Ordering::Relaxed) >= MAX_INFLIGHT {
+                me.log.lock().unwrap_or_else(|p| p.into_inner()).skipped += 1;
+                continue;
+            }
+            n += 1;
+            // Round robin over the pair's conversations.
+            let (ci, conv) = &convs[(n as usize) % convs.len()];
+            let rid = format!("s{n}-{}-{n}-{ci}", now_us());
+            let frame = wire::send_frame(&rid, conv, &format!("f{idx}-{n}"), &body);
+            me.inflight.fetch_add(1, Ordering::Relaxed);
+            if sink.send(Message::text(frame)).await.is_err() {
+                return sink;
+            }
+        }
+    }
+    sink
 }
 
 struct Receiver {
@@ -229,6 +249,66 @@ impl Rig {
         let p = &ctx.params;
         let target_frames = p.fanout_base_frames_per_s * mult;
         let target_msgs = target_frames / self.per_conv as f64;
+        let run = self.run_step(ctx, target_msgs, label).await?;
+        let received = run.got.received;
+        let by = db_ms_by_label(&run.stmts, received);
+        let ack_db = ctx.pgss.then(|| pgss::by_label(&run.stmts, "ack_upsert").1);
+        let Received {
+            mut push_lat,
+            mut after_reply,
+            agg,
+            via_sync,
+            pushed_in_range,
+            ..
+        } = run.got;
+        let mut send_lat: Vec<i64> = run.sent.replies.iter().map(|r| r.3).collect();
+        let msgs = run.sent.replies.len() as u64;
+        let mut step = FanoutStep {
+            multiplier: mult,
+            target_frames_per_s: r3(target_frames),
+            target_messages_per_s: r3(target_msgs),
+            events_per_device_conversation_per_s: r3(target_msgs / self.convs.len().max(1) as f64),
+            duration_s: r3(run.step_s),
+            messages_acked: msgs,
+            messages_per_s: r3(msgs as f64 / run.step_s),
+            send_errors: run.sent.errors,
+            sends_skipped: run.sent.skipped,
+            send_latency: summarize_us(&mut send_lat),
+            frames_expected: run.expected,
+            frames_received: received,
+            frames_pushed: agg.pushes,
+            events_via_sync: via_sync,
+            events_never_pushed: run.expected.saturating_sub(pushed_in_range),
+            frames_lost: run.expected.saturating_sub(received),
+            frames_per_s: r3(received as f64 / run.step_s),
+            push_latency: summarize_us(&mut push_lat),
+            push_after_sent_reply: summarize_us(&mut after_reply),
+            acks_sent: agg.acks_sent,
+            acked_replies: agg.acked,
+            ack_errors: agg.ack_errors,
+            cursor_writes_per_push: ratio(agg.acks_sent as f64, received as f64),
+            ack_upserts_db: ack_db,
+            hints_sweep: agg.hints_sweep,
+            hints_overflow: agg.hints_overflow,
+            hints_ahead: agg.hints_ahead,
+            syncs: agg.syncs,
+            gaps: agg.gaps,
+            duplicates: agg.duplicates,
+            cpu_per_frame: per_op(&run.cpu_use, received, false),
+            cpu: run.cpu_use,
+            statements: run.stmts,
+            db_ms_per_frame_by_label: by,
+            passed: false,
+            verdict: String::new(),
+        };
+        judge(&mut step, p, target_frames);
+        Ok((step, run.sent.acked))
+    }
+
+    /// The measured part of a step: quiesces and clears the logs, samples CPU and
+    /// statements around the paced run and its drain, and collects the send and receive
+    /// logs.
+    async fn run_step(&self, ctx: &Ctx, target_msgs: f64, label: &str) -> anyhow::Result<StepRun> {
         progress(label);
         self.quiesce(Duration::from_secs(10)).await;
         for r in &self.receivers {
@@ -251,73 +331,14 @@ impl Rig {
         let sent = self.take_send_logs();
         let got = self.take_recv_logs(&sent.replies, &before_heads, &after_heads);
         let cpu_use = cpu::delta(&before, &after);
-        let received = got.received;
-        let mut by = std::collections::BTreeMap::new();
-        if received > 0 {
-            for s in &stmts {
-                *by.entry(s.label.clone()).or_insert(0.0) += s.total_ms / received as f64;
-            }
-            for v in by.values_mut() {
-                *v = (*v * 1e6).round() / 1e6;
-            }
-        }
-        let ack_db = ctx.pgss.then(|| pgss::by_label(&stmts, "ack_upsert").1);
-        let Received {
-            mut push_lat,
-            mut after_reply,
-            agg,
-            via_sync,
-            pushed_in_range,
-            ..
-        } = got;
-        let mut send_lat: Vec<i64> = sent.replies.iter().map(|r| r.3).collect();
-        let msgs = sent.replies.len() as u64;
-        let mut step = FanoutStep {
-            multiplier: mult,
-            target_frames_per_s: r3(target_frames),
-            target_messages_per_s: r3(target_msgs),
-            events_per_device_conversation_per_s: r3(target_msgs / self.convs.len().max(1) as f64),
-            duration_s: r3(step_s),
-            messages_acked: msgs,
-            messages_per_s: r3(msgs as f64 / step_s),
-            send_errors: sent.errors,
-            sends_skipped: sent.skipped,
-            send_latency: summarize_us(&mut send_lat),
-            frames_expected: expected,
-            frames_received: received,
-            frames_pushed: agg.pushes,
-            events_via_sync: via_sync,
-            events_never_pushed: expected.saturating_sub(pushed_in_range),
-            frames_lost: expected.saturating_sub(received),
-            frames_per_s: r3(received as f64 / step_s),
-            push_latency: summarize_us(&mut push_lat),
-            push_after_sent_reply: summarize_us(&mut after_reply),
-            acks_sent: agg.acks_sent,
-            acked_replies: agg.acked,
-            ack_errors: agg.ack_errors,
-            cursor_writes_per_push: ratio(agg.acks_sent as f64, received as f64),
-            ack_upserts_db: ack_db,
-            hints_sweep: agg.hints_sweep,
-            hints_overflow: agg.hints_overflow,
-            hints_ahead: agg.hints_ahead,
-            syncs: agg.syncs,
-            gaps: agg.gaps,
-            duplicates: agg.duplicates,
-            cpu_per_frame: per_op(&cpu_use, received, false),
-            cpu: cpu_use,
-            statements: stmts,
-            db_ms_per_frame_by_label: by,
-            passed: false,
-            verdict: String::new(),
-        };
-        let why = step_failures(&step, p, target_frames);
-        step.passed = why.is_empty();
-        step.verdict = if step.passed {
-            "pass".into()
-        } else {
-            why.join("; ")
-        };
-        Ok((step, sent.acked))
+        Ok(StepRun {
+            step_s,
+            expected,
+            stmts,
+            sent,
+            got,
+            cpu_use,
+        })
     }
 
     /// Paces the senders at `target_msgs` messages per second for the step's duration,
@@ -468,6 +489,45 @@ struct Received {
 
 /// Why a step failed (empty: it passed): frames lost or never pushed, overflow hints,
 /// push or send p99 over the limit, too few frames delivered, events that came by sync.
+/// What [`Rig::run_step`] measured, for [`Rig::step`] to turn into a [`FanoutStep`].
+struct StepRun {
+    step_s: f64,
+    expected: u64,
+    stmts: Vec<pgss::StmtStat>,
+    sent: SendLog,
+    got: Received,
+    cpu_use: cpu::CpuUse,
+}
+
+/// Database milliseconds per received frame by statement label, rounded to 6 decimals;
+/// empty when nothing was received.
+fn db_ms_by_label(
+    stmts: &[pgss::StmtStat],
+    received: u64,
+) -> std::collections::BTreeMap<String, f64> {
+    let mut by = std::collections::BTreeMap::new();
+    if received > 0 {
+        for s in stmts {
+            *by.entry(s.label.clone()).or_insert(0.0) += s.total_ms / received as f64;
+        }
+        for v in by.values_mut() {
+            *v = (*v * 1e6).round() / 1e6;
+        }
+    }
+    by
+}
+
+/// Sets the step's `passed` and `verdict` from [`step_failures`].
+fn judge(step: &mut FanoutStep, p: &crate::result::Params, target_frames: f64) {
+    let why = step_failures(step, p, target_frames);
+    step.passed = why.is_empty();
+    step.verdict = if step.passed {
+        "pass".into()
+    } else {
+        why.join("; ")
+    };
+}
+
 fn step_failures(step: &FanoutStep, p: &crate::result::Params, target_frames: f64) -> Vec<String> {
     let mut why = Vec::new();
     let lost = step.frames_lost;
@@ -560,10 +620,36 @@ impl Session {
             topo.send_devs.len()
         ));
         let (stop_tx, stop_rx) = watch::channel(false);
+        let receivers = Self::open_receivers(topo, &url, &stop_rx).await?;
+        let (pace_tx, pace_rx) = watch::channel(Pace::Pause);
+        let (senders, sender_tasks) = Self::open_senders(p, topo, &url, session, &pace_rx).await?;
+        let rig = Rig {
+            convs: topo.convs.clone(),
+            receivers,
+            senders,
+            pace_tx,
+            gw_pid: gw.pid(),
+            per_conv: topo.per_conv,
+        };
+        Ok(Session {
+            gw,
+            rig,
+            sender_tasks,
+            stop_tx,
+        })
+    }
+
+    /// Connects and subscribes the receivers, 32 at a time, each with a task reading its
+    /// pushes until `stop_rx` says stop.
+    async fn open_receivers(
+        topo: &Topology,
+        url: &str,
+        stop_rx: &watch::Receiver<bool>,
+    ) -> anyhow::Result<Vec<Receiver>> {
         let mut receivers = Vec::new();
         for chunk in topo.recv_devs.chunks(32) {
             let opened = futures_util::future::try_join_all(chunk.iter().map(|d| {
-                let url = url.clone();
+                let url = url.to_owned();
                 async move {
                     let mut ws = wire::open(&url, &d.id, &d.token).await?;
                     let states = wire::sub(&mut ws).await?;
@@ -582,14 +668,25 @@ impl Session {
                 receivers.push(Receiver { globals, log, task });
             }
         }
-        let (pace_tx, pace_rx) = watch::channel(Pace::Pause);
+        Ok(receivers)
+    }
+
+    /// Connects the senders and starts one paced [`open_loop`] per sender, paused until
+    /// `pace_rx` says a rate.
+    async fn open_senders(
+        p: &crate::result::Params,
+        topo: &Topology,
+        url: &str,
+        session: usize,
+        pace_rx: &watch::Receiver<Pace>,
+    ) -> anyhow::Result<(Vec<Arc<Sender>>, Vec<tokio::task::JoinHandle<()>>)> {
         let body = Arc::new("x".repeat(p.body_bytes));
         let mut senders = Vec::new();
         let mut sender_tasks = Vec::new();
         let opened = futures_util::future::try_join_all(
             topo.send_devs
                 .iter()
-                .map(|(_, d)| wire::open(&url, &d.id, &d.token)),
+                .map(|(_, d)| wire::open(url, &d.id, &d.token)),
         )
         .await
         .context("open senders")?;
@@ -612,20 +709,7 @@ impl Session {
             )));
             senders.push(me);
         }
-        let rig = Rig {
-            convs: topo.convs.clone(),
-            receivers,
-            senders,
-            pace_tx,
-            gw_pid: gw.pid(),
-            per_conv: topo.per_conv,
-        };
-        Ok(Session {
-            gw,
-            rig,
-            sender_tasks,
-            stop_tx,
-        })
+        Ok((senders, sender_tasks))
     }
 
     /// Stops senders and receivers and the gateway; returns the acknowledged sends not yet
@@ -937,77 +1021,98 @@ pub async fn ceiling_server(body_bytes: usize) -> anyhow::Result<()> {
         let (tcp, _) = listener.accept().await?;
         let _ = tcp.set_nodelay(true);
         let body = body.clone();
-        tokio::spawn(async move {
-            let Ok(ws) = tokio_tungstenite::accept_async(tcp).await else {
-                return;
-            };
-            let (mut sink, mut stream) = ws.split();
-            let mut conv = String::from("ceil");
-            // hello, then sub; anything else before is ignored.
-            while let Some(Ok(msg)) = stream.next().await {
-                let Message::Text(t) = msg else { continue };
-                // A request, read as the gateway reads it.
-                let f = im_protocol::wire::parse(t.as_str(), usize::MAX);
-                let rid = f.rid.unwrap_or_default();
-                match f.req {
-                    Ok(Request::Hello { .. }) => {
-                        conv = format!("ceil-{}", rid.len());
-                        let w = Reply::Welcome {
-                            user: "u".into(),
-                            device: "d".into(),
-                            epoch: 1,
-                        };
-                        if sink
-                            .send(Message::text(reply_frame(Some(&rid), &w)))
-                            .await
-                            .is_err()
-                        {
-                            return;
-                        }
-                    }
-                    Ok(Request::Sub) => {
-                        let s = Reply::Subbed {
-                            convs: vec![ConvHead {
-                                conv: conv.clone(),
-                                head: 0,
-                                delivered: 0,
-                                epoch: 1,
-                            }],
-                            lineage: 0,
-                        };
-                        if sink
-                            .send(Message::text(reply_frame(Some(&rid), &s)))
-                            .await
-                            .is_err()
-                        {
-                            return;
-                        }
-                        break;
-                    }
-                    _ => {}
-                }
-            }
-            // Discard whatever the receiver sends (acks) from here on.
-            tokio::spawn(async move { while let Some(Ok(_)) = stream.next().await {} });
-            let mut seq = 0i64;
-            loop {
-                seq += 1;
-                let ev = im_protocol::wire::Event {
-                    conv: conv.clone(),
-                    seq,
-                    kind: "msg".into(),
-                    mid: "00000000-0000-4000-8000-000000000000".into(),
-                    sender: "fo-a0".into(),
-                    cmid: format!("f0-{seq}"),
-                    body: body.to_string(),
-                    at_ms: now_us() / 1000,
+        tokio::spawn(ceiling_conn(tcp, body));
+    }
+}
+
+/// The ceiling server's socket halves.
+type CeilSink = futures_util::stream::SplitSink<
+    tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>,
+    Message,
+>;
+type CeilStream =
+    futures_util::stream::SplitStream<tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>>;
+
+/// One ceiling connection: the handshake, then event frames as fast as the socket takes
+/// them until it fails.
+async fn ceiling_conn(tcp: tokio::net::TcpStream, body: Arc<String>) {
+    let Ok(ws) = tokio_tungstenite::accept_async(tcp).await else {
+        return;
+    };
+    let (mut sink, mut stream) = ws.split();
+    let Some(conv) = ceiling_handshake(&mut sink, &mut stream).await else {
+        return;
+    };
+    // Discard whatever the receiver sends (acks) from here on.
+    tokio::spawn(async move { while let Some(Ok(_)) = stream.next().await {} });
+    let mut seq = 0i64;
+    loop {
+        seq += 1;
+        let ev = im_protocol::wire::Event {
+            conv: conv.clone(),
+            seq,
+            kind: "msg".into(),
+            mid: "00000000-0000-4000-8000-000000000000".into(),
+            sender: "fo-a0".into(),
+            cmid: format!("f0-{seq}"),
+            body: body.to_string(),
+            at_ms: now_us() / 1000,
+            epoch: 1,
+        };
+        let frame = im_protocol::wire::event_frame(&ev);
+        if sink.send(Message::text(frame)).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Answers hello and then sub, ignoring anything else before; returns the conversation the
+/// events go to, or `None` when a reply could not be sent.
+async fn ceiling_handshake(sink: &mut CeilSink, stream: &mut CeilStream) -> Option<String> {
+    let mut conv = String::from("ceil");
+    // hello, then sub; anything else before is ignored.
+    while let Some(Ok(msg)) = stream.next().await {
+        let Message::Text(t) = msg else { continue };
+        // A request, read as the gateway reads it.
+        let f = im_protocol::wire::parse(t.as_str(), usize::MAX);
+        let rid = f.rid.unwrap_or_default();
+        match f.req {
+            Ok(Request::Hello { .. }) => {
+                conv = format!("ceil-{}", rid.len());
+                let w = Reply::Welcome {
+                    user: "u".into(),
+                    device: "d".into(),
                     epoch: 1,
                 };
-                let frame = im_protocol::wire::event_frame(&ev);
-                if sink.send(Message::text(frame)).await.is_err() {
-                    return;
+                if sink
+                    .send(Message::text(reply_frame(Some(&rid), &w)))
+                    .await
+                    .is_err()
+                {
+                    return None;
                 }
             }
-        });
+            Ok(Request::Sub) => {
+                let s = Reply::Subbed {
+                    convs: vec![ConvHead {
+                        conv: conv.clone(),
+                        head: 0,
+                        delivered: 0,
+                        epoch: 1,
+                    }],
+                    lineage: 0,
+                };
+                if sink
+                    .send(Message::text(reply_frame(Some(&rid), &s)))
+                    .await
+                    .is_err()
+                {
+                    return None;
+                }
+                break;
+            }
+            _ => {}
+        }
     }
+    Some(conv)
 }
