@@ -284,15 +284,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
     let mut sizes: Vec<usize> = p.sweep_devices.iter().map(|&n| n.div_ceil(g) * g).collect();
     sizes.sort_unstable();
     sizes.dedup();
-    // Bulk provisioning writes about four million rows at 100k devices; unlogged tables
-    // skip their WAL (reads go through the same buffers). Nothing after this part needs
-    // these two tables to survive a crash: the repair part has its own cluster.
-    for t in ["memberships", "device_cursors"] {
-        sqlx::query(&format!("ALTER TABLE {t} SET UNLOGGED"))
-            .execute(&ctx.pool)
-            .await
-            .with_context(|| format!("ALTER TABLE {t} SET UNLOGGED"))?;
-    }
+    set_unlogged(&ctx.pool).await?;
     let mut seed = ctx.params.seed;
     let mut rows = Vec::new();
     let mut have = 0usize;
@@ -311,51 +303,7 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
         let provision_s = r3(t.elapsed().as_secs_f64());
         let pairs = (n * k) as u64;
         for (li, &lag) in p.sweep_lag_percents.iter().enumerate() {
-            set_lag(&ctx.pool, lag).await?;
-            let lagging = seeded(&ctx.pool).await?;
-            let last_lag = li + 1 == p.sweep_lag_percents.len();
-            // The full pass: at every lag up to 10k devices, at the last lag above.
-            let full = if last_lag || n <= 10_000 {
-                step(&format!("{lag}% lagging: full pass"));
-                Some(measure_full_pass(ctx, n, lag, pairs, &lagging).await?)
-            } else {
-                None
-            };
-            // The regular sweep: one interval's candidates, repeated.
-            let cands = candidates(&lagging, n, k, g, &mut seed);
-            let (wall, returned, db_exec_ms) =
-                measure_regular(ctx, n, lag, &cands, &lagging, &step).await?;
-            let explain = if last_lag && n <= p.sweep_explain_max_devices {
-                step(&format!("{lag}% lagging: EXPLAIN ANALYZE"));
-                Some(explain(&ctx.pool, &cands).await?)
-            } else {
-                None
-            };
-            let mut sorted = wall.clone();
-            sorted.sort_by(|a, b| a.total_cmp(b));
-            let median = sorted[sorted.len() / 2];
-            let page_max = full.as_ref().map_or(0.0, |f| f.page_ms_max);
-            rows.push(SweepRow {
-                devices: n,
-                pairs,
-                lag_percent: lag,
-                lagging_pairs: lagging.len() as u64,
-                rows_returned: returned,
-                wall_ms_median: median,
-                wall_ms: wall,
-                db_exec_ms,
-                explain,
-                us_per_pair: full.as_ref().map_or(0.0, |f| f.us_per_pair),
-                set_based_wall_ms: None,
-                set_based_rows: None,
-                set_based_vs_gateway: None,
-                over_sweep_interval: median > 1000.0,
-                over_db_timeout: median > DB_TIMEOUT_MS as f64 || page_max > DB_TIMEOUT_MS as f64,
-                provision_s: if li == 0 { provision_s } else { 0.0 },
-                interval_candidates: cands.devices.len() as u64,
-                hinted_from_memory: lagging.len() as u64,
-                full_pass: full,
-            });
+            rows.push(lag_row(ctx, n, li, lag, pairs, provision_s, &mut seed, &step).await?);
         }
         set_lag(&ctx.pool, 0.0).await?;
     }
@@ -376,6 +324,80 @@ pub async fn run(ctx: &Ctx) -> anyhow::Result<Sweep> {
         gateway_sweep_interval_ms_default: 1000,
         gateway_db_timeout_ms_default: DB_TIMEOUT_MS,
         full_pass_every_intervals: im_gateway::sweep::FULL_PASS_EVERY_INTERVALS,
+    })
+}
+
+/// Bulk provisioning writes about four million rows at 100k devices; unlogged tables
+/// skip their WAL (reads go through the same buffers). Nothing after this part needs
+/// these two tables to survive a crash: the repair part has its own cluster.
+async fn set_unlogged(pool: &sqlx::PgPool) -> anyhow::Result<()> {
+    for t in ["memberships", "device_cursors"] {
+        sqlx::query(&format!("ALTER TABLE {t} SET UNLOGGED"))
+            .execute(pool)
+            .await
+            .with_context(|| format!("ALTER TABLE {t} SET UNLOGGED"))?;
+    }
+    Ok(())
+}
+
+/// One row of the sweep: `n` devices with `lag`% of their pairs lagging, measured by a
+/// full pass (when due), the regular sweep and, at the last lag, EXPLAIN ANALYZE.
+#[allow(clippy::too_many_arguments)]
+async fn lag_row(
+    ctx: &Ctx,
+    n: usize,
+    li: usize,
+    lag: f64,
+    pairs: u64,
+    provision_s: f64,
+    seed: &mut u64,
+    step: &dyn Fn(&str),
+) -> anyhow::Result<SweepRow> {
+    let p = &ctx.params;
+    let (k, g) = (p.sweep_convs_per_device, p.sweep_users_per_conversation);
+    set_lag(&ctx.pool, lag).await?;
+    let lagging = seeded(&ctx.pool).await?;
+    let last_lag = li + 1 == p.sweep_lag_percents.len();
+    // The full pass: at every lag up to 10k devices, at the last lag above.
+    let full = if last_lag || n <= 10_000 {
+        step(&format!("{lag}% lagging: full pass"));
+        Some(measure_full_pass(ctx, n, lag, pairs, &lagging).await?)
+    } else {
+        None
+    };
+    // The regular sweep: one interval's candidates, repeated.
+    let cands = candidates(&lagging, n, k, g, seed);
+    let (wall, returned, db_exec_ms) = measure_regular(ctx, n, lag, &cands, &lagging, step).await?;
+    let explain = if last_lag && n <= p.sweep_explain_max_devices {
+        step(&format!("{lag}% lagging: EXPLAIN ANALYZE"));
+        Some(explain(&ctx.pool, &cands).await?)
+    } else {
+        None
+    };
+    let mut sorted = wall.clone();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let median = sorted[sorted.len() / 2];
+    let page_max = full.as_ref().map_or(0.0, |f| f.page_ms_max);
+    Ok(SweepRow {
+        devices: n,
+        pairs,
+        lag_percent: lag,
+        lagging_pairs: lagging.len() as u64,
+        rows_returned: returned,
+        wall_ms_median: median,
+        wall_ms: wall,
+        db_exec_ms,
+        explain,
+        us_per_pair: full.as_ref().map_or(0.0, |f| f.us_per_pair),
+        set_based_wall_ms: None,
+        set_based_rows: None,
+        set_based_vs_gateway: None,
+        over_sweep_interval: median > 1000.0,
+        over_db_timeout: median > DB_TIMEOUT_MS as f64 || page_max > DB_TIMEOUT_MS as f64,
+        provision_s: if li == 0 { provision_s } else { 0.0 },
+        interval_candidates: cands.devices.len() as u64,
+        hinted_from_memory: lagging.len() as u64,
+        full_pass: full,
     })
 }
 
