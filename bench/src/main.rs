@@ -72,7 +72,18 @@ impl Ctx {
 }
 
 fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
-    let full = Params {
+    let full = full_params(seed);
+    Ok(match mode {
+        "full" => full,
+        "quick" => quick_params(full),
+        "smoke" => smoke_params(full),
+        other => bail!("unknown mode {other:?} (full, quick, smoke)"),
+    })
+}
+
+/// The `full` mode's parameters: the design note's loads.
+fn full_params(seed: u64) -> Params {
+    Params {
         seed,
         send_concurrency: vec![1, 8, 32],
         send_conversations: 64,
@@ -109,62 +120,66 @@ fn preset(mode: &str, seed: u64) -> anyhow::Result<Params> {
         conns_target: 50_000,
         conns_send_s: 5.0,
         conns_rate_per_s: 100.0,
-    };
-    Ok(match mode {
-        "full" => full,
-        "quick" => Params {
-            send_concurrency: vec![1, 8],
-            send_duration_s: 1,
-            send_rounds: 1,
-            fanout_user_pairs: 4,
-            fanout_start_multiplier: 0.25,
-            fanout_up: vec![0.5],
-            fanout_down: vec![0.125],
-            fanout_diagnostic_env: vec![],
-            fanout_step_s: 2.0,
-            ws_ceiling_s: 1.0,
-            sweep_devices: vec![1000, 3000],
-            sweep_repeats: 1,
-            sweep_explain_max_devices: 3000,
-            sweep_set_based_max_devices: 3000,
-            repair_trials: vec![20, 8, 4],
-            repair_lanes: 4,
-            two_gateways_s: 2.0,
-            conns_target: 2_000,
-            conns_send_s: 2.0,
-            ..full
-        },
-        "smoke" => Params {
-            send_concurrency: vec![2],
-            send_conversations: 8,
-            send_warmup_s: 0,
-            send_duration_s: 1,
-            send_rounds: 1,
-            fanout_user_pairs: 2,
-            fanout_convs_per_pair: 1,
-            fanout_start_multiplier: 0.02,
-            fanout_up: vec![],
-            fanout_down: vec![],
-            fanout_diagnostic_env: vec![],
-            fanout_step_s: 1.0,
-            ws_ceiling_s: 0.5,
-            sweep_devices: vec![100, 300],
-            sweep_repeats: 1,
-            sweep_explain_max_devices: 300,
-            sweep_set_based_max_devices: 300,
-            repair_sweep_ms: vec![100, 200],
-            repair_trials: vec![4, 2],
-            repair_lanes: 2,
-            two_gateways_conversations: 4,
-            two_gateways_receivers: 2,
-            two_gateways_s: 1.0,
-            conns_target: 50,
-            conns_send_s: 1.0,
-            conns_rate_per_s: 20.0,
-            ..full
-        },
-        other => bail!("unknown mode {other:?} (full, quick, smoke)"),
-    })
+    }
+}
+
+/// The `quick` mode: `full` with fewer, shorter rounds and smaller sizes.
+fn quick_params(full: Params) -> Params {
+    Params {
+        send_concurrency: vec![1, 8],
+        send_duration_s: 1,
+        send_rounds: 1,
+        fanout_user_pairs: 4,
+        fanout_start_multiplier: 0.25,
+        fanout_up: vec![0.5],
+        fanout_down: vec![0.125],
+        fanout_diagnostic_env: vec![],
+        fanout_step_s: 2.0,
+        ws_ceiling_s: 1.0,
+        sweep_devices: vec![1000, 3000],
+        sweep_repeats: 1,
+        sweep_explain_max_devices: 3000,
+        sweep_set_based_max_devices: 3000,
+        repair_trials: vec![20, 8, 4],
+        repair_lanes: 4,
+        two_gateways_s: 2.0,
+        conns_target: 2_000,
+        conns_send_s: 2.0,
+        ..full
+    }
+}
+
+/// The `smoke` mode: `full` cut to the least that still runs every part.
+fn smoke_params(full: Params) -> Params {
+    Params {
+        send_concurrency: vec![2],
+        send_conversations: 8,
+        send_warmup_s: 0,
+        send_duration_s: 1,
+        send_rounds: 1,
+        fanout_user_pairs: 2,
+        fanout_convs_per_pair: 1,
+        fanout_start_multiplier: 0.02,
+        fanout_up: vec![],
+        fanout_down: vec![],
+        fanout_diagnostic_env: vec![],
+        fanout_step_s: 1.0,
+        ws_ceiling_s: 0.5,
+        sweep_devices: vec![100, 300],
+        sweep_repeats: 1,
+        sweep_explain_max_devices: 300,
+        sweep_set_based_max_devices: 300,
+        repair_sweep_ms: vec![100, 200],
+        repair_trials: vec![4, 2],
+        repair_lanes: 2,
+        two_gateways_conversations: 4,
+        two_gateways_receivers: 2,
+        two_gateways_s: 1.0,
+        conns_target: 50,
+        conns_send_s: 1.0,
+        conns_rate_per_s: 20.0,
+        ..full
+    }
 }
 
 /// The load generator behind `make bench`: the real gateway against a throwaway
