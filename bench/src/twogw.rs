@@ -19,16 +19,12 @@ use crate::result::{DataCheck, TwoGateways, TwoGatewaysRun};
 use crate::util::{progress, r3, secs};
 use crate::{wire, Ctx};
 
-/// Provisions `tg<k>-*` (conversations, senders, receivers) and runs the load for
-/// `duration` against `gateways` (device `i` of each role on gateway `i % n`); returns the
-/// round's counts and its length, seconds.
-async fn one_run(
+/// Provisions round `k`'s conversations, each with one sending and `receivers` receiving
+/// users and devices; returns the conversations, the senders and the receivers.
+async fn provision_round(
     ctx: &Ctx,
     k: usize,
-    gateways: &[harness::gateway::Gateway],
-    duration: Duration,
-    acked_all: &Arc<Mutex<Vec<(String, String)>>>,
-) -> anyhow::Result<(TwoGatewaysRun, f64)> {
+) -> anyhow::Result<(Vec<String>, Vec<Device>, Vec<Device>)> {
     let p = &ctx.params;
     let (nc, nr) = (p.two_gateways_conversations, p.two_gateways_receivers);
     let convs: Vec<String> = (0..nc).map(|c| format!("tg{k}-c{c}")).collect();
@@ -51,6 +47,46 @@ async fn one_run(
     }
     let devices: Vec<Device> = senders.iter().chain(&receivers).cloned().collect();
     provision::world(&ctx.pool, &users, &devices, &world).await?;
+    Ok((convs, senders, receivers))
+}
+
+/// One closed-loop sender: sends to `conv` and waits for the reply until `stop`, logging
+/// each new acknowledged cmid in `acked` and anything else in `errors`.
+async fn send_loop(
+    mut ws: wire::Ws,
+    conv: &str,
+    user: &str,
+    body: &str,
+    stop: &AtomicBool,
+    errors: &Mutex<u64>,
+    acked: &Mutex<Vec<(String, String)>>,
+) {
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let (rid, cmid) = (format!("r{n}"), format!("tg-{n}"));
+        n += 1;
+        let frame = wire::send_frame(&rid, conv, &cmid, body);
+        match wire::request(&mut ws, frame, &rid, Duration::from_secs(10)).await {
+            Ok(f) if wire::sent(&f).is_some_and(|(_, dup)| !dup) => {
+                acked.lock().unwrap().push((user.to_owned(), cmid))
+            }
+            _ => *errors.lock().unwrap() += 1,
+        }
+    }
+}
+
+/// Provisions `tg<k>-*` (conversations, senders, receivers) and runs the load for
+/// `duration` against `gateways` (device `i` of each role on gateway `i % n`); returns the
+/// round's counts and its length, seconds.
+async fn one_run(
+    ctx: &Ctx,
+    k: usize,
+    gateways: &[harness::gateway::Gateway],
+    duration: Duration,
+    acked_all: &Arc<Mutex<Vec<(String, String)>>>,
+) -> anyhow::Result<(TwoGatewaysRun, f64)> {
+    let p = &ctx.params;
+    let (convs, senders, receivers) = provision_round(ctx, k).await?;
     let url = |i: usize| gateways[i % gateways.len()].ws_url();
 
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -75,23 +111,10 @@ async fn one_run(
         l.lock().unwrap().take();
     }
     let t0 = std::time::Instant::now();
-    let loops = conns.into_iter().enumerate().map(|(c, mut ws)| {
+    let loops = conns.into_iter().enumerate().map(|(c, ws)| {
         let (stop, errors, acked, body, convs, senders) =
             (&stop, &errors, &acked, &body, &convs, &senders);
-        async move {
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let (rid, cmid) = (format!("r{n}"), format!("tg-{n}"));
-                n += 1;
-                let frame = wire::send_frame(&rid, &convs[c], &cmid, body);
-                match wire::request(&mut ws, frame, &rid, Duration::from_secs(10)).await {
-                    Ok(f) if wire::sent(&f).is_some_and(|(_, dup)| !dup) => {
-                        acked.lock().unwrap().push((senders[c].user.clone(), cmid))
-                    }
-                    _ => *errors.lock().unwrap() += 1,
-                }
-            }
-        }
+        send_loop(ws, &convs[c], &senders[c].user, body, stop, errors, acked)
     });
     let timer = async {
         tokio::time::sleep(duration).await;
