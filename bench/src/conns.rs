@@ -309,6 +309,44 @@ async fn send_active(
     Ok(expected)
 }
 
+/// Starts the gateway for `n` connections: room for them all, the bench's sweep interval,
+/// and enough handshakes and connections per address to open them quickly.
+async fn start_gateway(ctx: &Ctx, n: usize) -> anyhow::Result<harness::gateway::Gateway> {
+    let max = (n + 1024).to_string();
+    let mut env = ctx.gateway_env.clone();
+    env.extend([
+        ("IM_SWEEP_MS".to_string(), SWEEP_MS.to_string()),
+        ("IM_MAX_CONNECTIONS".to_string(), max),
+        ("IM_HANDSHAKES_MAX".to_string(), "1024".to_string()),
+        (
+            "IM_CONNS_PER_ADDR_MAX".to_string(),
+            (PER_ADDR + 16).to_string(),
+        ),
+    ]);
+    let opts = harness::gateway::GatewayOpts {
+        env,
+        ..Default::default()
+    };
+    harness::gateway::Gateway::start(&ctx.cluster.url(), &opts, &ctx.cluster.log_dir()).await
+}
+
+/// The sweep statements' database milliseconds per sweep interval since `sweep_t0`, when
+/// pg_stat_statements is on.
+async fn sweep_db_ms_per_interval(ctx: &Ctx, sweep_t0: Instant) -> Option<f64> {
+    if ctx.pgss {
+        let stmts = crate::pgss::snapshot(&ctx.pool).await;
+        let sweep_ms: f64 = stmts
+            .iter()
+            .filter(|s| s.label == "sweep")
+            .map(|s| s.total_ms)
+            .sum();
+        let intervals = sweep_t0.elapsed().as_secs_f64() * 1000.0 / SWEEP_MS as f64;
+        Some(r3(sweep_ms / intervals.max(1.0)))
+    } else {
+        None
+    }
+}
+
 /// Opens up to `target` connections (fewer when the open-file limit is lower), measures,
 /// and closes them.
 pub async fn run(ctx: &Ctx, target: usize, send_s: f64, rate_per_s: f64) -> anyhow::Result<Conns> {
@@ -325,23 +363,7 @@ pub async fn run(ctx: &Ctx, target: usize, send_s: f64, rate_per_s: f64) -> anyh
         bail!("only {n} connections fit under the open-file limit (soft {soft}, hard {hard})");
     }
     let plan = Plan::provision(ctx, n).await?;
-    let max = (n + 1024).to_string();
-    let mut env = ctx.gateway_env.clone();
-    env.extend([
-        ("IM_SWEEP_MS".to_string(), SWEEP_MS.to_string()),
-        ("IM_MAX_CONNECTIONS".to_string(), max),
-        ("IM_HANDSHAKES_MAX".to_string(), "1024".to_string()),
-        (
-            "IM_CONNS_PER_ADDR_MAX".to_string(),
-            (PER_ADDR + 16).to_string(),
-        ),
-    ]);
-    let opts = harness::gateway::GatewayOpts {
-        env,
-        ..Default::default()
-    };
-    let gw =
-        harness::gateway::Gateway::start(&ctx.cluster.url(), &opts, &ctx.cluster.log_dir()).await?;
+    let gw = start_gateway(ctx, n).await?;
     let (addr, url) = (gw.addr(), gw.ws_url());
     let rss_before_kib = rss_kib(gw.pid())?;
     let c = connect_all(&plan, addr, &url).await;
@@ -364,18 +386,7 @@ pub async fn run(ctx: &Ctx, target: usize, send_s: f64, rate_per_s: f64) -> anyh
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let sweep_db_ms_per_interval = if ctx.pgss {
-        let stmts = crate::pgss::snapshot(&ctx.pool).await;
-        let sweep_ms: f64 = stmts
-            .iter()
-            .filter(|s| s.label == "sweep")
-            .map(|s| s.total_ms)
-            .sum();
-        let intervals = sweep_t0.elapsed().as_secs_f64() * 1000.0 / SWEEP_MS as f64;
-        Some(r3(sweep_ms / intervals.max(1.0)))
-    } else {
-        None
-    };
+    let sweep_db_ms_per_interval = sweep_db_ms_per_interval(ctx, sweep_t0).await;
     let mut samples = c.lat.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let got = samples.len() as u64;
     let closed_early = *c.closed.lock().unwrap_or_else(|p| p.into_inner());
