@@ -147,34 +147,8 @@ fn merge(driver: &str, rounds: Vec<Round>, measured_s: u64, client_is_child: boo
             e.total_ms += st.total_ms;
         }
     }
-    c.machine_busy_pct = if c.wall_s > 0.0 {
-        crate::util::r3(busy_weighted / c.wall_s)
-    } else {
-        0.0
-    };
-    for x in [
-        &mut c.wall_s,
-        &mut c.gateway_ms,
-        &mut c.postgres_ms,
-        &mut c.bench_ms,
-        &mut c.bench_children_ms,
-        &mut c.others_ms,
-    ] {
-        *x = crate::util::r3(*x);
-    }
-    let mut stmts: Vec<pgss::StmtStat> = by_query
-        .into_values()
-        .map(|mut s| {
-            s.total_ms = crate::util::r3(s.total_ms);
-            s.mean_ms = if s.calls > 0 {
-                crate::util::r3(s.total_ms / s.calls as f64)
-            } else {
-                0.0
-            };
-            s
-        })
-        .collect();
-    stmts.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
+    round_cpu(&mut c, busy_weighted);
+    let stmts = merged_stmts(by_query);
     let ops = lat.len() as u64;
     let (db, by) = db_per_op(&stmts, ops_total);
     SendRun {
@@ -190,6 +164,44 @@ fn merge(driver: &str, rounds: Vec<Round>, measured_s: u64, client_is_child: boo
         db_ms_per_op: db,
         db_ms_per_op_by_label: by,
     }
+}
+
+/// The merged CPU use: machine busy weighted by each round's wall time, every total
+/// rounded.
+fn round_cpu(c: &mut cpu::CpuUse, busy_weighted: f64) {
+    c.machine_busy_pct = if c.wall_s > 0.0 {
+        crate::util::r3(busy_weighted / c.wall_s)
+    } else {
+        0.0
+    };
+    for x in [
+        &mut c.wall_s,
+        &mut c.gateway_ms,
+        &mut c.postgres_ms,
+        &mut c.bench_ms,
+        &mut c.bench_children_ms,
+        &mut c.others_ms,
+    ] {
+        *x = crate::util::r3(*x);
+    }
+}
+
+/// The merged statements, totals and means rounded, the costliest first.
+fn merged_stmts(by_query: BTreeMap<String, pgss::StmtStat>) -> Vec<pgss::StmtStat> {
+    let mut stmts: Vec<pgss::StmtStat> = by_query
+        .into_values()
+        .map(|mut s| {
+            s.total_ms = crate::util::r3(s.total_ms);
+            s.mean_ms = if s.calls > 0 {
+                crate::util::r3(s.total_ms / s.calls as f64)
+            } else {
+                0.0
+            };
+            s
+        })
+        .collect();
+    stmts.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
+    stmts
 }
 
 /// One gateway round: a fresh gateway, `c` closed-loop senders, then SIGTERM. Returns the
@@ -431,18 +443,7 @@ async fn level(
     // gateway would gather it (its senders spread over IM_BATCH_SLOTS slots).
     let batch_rows = (c / BATCH_SLOTS).max(1);
     let script_d = crate::pgbench::batch_script(p.send_conversations, &w.body, batch_rows);
-    let drivers: [(&str, Option<(&String, bool)>); 5] = [
-        ("gateway", None),
-        ("pgbench_plain", Some((&w.script_plain, false))),
-        ("pgbench_notify", Some((&w.script_notify, false))),
-        // (c) is (b) with synchronous_commit=off for pgbench's sessions only: what the
-        // WAL flush at commit costs (the server setting stays on).
-        (
-            "pgbench_notify_async_commit",
-            Some((&w.script_notify, true)),
-        ),
-        ("pgbench_batch", Some((&script_d, false))),
-    ];
+    let drivers = drivers(w, &script_d);
     // Rounds in ABBA order (gateway, a, b, c, then c, b, a, gateway, ...): a load that
     // drifts during the level weighs on every driver alike, so the ratios hold.
     let mut got: Vec<Vec<Round>> = vec![Vec::new(); drivers.len()];
@@ -475,33 +476,78 @@ async fn level(
                     let Some(bin) = ctx.pgbench.as_ref() else {
                         continue;
                     };
-                    // (d) runs as many transactions at once as the gateway runs batches
-                    // (its slots), each of the batch the gateway gathers; a batch
-                    // transaction stores `batch_rows` messages.
-                    let (clients, per_tx) = if tag == "pgbench_batch" {
-                        (c.min(BATCH_SLOTS), batch_rows)
-                    } else {
-                        (c, 1)
-                    };
-                    let name = format!("{tag}-c{c}-r{r}");
-                    let round =
-                        pgbench_round(ctx, bin, script, clients, async_commit, &name).await?;
-                    t.pgbench_logged += round.ops_total * per_tx as u64;
-                    round
+                    pgbench_driver_round(ctx, bin, tag, script, async_commit, c, r, batch_rows, t)
+                        .await?
                 }
             };
             got[d].push(round);
         }
     }
-    let runs: Vec<Option<SendRun>> = got
-        .into_iter()
+    let runs = merge_drivers(got, &drivers, p.send_duration_s * rounds as u64);
+    level_of(c, runs, batch_rows)
+}
+
+/// A driver's tag and, for pgbench, its script and whether its sessions commit
+/// asynchronously.
+type Driver<'a> = (&'static str, Option<(&'a String, bool)>);
+
+/// The level's drivers, in the order of [`level_of`]: the gateway, then pgbench (a) plain,
+/// (b) with NOTIFY, (c) (b) with asynchronous commit, (d) the gateway's batches.
+fn drivers<'a>(w: &'a World, script_d: &'a String) -> [Driver<'a>; 5] {
+    [
+        ("gateway", None),
+        ("pgbench_plain", Some((&w.script_plain, false))),
+        ("pgbench_notify", Some((&w.script_notify, false))),
+        // (c) is (b) with synchronous_commit=off for pgbench's sessions only: what the
+        // WAL flush at commit costs (the server setting stays on).
+        (
+            "pgbench_notify_async_commit",
+            Some((&w.script_notify, true)),
+        ),
+        ("pgbench_batch", Some((script_d, false))),
+    ]
+}
+
+/// Round `r` of pgbench driver `tag` at `c` clients; adds the messages it stored to
+/// `t.pgbench_logged`.
+#[allow(clippy::too_many_arguments)]
+async fn pgbench_driver_round(
+    ctx: &Ctx,
+    bin: &std::path::Path,
+    tag: &str,
+    script: &str,
+    async_commit: bool,
+    c: usize,
+    r: usize,
+    batch_rows: usize,
+    t: &mut Tallies,
+) -> anyhow::Result<Round> {
+    // (d) runs as many transactions at once as the gateway runs batches
+    // (its slots), each of the batch the gateway gathers; a batch
+    // transaction stores `batch_rows` messages.
+    let (clients, per_tx) = if tag == "pgbench_batch" {
+        (c.min(BATCH_SLOTS), batch_rows)
+    } else {
+        (c, 1)
+    };
+    let name = format!("{tag}-c{c}-r{r}");
+    let round = pgbench_round(ctx, bin, script, clients, async_commit, &name).await?;
+    t.pgbench_logged += round.ops_total * per_tx as u64;
+    Ok(round)
+}
+
+/// Each driver's rounds merged into one run (`None` for a driver that never ran).
+fn merge_drivers(
+    got: Vec<Vec<Round>>,
+    drivers: &[Driver<'_>],
+    measured_s: u64,
+) -> Vec<Option<SendRun>> {
+    got.into_iter()
         .zip(drivers.iter())
         .map(|(rs, (tag, script))| {
-            (!rs.is_empty())
-                .then(|| merge(tag, rs, p.send_duration_s * rounds as u64, script.is_some()))
+            (!rs.is_empty()).then(|| merge(tag, rs, measured_s, script.is_some()))
         })
-        .collect();
-    level_of(c, runs, batch_rows)
+        .collect()
 }
 
 /// A level from its drivers' merged runs (in `level`'s driver order), with the ratios.
