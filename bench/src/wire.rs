@@ -325,41 +325,7 @@ pub async fn receiver(
             continue;
         };
         let mut l = log.lock().unwrap_or_else(|p| p.into_inner());
-        match f {
-            ServerFrame::Event(ev) => r.on_event(&ev, &mut l, at),
-            ServerFrame::Reply {
-                rid,
-                reply:
-                    Reply::Synced {
-                        conv,
-                        events,
-                        head,
-                        complete,
-                    },
-            } => r.on_synced(rid.as_deref(), &conv, &events, (head, complete), &mut l, at),
-            ServerFrame::Reply {
-                rid,
-                reply: Reply::Acked { delivered: d, .. },
-            } => {
-                l.acked += 1;
-                if let Some((i, seq)) = rid.as_deref().and_then(ack_rid) {
-                    r.core.ack_ok(&r.names[i], seq, d, at.1);
-                }
-                delivered.send_if_modified(|cur| {
-                    let up = d > *cur;
-                    if up {
-                        *cur = d;
-                    }
-                    up
-                });
-            }
-            ServerFrame::Hint { conv, head, why } => r.on_hint(&conv, head, why, &mut l, at),
-            ServerFrame::Reply {
-                rid,
-                reply: Reply::Error(e),
-            } => r.on_error(rid.as_deref().unwrap_or(""), e.code(), &mut l, at.1),
-            _ => {}
-        }
+        r.on_frame(f, &mut l, at, &delivered);
     }
 }
 
@@ -402,6 +368,52 @@ impl Lean {
     fn ack_now(&mut self, i: usize, conv: &str, clock: std::time::Instant) {
         if let Some(seq) = self.core.begin_ack(conv, clock) {
             self.out.ack(i, conv, seq);
+        }
+    }
+
+    /// Hands one server frame to its handler; an `acked` also raises `delivered` to the
+    /// highest delivered cursor seen.
+    fn on_frame(
+        &mut self,
+        f: ServerFrame,
+        l: &mut RecvLog,
+        at: (i64, std::time::Instant),
+        delivered: &watch::Sender<i64>,
+    ) {
+        match f {
+            ServerFrame::Event(ev) => self.on_event(&ev, l, at),
+            ServerFrame::Reply {
+                rid,
+                reply:
+                    Reply::Synced {
+                        conv,
+                        events,
+                        head,
+                        complete,
+                    },
+            } => self.on_synced(rid.as_deref(), &conv, &events, (head, complete), l, at),
+            ServerFrame::Reply {
+                rid,
+                reply: Reply::Acked { delivered: d, .. },
+            } => {
+                l.acked += 1;
+                if let Some((i, seq)) = rid.as_deref().and_then(ack_rid) {
+                    self.core.ack_ok(&self.names[i], seq, d, at.1);
+                }
+                delivered.send_if_modified(|cur| {
+                    let up = d > *cur;
+                    if up {
+                        *cur = d;
+                    }
+                    up
+                });
+            }
+            ServerFrame::Hint { conv, head, why } => self.on_hint(&conv, head, why, l, at),
+            ServerFrame::Reply {
+                rid,
+                reply: Reply::Error(e),
+            } => self.on_error(rid.as_deref().unwrap_or(""), e.code(), l, at.1),
+            _ => {}
         }
     }
 
