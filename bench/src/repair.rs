@@ -278,6 +278,43 @@ async fn interval_trials(
     Ok((all, pushes, rtt))
 }
 
+/// One interval's figures from its trials: repair, detect, sync and ack times, and the
+/// share repaired within the interval plus the sync p99 (D5's bound).
+fn interval_result(
+    interval: u64,
+    all: &[Trial],
+    pushes: u64,
+    rtt: &mut [i64],
+    t0: std::time::Instant,
+) -> RepairInterval {
+    let mut repair: Vec<i64> = all.iter().filter_map(|t| t.repair_us).collect();
+    let mut detect: Vec<i64> = all.iter().filter_map(|t| t.detect_us).collect();
+    let mut to_acked: Vec<i64> = all.iter().filter_map(|t| t.acked_us).collect();
+    let sync_rtt = summarize_us(rtt);
+    let bound_ms = interval as f64 + sync_rtt.p99_ms;
+    let within = repair
+        .iter()
+        .filter(|&&r| r as f64 / 1000.0 <= bound_ms)
+        .count();
+    let repaired = repair.len();
+    let rep = summarize_us(&mut repair);
+    RepairInterval {
+        sweep_ms: interval,
+        trials: all.len(),
+        repaired,
+        unrepaired: all.len() - repaired,
+        pushes_received: pushes,
+        p99_vs_interval: crate::util::ratio(rep.p99_ms, interval as f64),
+        repair: rep,
+        detect: summarize_us(&mut detect),
+        sync_rtt,
+        to_acked: summarize_us(&mut to_acked),
+        d5_bound_ms: r3(bound_ms),
+        within_bound: r3(within as f64 / all.len().max(1) as f64),
+        wall_s: r3(t0.elapsed().as_secs_f64()),
+    }
+}
+
 pub async fn child_main(args: ChildArgs) -> anyhow::Result<()> {
     if std::env::var_os("IM_GATEWAY_BIN").is_none() {
         bail!("repair-child needs IM_GATEWAY_BIN (the gateway built with faults)");
@@ -301,32 +338,7 @@ pub async fn child_main(args: ChildArgs) -> anyhow::Result<()> {
         let t0 = std::time::Instant::now();
         let (all, pushes, mut rtt) =
             interval_trials(&cluster, &lanes, &args, interval, trials, &acked).await?;
-        let mut repair: Vec<i64> = all.iter().filter_map(|t| t.repair_us).collect();
-        let mut detect: Vec<i64> = all.iter().filter_map(|t| t.detect_us).collect();
-        let mut to_acked: Vec<i64> = all.iter().filter_map(|t| t.acked_us).collect();
-        let sync_rtt = summarize_us(&mut rtt);
-        let bound_ms = interval as f64 + sync_rtt.p99_ms;
-        let within = repair
-            .iter()
-            .filter(|&&r| r as f64 / 1000.0 <= bound_ms)
-            .count();
-        let repaired = repair.len();
-        let rep = summarize_us(&mut repair);
-        intervals.push(RepairInterval {
-            sweep_ms: interval,
-            trials: all.len(),
-            repaired,
-            unrepaired: all.len() - repaired,
-            pushes_received: pushes,
-            p99_vs_interval: crate::util::ratio(rep.p99_ms, interval as f64),
-            repair: rep,
-            detect: summarize_us(&mut detect),
-            sync_rtt,
-            to_acked: summarize_us(&mut to_acked),
-            d5_bound_ms: r3(bound_ms),
-            within_bound: r3(within as f64 / all.len().max(1) as f64),
-            wall_s: r3(t0.elapsed().as_secs_f64()),
-        });
+        intervals.push(interval_result(interval, &all, pushes, &mut rtt, t0));
     }
     let acked = std::mem::take(&mut *acked.lock().unwrap_or_else(|p| p.into_inner()));
     let found = provision::count_present(&pool, &acked).await?;
