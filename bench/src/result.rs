@@ -647,68 +647,75 @@ fn absent<T>(part: &str, s: &Section<T>) -> Option<String> {
     ))
 }
 
+/// One send level's metrics: its sends/s and latency, the ratios against pgbench with
+/// NOTIFY and batched, and the issue-19 target against pgbench without NOTIFY where one
+/// is set.
+fn level_metrics(l: &SendLevel, out: &mut Vec<Metric>) {
+    let c = l.concurrency;
+    let g = &l.gateway;
+    out.push(Metric::value(
+        &format!("send.c{c}.sends_per_s"),
+        g.ops_per_s,
+        "sends/s",
+    ));
+    out.push(Metric::value(
+        &format!("send.c{c}.p50_ms"),
+        g.latency.p50_ms,
+        "ms",
+    ));
+    out.push(Metric::value(
+        &format!("send.c{c}.p99_ms"),
+        g.latency.p99_ms,
+        "ms",
+    ));
+    if let Some(b) = &l.pgbench_notify {
+        let mut m = Metric::ratio_of(
+            &format!("send.c{c}.gateway_vs_pgbench_notify"),
+            g.ops_per_s,
+            b.ops_per_s,
+        );
+        m.limit = Some(b.ops_per_s);
+        out.push(m);
+    }
+    if let Some(d) = &l.pgbench_batch {
+        let mut m = Metric::ratio_of(
+            &format!("send.c{c}.gateway_vs_pgbench_batch"),
+            g.ops_per_s,
+            d.ops_per_s,
+        );
+        m.limit = Some(d.ops_per_s);
+        out.push(m);
+    }
+    let plain = l.pgbench_plain.as_ref().map(|a| a.ops_per_s);
+    if SEND_RATIO_AT.contains(&c) {
+        let mut m = Metric::target(
+                &format!("send.c{c}.gateway_vs_pgbench_plain"),
+                l.ratios.gateway_vs_pgbench_plain_throughput,
+                "ratio",
+                "ge",
+                send_vs_plain_min(c),
+                Some("issue 19: acknowledged sends/s vs pgbench running one message per transaction without NOTIFY".into()),
+            );
+        if plain.is_none() {
+            m.note = Some("no pgbench on this machine".into());
+        }
+        out.push(m);
+    } else if let Some(a) = plain {
+        out.push(Metric::ratio_of(
+            &format!("send.c{c}.gateway_vs_pgbench_plain"),
+            g.ops_per_s,
+            a,
+        ));
+    }
+}
+
 impl SendPath {
     /// Per concurrency: acknowledged sends/s, latency, the ratios against pgbench in the
     /// same run; the issue-12 target (>= 0.8 x pgbench without NOTIFY) at 8 and 32 senders.
     pub fn metrics(&self) -> Vec<Metric> {
         let mut out = Vec::new();
         for l in &self.levels {
-            let c = l.concurrency;
-            let g = &l.gateway;
-            out.push(Metric::value(
-                &format!("send.c{c}.sends_per_s"),
-                g.ops_per_s,
-                "sends/s",
-            ));
-            out.push(Metric::value(
-                &format!("send.c{c}.p50_ms"),
-                g.latency.p50_ms,
-                "ms",
-            ));
-            out.push(Metric::value(
-                &format!("send.c{c}.p99_ms"),
-                g.latency.p99_ms,
-                "ms",
-            ));
-            if let Some(b) = &l.pgbench_notify {
-                let mut m = Metric::ratio_of(
-                    &format!("send.c{c}.gateway_vs_pgbench_notify"),
-                    g.ops_per_s,
-                    b.ops_per_s,
-                );
-                m.limit = Some(b.ops_per_s);
-                out.push(m);
-            }
-            if let Some(d) = &l.pgbench_batch {
-                let mut m = Metric::ratio_of(
-                    &format!("send.c{c}.gateway_vs_pgbench_batch"),
-                    g.ops_per_s,
-                    d.ops_per_s,
-                );
-                m.limit = Some(d.ops_per_s);
-                out.push(m);
-            }
-            let plain = l.pgbench_plain.as_ref().map(|a| a.ops_per_s);
-            if SEND_RATIO_AT.contains(&c) {
-                let mut m = Metric::target(
-                    &format!("send.c{c}.gateway_vs_pgbench_plain"),
-                    l.ratios.gateway_vs_pgbench_plain_throughput,
-                    "ratio",
-                    "ge",
-                    send_vs_plain_min(c),
-                    Some("issue 19: acknowledged sends/s vs pgbench running one message per transaction without NOTIFY".into()),
-                );
-                if plain.is_none() {
-                    m.note = Some("no pgbench on this machine".into());
-                }
-                out.push(m);
-            } else if let Some(a) = plain {
-                out.push(Metric::ratio_of(
-                    &format!("send.c{c}.gateway_vs_pgbench_plain"),
-                    g.ops_per_s,
-                    a,
-                ));
-            }
+            level_metrics(l, &mut out);
         }
         for c in SEND_RATIO_AT {
             if !self.levels.iter().any(|l| l.concurrency == c) {
