@@ -61,90 +61,109 @@ fn known_limit(bug: &str) -> Option<&'static str> {
 /// evidence, per bug it cannot catch): stated from the bug's mechanism, not measured.
 /// Written into a bug's `nemesis.would_need` only when its series missed it; a series that
 /// misses a bug with no statement here says so (`would_need: null`).
+const NEMESIS_WOULD_NEED: &[(&str, &str)] = &[
+    (
+        "no-feed",
+        "the last notification of a conversation lost (a dropped NOTIFY, a crash before \
+         it) with no later send of that conversation before the heal: the workload's next \
+         send brings a notification whose read finds the lost commit too. The tail fault \
+         makes that likely, not certain (3 gateways: caught at seeds 5, 10 and 30 of 60)",
+    ),
+    (
+        "read-fail-unrecorded",
+        "a fan-out read that fails on the last sends of a conversation, with a receiver \
+         of it on that gateway, and no later send of it: any later notification reads from \
+         the same point and repairs it in milliseconds. The tail fault at `fanout.read` \
+         (generator 9, one tail in six) is that state, and caught it at seeds 5 and 7 of \
+         `--kinds gw-fault` on 3 gateways; a default series draws it by chance",
+    ),
+    (
+        "sticky-member",
+        "a check of cost, not of results: a user who left still takes the conversation's \
+         row lock and then gets NOT_MEMBER, as it should. Needs the lock waits of a \
+         non-member's send counted (the scripted check reads pg_locks)",
+    ),
+    (
+        "forgetful-member",
+        "a check of cost, not of results: every send reads the membership first and gets \
+         the same answer. Needs the statements of a member's send counted (the scripted \
+         check counts them)",
+    ),
+    (
+        "stale-backlog",
+        "reinstalls mid-run (a device's install replaced while pushes are queued for the \
+         old one) and a check of what a stale install may still receive: the workload \
+         never reinstalls",
+    ),
+    (
+        "no-overflow-hint",
+        "a slow reader whose outbound queue overflows (a small IM_QUEUE_FRAMES_MAX, a \
+         client that stops reading) and a repair bound shorter than the sweep's: without \
+         the hint the sweep still repairs within D5's bound, which is what is judged",
+    ),
+    (
+        "no-close-drain",
+        "graceful restarts (SIGTERM) under pipelined sends with input unread at the close, \
+         and a check that a gracefully closed connection lost no reply it wrote: the \
+         gateway faults are SIGKILL and crash points, after which lost replies are \
+         expected and the outbox replays them",
+    ),
+    (
+        "no-local-handoff",
+        "a push-latency bound for the sending gateway's own devices while its LISTEN \
+         connection is down: they get their pushes by the NOTIFY round trip instead, \
+         milliseconds later, and the regain pass repairs the rest within D5's bound",
+    ),
+    (
+        "batch-fails-innocents",
+        "a check that a send fails only for its own reasons: a batch that failed answers \
+         its innocent rows with the batch's error, their clients retry the same cmid (D2) \
+         and nothing acknowledged is lost or doubled, so the checker sees no anomaly; \
+         only a late retry that misses D5's bound is seen (d5-not-repaired, at seed 2 of \
+         generator 6), by chance. It would need a fault on one row of a batch (a \
+         conversation locked or a row refused) and the outcome of every other row judged",
+    ),
+    (
+        "feed-gives-up",
+        "a failed commit-feed look and then, in the same LISTEN session, the last \
+         notification of a conversation lost with no later send of it before the heal, \
+         as for no-feed: the feed is the only repair then. The nemesis has no fanout.feed \
+         fault, so a look fails only by a database fault at that moment: by chance",
+    ),
+    (
+        "gone-device-stays",
+        "devices removed in the workload (the nemesis never removes one) while their \
+         gateway's LISTEN connection is lost, so that only the sweep's look-up can close \
+         them, and a check that a removed device's connections close within D5's bound",
+    ),
+    (
+        "feed-window",
+        "a send whose transaction is open across a commit-feed look (a slow commit) and \
+         whose notification is then lost, with no later send of its conversation before \
+         the heal, as for no-feed: the workload's next send of the conversation brings a \
+         notification whose read finds the skipped commit too",
+    ),
+    (
+        "pushes-uncharged",
+        "a slow reader sent messages large enough that its queue reaches the byte bound \
+         long before the frame count (256), and a check of the bytes a connection's \
+         queue holds, or of an overflow where only the byte bound can give one: the bug \
+         loses nothing, the frame count still overflows the queue in the end",
+    ),
+    (
+        "replaced-install-acks",
+        "reinstalls in the workload (the nemesis never reinstalls a device), an old \
+         install that acks after its reinstall while nothing has closed it yet (its \
+         gateway's LISTEN lost, or the ack racing the reinstall's notification), and a \
+         check that every current install's cursor was written by an ack of that install",
+    ),
+];
+
 fn nemesis_would_need(bug: &str) -> Option<&'static str> {
-    Some(match bug {
-        "no-feed" => {
-            "the last notification of a conversation lost (a dropped NOTIFY, a crash before \
-             it) with no later send of that conversation before the heal: the workload's next \
-             send brings a notification whose read finds the lost commit too. The tail fault \
-             makes that likely, not certain (3 gateways: caught at seeds 5, 10 and 30 of 60)"
-        }
-        "read-fail-unrecorded" => {
-            "a fan-out read that fails on the last send of a conversation before it falls \
-             quiet: under the continuous workload the conversation's next notification reads \
-             from the same point and repairs it in milliseconds. Needs idle conversations next \
-             to busy ones and a database fault at the moment of a read"
-        }
-        "sticky-member" => {
-            "a check of cost, not of results: a user who left still takes the conversation's \
-             row lock and then gets NOT_MEMBER, as it should. Needs the lock waits of a \
-             non-member's send counted (the scripted check reads pg_locks)"
-        }
-        "forgetful-member" => {
-            "a check of cost, not of results: every send reads the membership first and gets \
-             the same answer. Needs the statements of a member's send counted (the scripted \
-             check counts them)"
-        }
-        "stale-backlog" => {
-            "reinstalls mid-run (a device's install replaced while pushes are queued for the \
-             old one) and a check of what a stale install may still receive: the workload \
-             never reinstalls"
-        }
-        "no-overflow-hint" => {
-            "a slow reader whose outbound queue overflows (a small IM_QUEUE_FRAMES_MAX, a \
-             client that stops reading) and a repair bound shorter than the sweep's: without \
-             the hint the sweep still repairs within D5's bound, which is what is judged"
-        }
-        "no-close-drain" => {
-            "graceful restarts (SIGTERM) under pipelined sends with input unread at the close, \
-             and a check that a gracefully closed connection lost no reply it wrote: the \
-             gateway faults are SIGKILL and crash points, after which lost replies are \
-             expected and the outbox replays them"
-        }
-        "no-local-handoff" => {
-            "a push-latency bound for the sending gateway's own devices while its LISTEN \
-             connection is down: they get their pushes by the NOTIFY round trip instead, \
-             milliseconds later, and the regain pass repairs the rest within D5's bound"
-        }
-        "batch-fails-innocents" => {
-            "a check that a send fails only for its own reasons: a batch that failed answers \
-             its innocent rows with the batch's error, their clients retry the same cmid (D2) \
-             and nothing acknowledged is lost or doubled, so the checker sees no anomaly; \
-             only a late retry that misses D5's bound is seen (d5-not-repaired, at seed 2 of \
-             generator 6), by chance. It would need a fault on one row of a batch (a \
-             conversation locked or a row refused) and the outcome of every other row judged"
-        }
-        "feed-gives-up" => {
-            "a failed commit-feed look and then, in the same LISTEN session, the last \
-             notification of a conversation lost with no later send of it before the heal, \
-             as for no-feed: the feed is the only repair then. The nemesis has no fanout.feed \
-             fault, so a look fails only by a database fault at that moment: by chance"
-        }
-        "gone-device-stays" => {
-            "devices removed in the workload (the nemesis never removes one) while their \
-             gateway's LISTEN connection is lost, so that only the sweep's look-up can close \
-             them, and a check that a removed device's connections close within D5's bound"
-        }
-        "feed-window" => {
-            "a send whose transaction is open across a commit-feed look (a slow commit) and \
-             whose notification is then lost, with no later send of its conversation before \
-             the heal, as for no-feed: the workload's next send of the conversation brings a \
-             notification whose read finds the skipped commit too"
-        }
-        "pushes-uncharged" => {
-            "a slow reader sent messages large enough that its queue reaches the byte bound \
-             long before the frame count (256), and a check of the bytes a connection's \
-             queue holds, or of an overflow where only the byte bound can give one: the bug \
-             loses nothing, the frame count still overflows the queue in the end"
-        }
-        "replaced-install-acks" => {
-            "reinstalls in the workload (the nemesis never reinstalls a device), an old \
-             install that acks after its reinstall while nothing has closed it yet (its \
-             gateway's LISTEN lost, or the ack racing the reinstall's notification), and a \
-             check that every current install's cursor was written by an ack of that install"
-        }
-        _ => return None,
-    })
+    NEMESIS_WOULD_NEED
+        .iter()
+        .find(|(b, _)| *b == bug)
+        .map(|(_, why)| *why)
 }
 
 /// The check built to catch each bug every time (not by winning a race): it is re-run in
