@@ -34,6 +34,7 @@
 pub mod delivery;
 mod observe;
 mod pump;
+mod received;
 pub mod state_file;
 mod transport;
 

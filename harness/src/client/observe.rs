@@ -8,7 +8,7 @@ use anyhow::bail;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::transport::Received;
+use super::received::Received;
 use super::{field_str, Client, ClientError, Inner};
 use im_check::history::{
     Completion, Done, EventRef, Line, OpName, Recv, Refused, Store, StoredRef, Unsure, Via,

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::delivery::{Hinted, NextPage, Pushed};
-use super::transport::Received;
+use super::received::Received;
 use super::{bugs, ClientError, CrashAt, Inner, State, SYNC_PAGES_MAX};
 use im_check::history::{Invoke, Line, Store, Via};
 use im_protocol::wire::{Event, HintWhy, Reply, Request};

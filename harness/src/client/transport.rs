@@ -16,10 +16,11 @@ use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use im_protocol::wire::{Reply, Request};
-use im_protocol::{FrameError, ServerFrame};
+use im_protocol::wire::Request;
+use im_protocol::ServerFrame;
 
 use super::observe::completion;
+use super::received::Received;
 use super::{field_str, pump, push_bounded, Client, ClientError, Inner};
 use crate::history::History;
 use im_check::history::{Completion, Done, Invoke, Life, Line, OpName, Refused};
@@ -109,25 +110,6 @@ impl Outgoing {
 pub(super) struct Pending {
     pub(super) conn: u64,
     pub(super) tx: oneshot::Sender<Result<Received, ClientError>>,
-}
-
-/// A server frame as received: its JSON as it came (what [`Client`]'s methods return, and
-/// what a hostile test inspects) and its typed reading ([`ServerFrame::parse`]), from which
-/// the client acts and the history records.
-#[derive(Debug)]
-pub(super) struct Received {
-    pub(super) value: Value,
-    pub(super) frame: Result<ServerFrame, FrameError>,
-}
-
-impl Received {
-    /// The typed reply, when the frame is one that parsed.
-    pub(super) fn reply(&self) -> Option<&Reply> {
-        match &self.frame {
-            Ok(ServerFrame::Reply { reply, .. }) => Some(reply),
-            _ => None,
-        }
-    }
 }
 
 impl Inner {

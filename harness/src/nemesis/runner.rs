@@ -496,11 +496,7 @@ impl Run<'_> {
         let f = &self.schedule.faults[i];
         let id = self.hist.nemesis_start(fault_action(f, false));
         let t = self.hist.now_ms();
-        let mut cx = FaultCtx {
-            w: self.w,
-            sup: &mut self.sup,
-            crash_switches: &self.crash_switches,
-        };
+        let mut cx = FaultCtx::new(self.w, &mut self.sup, &self.crash_switches);
         let r = f.kind.start(&mut cx, &f.target).await;
         if let Err(e) = &r {
             self.not_carried_out.push(format!(
@@ -528,11 +524,7 @@ impl Run<'_> {
             return;
         };
         let f = &self.schedule.faults[i];
-        let mut cx = FaultCtx {
-            w: self.w,
-            sup: &mut self.sup,
-            crash_switches: &self.crash_switches,
-        };
+        let mut cx = FaultCtx::new(self.w, &mut self.sup, &self.crash_switches);
         let r = f.kind.end(&mut cx, &f.target).await;
         if let Err(e) = &r {
             self.not_carried_out.push(format!(

@@ -5,7 +5,6 @@
 
 use super::{Drawn, FaultCtx, Package, Targets};
 use crate::nemesis::rng::Rng;
-use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -58,20 +57,12 @@ impl Package for ClientFault {
 
 impl ClientFault {
     pub async fn start(&self, cx: &mut FaultCtx<'_>, target: &str) -> anyhow::Result<Value> {
-        switch(cx, target, true)?;
+        cx.switch_device(target, true)?;
         Ok(json!({"crashed": target}))
     }
 
     pub async fn end(&self, cx: &mut FaultCtx<'_>, target: &str) -> anyhow::Result<Value> {
-        switch(cx, target, false)?;
+        cx.switch_device(target, false)?;
         Ok(json!({"restarted": target}))
     }
-}
-
-fn switch(cx: &FaultCtx<'_>, device: &str, crashed: bool) -> anyhow::Result<()> {
-    cx.crash_switches
-        .get(device)
-        .with_context(|| format!("no device {device}"))?
-        .send_modify(|s| s.set(crashed));
-    Ok(())
 }

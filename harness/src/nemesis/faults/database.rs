@@ -6,8 +6,6 @@
 
 use super::{Drawn, FaultCtx, Package, Targets};
 use crate::nemesis::rng::Rng;
-use crate::world::World;
-use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -132,25 +130,25 @@ impl DatabaseFault {
     pub async fn start(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
         match self {
             DatabaseFault::PgCrash => {
-                cx.w.crash_pg().await?;
+                cx.crash_pg().await?;
                 Ok(json!({"crashed": true}))
             }
             DatabaseFault::PgPause => {
-                cx.w.pg.pause()?;
+                cx.pause_pg()?;
                 Ok(json!({"stopped": true}))
             }
             DatabaseFault::PgPowerCut => {
-                let cut = cx.w.power_cut_pg().await?;
+                let cut = cx.power_cut_pg().await?;
                 Ok(json!({"pages_dropped": cut.pages_dropped, "files_dropped": cut.files_dropped}))
             }
             DatabaseFault::PgTerminateListen => {
-                let pids = gateway_backends(cx.w, true).await?;
-                Ok(json!({"terminated": terminate_all(cx.w, pids).await}))
+                let pids = cx.gateway_backends(true, QUERY_TIMEOUT).await?;
+                Ok(json!({"terminated": terminate_all(cx, pids).await}))
             }
             DatabaseFault::PgTerminatePool { count } => {
-                let mut pids = gateway_backends(cx.w, false).await?;
+                let mut pids = cx.gateway_backends(false, QUERY_TIMEOUT).await?;
                 pids.truncate(*count as usize);
-                Ok(json!({"terminated": terminate_all(cx.w, pids).await}))
+                Ok(json!({"terminated": terminate_all(cx, pids).await}))
             }
         }
     }
@@ -158,11 +156,11 @@ impl DatabaseFault {
     pub async fn end(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
         match self {
             DatabaseFault::PgCrash | DatabaseFault::PgPowerCut => {
-                cx.w.restart_pg().await?;
+                cx.restart_pg().await?;
                 Ok(json!({"restarted": true}))
             }
             DatabaseFault::PgPause => {
-                cx.w.pg.resume()?;
+                cx.resume_pg()?;
                 Ok(json!({"continued": true}))
             }
             DatabaseFault::PgTerminateListen | DatabaseFault::PgTerminatePool { .. } => {
@@ -172,31 +170,13 @@ impl DatabaseFault {
     }
 }
 
-/// The gateway's backends (`application_name` `im-gateway-<i>`): LISTEN or not.
-async fn gateway_backends(w: &World, listen: bool) -> anyhow::Result<Vec<i32>> {
-    let pool = tokio::time::timeout(QUERY_TIMEOUT, w.admin.pool())
-        .await
-        .context("the check pool timed out")??;
-    let sql = if listen {
-        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
-         AND query ILIKE 'listen%' ORDER BY pid"
-    } else {
-        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'im-gateway-%' \
-         AND query NOT ILIKE 'listen%' ORDER BY pid"
-    };
-    tokio::time::timeout(QUERY_TIMEOUT, sqlx::query_scalar(sql).fetch_all(&pool))
-        .await
-        .context("pg_stat_activity timed out")?
-        .context("read pg_stat_activity")
-}
-
 /// `pg_terminate_backend` on each pid, each bounded (a paused database answers nothing):
 /// (pid, whether it was terminated).
-async fn terminate_all(w: &World, pids: Vec<i32>) -> Vec<(i32, bool)> {
+async fn terminate_all(cx: &FaultCtx<'_>, pids: Vec<i32>) -> Vec<(i32, bool)> {
     let mut done = Vec::new();
     for pid in pids {
         let ok = matches!(
-            tokio::time::timeout(QUERY_TIMEOUT, w.terminate_backend(pid)).await,
+            tokio::time::timeout(QUERY_TIMEOUT, cx.terminate_backend(pid)).await,
             Ok(Ok(true))
         );
         done.push((pid, ok));

@@ -119,19 +119,19 @@ impl DiskFault {
                 ..Default::default()
             },
             DiskFault::DiskTornPowerCut => {
-                let cut = cx.w.power_cut_pg_torn().await?;
+                let cut = cx.power_cut_pg_torn().await?;
                 return Ok(json!({"pages_dropped": cut.pages_dropped,
                     "files_dropped": cut.files_dropped, "pages_torn": cut.pages_torn}));
             }
         };
-        cx.w.pg.set_disk_faults(faults)?;
+        cx.set_disk_faults(faults)?;
         Ok(json!({"faults": faults}))
     }
 
     pub async fn end(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
         match self {
-            DiskFault::DiskTornPowerCut => cx.w.restart_pg().await?,
-            _ => cx.w.pg.set_disk_faults(DiskFaults::default())?,
+            DiskFault::DiskTornPowerCut => cx.restart_pg().await?,
+            _ => cx.set_disk_faults(DiskFaults::default())?,
         }
         let (waited, restarts) = back(cx).await?;
         Ok(json!({"postgres_restarts": restarts, "answered_after_ms": waited}))
@@ -147,20 +147,13 @@ async fn back(cx: &mut FaultCtx<'_>) -> anyhow::Result<(u64, u32)> {
     let mut restarts = 0;
     let mut last = String::new();
     while t.elapsed() < BACK_WITHIN {
-        if !cx.w.pg.is_running() {
-            cx.w.restart_pg().await?;
+        if !cx.pg_running() {
+            cx.restart_pg().await?;
             restarts += 1;
         }
-        let w = &*cx.w;
-        let ok = async {
-            let pool = w.admin.pool().await?;
-            sqlx::query("SELECT 1").execute(&pool).await?;
-            anyhow::Ok(())
-        };
-        match tokio::time::timeout(Duration::from_secs(1), ok).await {
-            Ok(Ok(())) => return Ok((t.elapsed().as_millis() as u64, restarts)),
-            Ok(Err(e)) => last = format!("{e:#}"),
-            Err(_) => last = "no answer within 1 s".into(),
+        match cx.pg_answers(Duration::from_secs(1)).await {
+            Ok(()) => return Ok((t.elapsed().as_millis() as u64, restarts)),
+            Err(e) => last = format!("{e:#}"),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

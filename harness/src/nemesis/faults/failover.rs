@@ -128,14 +128,14 @@ impl FailoverFault {
     pub async fn start(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
         match self {
             FailoverFault::PgFailoverAsync | FailoverFault::PgFailoverSync => {
-                cx.w.kill_primary().await?;
+                cx.kill_primary().await?;
                 Ok(json!({"primary_killed": true}))
             }
             FailoverFault::PgAutofailover => {
-                Ok(json!({"primary_killed": cx.w.formation_kill_primary().await?}))
+                Ok(json!({"primary_killed": cx.formation_kill_primary().await?}))
             }
             FailoverFault::PgAutofailoverMonitor => {
-                Ok(json!({"monitor_killed": cx.w.formation_kill_monitor().await?}))
+                Ok(json!({"monitor_killed": cx.formation_kill_monitor().await?}))
             }
         }
     }
@@ -143,13 +143,13 @@ impl FailoverFault {
     pub async fn end(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
         match self {
             FailoverFault::PgFailoverAsync | FailoverFault::PgFailoverSync => {
-                Ok(json!({"promoted": cx.w.promote_standby().await?}))
+                Ok(json!({"promoted": cx.promote_standby().await?}))
             }
             FailoverFault::PgAutofailover => Ok(json!({
-                "promoted": cx.w.formation_promoted(PROMOTION_TIMEOUT).await?
+                "promoted": cx.formation_promoted(PROMOTION_TIMEOUT).await?
             })),
             FailoverFault::PgAutofailoverMonitor => Ok(json!({
-                "monitor_restarted": cx.w.formation_restart_monitor().await?
+                "monitor_restarted": cx.formation_restart_monitor().await?
             })),
         }
     }

@@ -15,6 +15,8 @@
 //! Must not: look at the clock, the environment or anything but the seed in `draw`; judge
 //! anything.
 
+mod ctx;
+pub use ctx::FaultCtx;
 pub mod client;
 pub mod database;
 pub mod disk;
@@ -23,8 +25,6 @@ pub mod network;
 pub mod process;
 
 use super::rng::Rng;
-use super::supervisor::Supervisor;
-use crate::world::World;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -130,15 +130,6 @@ impl<K> Drawn<K> {
             instant: self.instant,
         }
     }
-}
-
-/// What a fault's `start` and `end` act on: the run's world (the cluster, the database
-/// proxy), the gateways' supervisor (the processes, their control sockets, the clients'
-/// proxy and balancer) and each device's crash switch.
-pub struct FaultCtx<'a> {
-    pub w: &'a mut World,
-    pub sup: &'a mut Supervisor,
-    pub crash_switches: &'a CrashSwitches,
 }
 
 /// A device's crash switch: `crashed` kills its client until set back to false;

@@ -7,7 +7,6 @@
 use super::{Drawn, FaultCtx, Package, Targets};
 use crate::nemesis::rng::Rng;
 use crate::proxy::Condition;
-use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -104,19 +103,19 @@ impl NetworkFault {
     pub async fn start(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
         match self {
             NetworkFault::NetDb { condition } => {
-                db_proxy(cx)?.set_condition(*condition);
+                cx.db_proxy()?.set_condition(*condition);
                 Ok(json!({"condition": condition}))
             }
             NetworkFault::NetClient { condition } => {
-                cx.sup.set_client_condition(*condition);
+                cx.set_client_condition(*condition);
                 Ok(json!({"condition": condition}))
             }
             NetworkFault::NetDbReset => {
-                db_proxy(cx)?.cut();
+                cx.db_proxy()?.cut();
                 Ok(json!({"reset": true}))
             }
             NetworkFault::NetClientReset => {
-                cx.sup.cut_clients();
+                cx.cut_clients();
                 Ok(json!({"reset": true}))
             }
         }
@@ -125,18 +124,14 @@ impl NetworkFault {
     pub async fn end(&self, cx: &mut FaultCtx<'_>, _target: &str) -> anyhow::Result<Value> {
         match self {
             NetworkFault::NetDb { .. } => {
-                db_proxy(cx)?.set_condition(Condition::Pass);
+                cx.db_proxy()?.set_condition(Condition::Pass);
                 Ok(json!({"condition": Condition::Pass}))
             }
             NetworkFault::NetClient { .. } => {
-                cx.sup.set_client_condition(Condition::Pass);
+                cx.set_client_condition(Condition::Pass);
                 Ok(json!({"condition": Condition::Pass}))
             }
             NetworkFault::NetDbReset | NetworkFault::NetClientReset => Ok(Value::Null),
         }
     }
-}
-
-fn db_proxy<'a>(cx: &'a FaultCtx<'_>) -> anyhow::Result<&'a crate::proxy::Proxy> {
-    cx.w.db_proxy.as_ref().context("no database proxy")
 }

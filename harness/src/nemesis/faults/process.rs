@@ -241,46 +241,39 @@ impl Package for ProcessFault {
 impl ProcessFault {
     pub async fn start(&self, cx: &mut FaultCtx<'_>, target: &str) -> anyhow::Result<Value> {
         use nix::sys::signal::Signal;
-        let i = cx.sup.index_of(target)?;
+        let i = cx.gateway_index(target)?;
         match self {
             ProcessFault::GwKill => {
-                cx.sup.hold_down(cx.w, i);
+                cx.hold_down_gateway(i);
                 Ok(json!({"killed": true}))
             }
             ProcessFault::GwCrashPoint { point, skip } => {
-                let r = cx
-                    .sup
-                    .control(cx.w, i, &format!("arm {point}:halt:{skip}:1"))
-                    .await?;
+                let r = cx.control(i, &format!("arm {point}:halt:{skip}:1")).await?;
                 Ok(json!({"control": r}))
             }
             ProcessFault::GwPause => {
-                cx.sup.ensure_gateway(cx.w, i).await?;
-                cx.sup.signal_gateway(cx.w, i, Signal::SIGSTOP)?;
+                cx.ensure_gateway(i).await?;
+                cx.signal_gateway(i, Signal::SIGSTOP)?;
                 Ok(json!({"stopped": true}))
             }
             ProcessFault::GwFault { point, action } => {
-                let r = cx
-                    .sup
-                    .control(cx.w, i, &format!("arm {point}:{action}"))
-                    .await?;
+                let r = cx.control(i, &format!("arm {point}:{action}")).await?;
                 Ok(json!({"control": r}))
             }
         }
     }
 
     pub async fn end(&self, cx: &mut FaultCtx<'_>, target: &str) -> anyhow::Result<Value> {
-        let i = cx.sup.index_of(target)?;
+        let i = cx.gateway_index(target)?;
         match self {
-            ProcessFault::GwKill => Ok(json!({"restarted": cx.sup.release(cx.w, i).await})),
+            ProcessFault::GwKill => Ok(json!({"restarted": cx.release_gateway(i).await})),
             ProcessFault::GwCrashPoint { point, .. } | ProcessFault::GwFault { point, .. } => {
                 // The gateway may have exited (the halt fired) or been replaced: nothing armed.
-                let r = cx.sup.control_once(i, &format!("disarm {point}")).await;
+                let r = cx.control_once(i, &format!("disarm {point}")).await;
                 Ok(json!({"control": r.unwrap_or_else(|e| format!("{e:#}"))}))
             }
             ProcessFault::GwPause => {
-                cx.sup
-                    .signal_gateway(cx.w, i, nix::sys::signal::Signal::SIGCONT)?;
+                cx.signal_gateway(i, nix::sys::signal::Signal::SIGCONT)?;
                 Ok(json!({"continued": true}))
             }
         }
