@@ -55,7 +55,7 @@ shard-check: build
 flake: build
 	CARGO='$(CARGO)' TARGET='$(TARGET)' RUNS='$(or $(RUNS),10)' FILTER='$(FILTER)' ./scripts/flake.sh
 
-# make proof [PARTS='suite controls'] [PROOF_NEMESIS_SEEDS=100] [PROOF_NEMESIS_JOBS=4]: the whole proof at
+# make proof [PARTS='suite controls'] [PROOF_NEMESIS_SEEDS=100] [PROOF_NEMESIS_JOBS=7]: the whole proof at
 # one commit (scripts/proof.sh: build, suite, im-06, controls, mutants since the last whole
 # run, nemesis on 1 and 3 gateways, durability, bench, site), each part's seconds and verdict
 # in evidence/proof/result.json. Refuses a tree with uncommitted changes outside evidence/.
@@ -128,7 +128,7 @@ controls-join: build
 # gateway fault hits one of them). Writes evidence/nemesis/result.json (GATEWAYS=1) or
 # evidence/nemesis/gateways-N.json (format: evidence/README.md). `target/debug/nemesis --help` for replay (--replay FILE) and the rest.
 SEEDS ?= 20
-JOBS ?= 4
+JOBS ?= 7
 GATEWAYS ?= 1
 nemesis: build
 	$(TARGET)/debug/nemesis $(if $(filter-out file default undefined,$(origin SEED)),--seed $(SEED),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) --jobs $(JOBS) --gateways $(GATEWAYS) $(if $(SHARD),--shard $(SHARD)) --shrink --out $(TARGET)/nemesis --summary $(if $(SHARD),$(TARGET)/nemesis/shard-$(subst /,-of-,$(SHARD))-gateways-$(GATEWAYS).json,evidence/nemesis/$(NEMESIS_FILE))

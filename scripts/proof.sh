@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.."
 CARGO=${CARGO:-cargo}
 TARGET=${TARGET:-target}
 NEMESIS_SEEDS=${PROOF_NEMESIS_SEEDS:-100}
-NEMESIS_JOBS=${PROOF_NEMESIS_JOBS:-4}
+NEMESIS_JOBS=${PROOF_NEMESIS_JOBS:-7}
 ALL_PARTS="build suite im-06 controls mutants nemesis-1 nemesis-3 durability bench site"
 PARTS=${PARTS:-$ALL_PARTS}
 for p in $PARTS; do

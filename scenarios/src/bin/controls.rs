@@ -283,8 +283,8 @@ struct Opts {
     /// Bugs whose suite part runs at once (each its own nextest, running its one test at a
     /// time: four scenarios at once, as the suite runs them; measured at two at once, the
     /// load average stayed near 0.5 on two cores, the tests waiting on sweeps and timeouts).
-    /// The nemesis parts run one after the other (each series is 4 seeds at once and keeps
-    /// the cores about 80% busy).
+    /// The nemesis parts run one after the other (each series is 7 seeds at once, as `make
+    /// nemesis` runs them).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=8))]
     parallel: u32,
     /// Run every bug's run 1 on the whole suite (recording its catchers anew) instead of
@@ -376,10 +376,10 @@ fn nemesis_command(
         "--seeds",
         &seeds.to_string(),
         "--stop-at-first-failure",
-        // As `make nemesis` runs them: 4 seeds at once (clean series at this concurrency
-        // are in evidence/nemesis), so a bug no fault exposes costs 20 seeds / 4.
+        // As `make nemesis` runs them: 7 seeds at once (clean series at this concurrency
+        // are in evidence/nemesis), so a bug no fault exposes costs 20 seeds / 7 waves.
         "--jobs",
-        "4",
+        "7",
         "--gateways",
         &gateways.to_string(),
     ])
@@ -1511,7 +1511,7 @@ fn suite_controls(
         .collect()
 }
 
-/// The nemesis part of every bug, one after the other (each series runs 4 seeds at once).
+/// The nemesis part of every bug, one after the other (each series runs 7 seeds at once).
 fn nemesis_controls(
     o: &Opts,
     bugs: &[(String, &str)],
