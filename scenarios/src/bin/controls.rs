@@ -280,9 +280,10 @@ struct Opts {
     /// measured, with its commit) and replace only the bugs' `nemesis` entries.
     #[arg(long)]
     nemesis_only: bool,
-    /// Bugs whose suite part runs at once (each its own nextest, running its one test at a
-    /// time: four scenarios at once, as the suite runs them; measured at two at once, the
-    /// load average stayed near 0.5 on two cores, the tests waiting on sweeps and timeouts).
+    /// Places for the suite parts at once: one holds the clean side, the others the bugs'
+    /// (each its own nextest, running its one test at a time: four scenarios at once, as the
+    /// suite runs them; measured at two at once, the load average stayed near 0.5 on two
+    /// cores, the tests waiting on sweeps and timeouts).
     /// The nemesis parts run one after the other (each series is 7 seeds at once, as `make
     /// nemesis` runs them).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=8))]
@@ -713,9 +714,27 @@ fn main() -> anyhow::Result<()> {
     let record = recorded(&record_file);
     let expected = expected_times(&record_file, &bugs, o.nemesis_seeds > 0);
     let mut eta = Eta::new(expected.clone());
-    let mut controls = suite_controls(&o, &bugs, &bugs_bin, &record, &expected, &mut eta)?;
+    // The clean side of the tests the record says the bugs will run, beside the bugs' runs
+    // (in one of their `--parallel` places): both mostly wait on sweeps and timeouts.
+    let anticipated = anticipated_clean_tests(&o, &bugs, &record);
+    let (controls, early_clean) = std::thread::scope(|s| {
+        let early = s.spawn(|| clean_side(&o, &anticipated));
+        let places = o.parallel.saturating_sub(1).max(1);
+        let c = suite_controls(&o, places, &bugs, &bugs_bin, &record, &expected, &mut eta);
+        let early = early
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the clean side's thread panicked")));
+        (c, early)
+    });
+    let mut controls = controls?;
     nemesis_controls(&o, &bugs, &bugs_bin, &record, &mut controls, &mut eta)?;
-    let clean = clean_side(&o, &controls, &mut eta)?;
+    // A bug that fell back to the whole suite may run tests the record did not name: their
+    // clean side now.
+    let late: BTreeSet<String> = rerun_tests(&controls)
+        .difference(&anticipated)
+        .cloned()
+        .collect();
+    let clean = merge_clean(early_clean?, clean_side(&o, &late)?);
     judge_against_clean(&mut controls, &clean);
     // --merge: keep the other bugs' entries of the existing file, as they were measured.
     let partial = if o.merge {
@@ -777,30 +796,58 @@ fn publish(out: &Path, doc: &Value) -> anyhow::Result<PathBuf> {
     Ok(written)
 }
 
-/// The clean side: every test a bug was run against, as many runs, on the clean gateway.
-fn clean_side(o: &Opts, controls: &[Value], eta: &mut Eta) -> anyhow::Result<Value> {
-    let tests: BTreeSet<String> = controls
+/// The tests each bug will run against itself, as its record picks them ([`pick`]): none
+/// under `--whole` (every bug then runs the whole suite first).
+fn anticipated_clean_tests(
+    o: &Opts,
+    bugs: &[(String, &str)],
+    record: &BTreeMap<String, Recorded>,
+) -> BTreeSet<String> {
+    if o.whole {
+        return BTreeSet::new();
+    }
+    bugs.iter()
+        .filter_map(|(bug, _)| {
+            record
+                .get(bug)
+                .map(|r| pick(&r.catchers, designed_catcher(bug)))
+        })
+        .flatten()
+        .map(|(t, _)| t)
+        .collect()
+}
+
+/// Every test a bug was run against (`rerun_tests`).
+fn rerun_tests(controls: &[Value]) -> BTreeSet<String> {
+    controls
         .iter()
         .flat_map(|c| c["rerun_tests"].as_array().cloned().unwrap_or_default())
         .filter_map(|t| t.as_str().map(str::to_string))
-        .collect();
-    eta.next_part();
+        .collect()
+}
+
+/// The clean side: these tests, as many runs as a bug's, on the clean gateway.
+fn clean_side(o: &Opts, tests: &BTreeSet<String>) -> anyhow::Result<Value> {
+    if tests.is_empty() {
+        return Ok(empty_clean());
+    }
     eprintln!(
-        "controls: the clean gateway, {} runs of the {} tests run against the bugs ({})",
+        "controls: the clean gateway, {} runs of {} tests the bugs run",
         o.runs,
         tests.len(),
-        eta.line()
     );
-    if tests.is_empty() {
-        return Ok(json!({"tests": [], "runs": 0, "failed": {}, "anomalies": 0, "wall_ms": 0}));
-    }
-    let r = run_suite(&filter_of(&tests), &[], "clean", o.runs)?;
+    let r = run_suite(&filter_of(tests), &[], "clean", o.runs)?;
     let mut failed: BTreeMap<String, u32> = BTreeMap::new();
     for it in &r.iterations {
         for t in &it.failed {
             *failed.entry(t.clone()).or_insert(0) += 1;
         }
     }
+    eprintln!(
+        "  clean gateway: {} of {} tests failed in some run",
+        failed.len(),
+        tests.len()
+    );
     Ok(json!({
         "tests": tests,
         "runs": o.runs,
@@ -808,6 +855,44 @@ fn clean_side(o: &Opts, controls: &[Value], eta: &mut Eta) -> anyhow::Result<Val
         "anomalies": anomalies_of(&r),
         "wall_ms": r.wall_ms,
     }))
+}
+
+/// A clean side that ran nothing.
+fn empty_clean() -> Value {
+    json!({"tests": [], "runs": 0, "failed": {}, "anomalies": 0, "wall_ms": 0})
+}
+
+/// Two clean sides as one: the tests of both, failures and anomalies added, wall times
+/// added (the second runs after the first).
+fn merge_clean(a: Value, b: Value) -> Value {
+    if b["tests"].as_array().is_none_or(|t| t.is_empty()) {
+        return a;
+    }
+    if a["tests"].as_array().is_none_or(|t| t.is_empty()) {
+        return b;
+    }
+    let mut tests: BTreeSet<String> = BTreeSet::new();
+    let mut failed: BTreeMap<String, u64> = BTreeMap::new();
+    for side in [&a, &b] {
+        tests.extend(
+            side["tests"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t.as_str().map(str::to_string)),
+        );
+        for (t, n) in side["failed"].as_object().into_iter().flatten() {
+            *failed.entry(t.clone()).or_insert(0) += n.as_u64().unwrap_or(0);
+        }
+    }
+    let sum = |k: &str| a[k].as_u64().unwrap_or(0) + b[k].as_u64().unwrap_or(0);
+    json!({
+        "tests": tests,
+        "runs": a["runs"],
+        "failed": failed,
+        "anomalies": sum("anomalies"),
+        "wall_ms": sum("wall_ms"),
+    })
 }
 
 /// A bug whose picked tests failed on the clean gateway too is not shown caught by them:
@@ -1028,9 +1113,9 @@ fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
     finish(&doc)
 }
 
-/// Each part's expected seconds for the estimate of time left: each bug's suite part, each
-/// bug's nemesis part, then the clean side, as the last run (the file about to be replaced)
-/// took them; 0 where unknown.
+/// Each part's expected seconds for the estimate of time left: each bug's suite part, then
+/// each bug's nemesis part, as the last run (the file about to be replaced) took them; 0
+/// where unknown. The clean side runs beside the suite parts and is not counted.
 fn expected_times(out: &Path, bugs: &[(String, &str)], nemesis: bool) -> Vec<f64> {
     let last: Value = std::fs::read(out)
         .ok()
@@ -1058,7 +1143,6 @@ fn expected_times(out: &Path, bugs: &[(String, &str)], nemesis: bool) -> Vec<f64
                 .map(|(bug, _)| ms(&entry(bug)["nemesis"]["wall_ms"])),
         );
     }
-    times.push(ms(&last["clean"]["wall_ms"]));
     times
 }
 
@@ -1216,7 +1300,7 @@ fn filter_of<'a>(tests: impl IntoIterator<Item = &'a String>) -> String {
 /// them catches it in any run (or nothing is recorded, or `--whole`), the whole suite once,
 /// which records the catchers anew, then `runs - 1` runs of the picked ones. Then the
 /// nemesis. Returns its entry of `controls[]`; the clean side of its tests is run once for
-/// all bugs, in `main`.
+/// all bugs, beside the bugs' runs, in `main`.
 fn control(
     o: &Opts,
     bug: &str,
@@ -1457,7 +1541,7 @@ fn bug_env(bug: &str, side: &str, bugs_bin: &Path) -> Vec<(&'static str, String)
     env
 }
 
-/// The suite part of every bug, `o.parallel` bugs at a time (each its own nextest, one
+/// The suite part of every bug, `places` bugs at a time (each its own nextest, one
 /// scenario at a time: the cores are far from full), the results in the order of `bugs`.
 /// A queue, not batches: each bug starts as soon as a place is free, the longest first
 /// (`expected_s`, the last run's times; unknown ones first of all), so one slow bug does
@@ -1465,6 +1549,7 @@ fn bug_env(bug: &str, side: &str, bugs_bin: &Path) -> Vec<(&'static str, String)
 /// 12 minutes, and its 28 bugs' run times add up to 23.5).
 fn suite_controls(
     o: &Opts,
+    places: u32,
     bugs: &[(String, &str)],
     bugs_bin: &Path,
     record: &BTreeMap<String, Recorded>,
@@ -1486,7 +1571,7 @@ fn suite_controls(
     let results: std::sync::Mutex<Vec<Option<anyhow::Result<Value>>>> =
         std::sync::Mutex::new((0..bugs.len()).map(|_| None).collect());
     std::thread::scope(|s| {
-        for _ in 0..o.parallel.max(1) {
+        for _ in 0..places.max(1) {
             s.spawn(|| loop {
                 let k = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let Some(&i) = order.get(k) else {
@@ -1757,6 +1842,24 @@ mod tests {
 
     /// The picked tests: the designed catchers that caught it (at most RERUN_TESTS_MAX),
     /// else the quickest catcher alone; each once.
+    #[test]
+    fn two_clean_sides_merge_into_one_that_keeps_every_failure() {
+        let empty = empty_clean();
+        let early = json!({"tests": ["a", "b"], "runs": 10, "failed": {"b": 1},
+            "anomalies": 2, "wall_ms": 100});
+        let late = json!({"tests": ["b", "c"], "runs": 10, "failed": {"b": 2, "c": 1},
+            "anomalies": 0, "wall_ms": 50});
+        assert_eq!(merge_clean(early.clone(), empty.clone()), early);
+        assert_eq!(merge_clean(empty, late.clone()), late);
+        let m = merge_clean(early, late);
+        assert_eq!(m["tests"], json!(["a", "b", "c"]));
+        assert_eq!(m["failed"], json!({"b": 3, "c": 1}));
+        assert_eq!(
+            (m["anomalies"].as_u64(), m["wall_ms"].as_u64()),
+            (Some(2), Some(150))
+        );
+    }
+
     #[test]
     fn pick_prefers_designed_else_the_quickest() {
         let caught = vec![
