@@ -22,6 +22,7 @@ pub mod runner;
 pub mod schedule;
 pub mod shrink;
 pub mod supervisor;
+pub mod targets;
 
 pub use outcome::Outcome;
 pub use runner::run;

@@ -108,7 +108,7 @@ impl Supervisor {
 
     /// The gateway a fault's target names (`gateway`, `gateway-I`), if this run has it.
     pub fn index_of(&self, target: &str) -> anyhow::Result<usize> {
-        let i = super::faults::process::gateway_index(target)?;
+        let i = super::targets::gateway_index(target)?;
         anyhow::ensure!(
             i < self.slots.len(),
             "{target}: this run has {} gateway(s)",

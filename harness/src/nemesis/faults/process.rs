@@ -9,7 +9,7 @@
 use super::{Drawn, FaultCtx, Package, Targets};
 use crate::gateway::frame_fault_leaves_the_sweep_alone;
 use crate::nemesis::rng::Rng;
-use anyhow::Context;
+use crate::nemesis::targets::{gateway_index, gateway_target};
 use im_protocol::FaultPoint;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -87,27 +87,6 @@ fn on_a_gateway(kind: ProcessFault, r: &mut Rng, on: &Targets) -> Drawn<ProcessF
         target: gateway_target(i, on.gateways),
         instant: false,
     }
-}
-
-/// The target naming gateway `i` of `gateways`: `gateway` when there is one (the schedules
-/// of one gateway are those of generator 2, byte for byte), `gateway-I` when there are more.
-pub fn gateway_target(i: u32, gateways: u32) -> String {
-    if gateways <= 1 {
-        "gateway".into()
-    } else {
-        format!("gateway-{i}")
-    }
-}
-
-/// The gateway a target names ([`gateway_target`]): `gateway` is gateway 0.
-pub fn gateway_index(target: &str) -> anyhow::Result<usize> {
-    if target == "gateway" {
-        return Ok(0);
-    }
-    target
-        .strip_prefix("gateway-")
-        .and_then(|i| i.parse().ok())
-        .with_context(|| format!("{target:?} names no gateway (gateway, gateway-0, gateway-1, …)"))
 }
 
 impl Package for ProcessFault {
