@@ -108,9 +108,10 @@ RUNS ?= 10
 NEMESIS_SEEDS ?= 20
 NEMESIS_GATEWAYS ?= 3
 controls: build
-	$(CARGO) build -p im-gateway --bin im-gateway --features faults,bugs
+	# --workspace: the features resolve as `make build`'s do, so only im-gateway recompiles.
+	$(CARGO) build --workspace --bin im-gateway --features im-gateway/faults,im-gateway/bugs
 	cp $(TARGET)/debug/im-gateway $(TARGET)/debug/im-gateway-bugs
-	$(CARGO) build -p im-gateway --bin im-gateway $(FEATURES)
+	$(CARGO) build --workspace --bin im-gateway $(FEATURES)
 	touch $(TARGET)/debug/im-gateway
 	$(TARGET)/debug/controls --runs $(RUNS) --nemesis-seeds $(NEMESIS_SEEDS) --nemesis-gateways $(NEMESIS_GATEWAYS) $(if $(ONLY),--only $(ONLY)) $(if $(MERGE),--merge) $(if $(NEMESIS_ONLY),--nemesis-only) $(if $(WHOLE),--whole) $(if $(SHARD),--shard $(SHARD))
 

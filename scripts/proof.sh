@@ -74,10 +74,12 @@ not_run() {
 }
 
 build() {
+  # The bugs' binary, then the clean one back; --workspace resolves features as `make
+  # build` does, so only im-gateway recompiles (not tokio, sqlx and 21 more).
   make build &&
-    "$CARGO" build -p im-gateway --bin im-gateway --features faults,bugs &&
+    "$CARGO" build --workspace --bin im-gateway --features im-gateway/faults,im-gateway/bugs &&
     cp "$TARGET/debug/im-gateway" "$TARGET/debug/im-gateway-bugs" &&
-    "$CARGO" build -p im-gateway --bin im-gateway --features im-gateway/faults &&
+    "$CARGO" build --workspace --bin im-gateway --features im-gateway/faults &&
     touch "$TARGET/debug/im-gateway" &&
     "$CARGO" build --release -p im-gateway -p imfault-bench
 }

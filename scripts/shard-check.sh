@@ -67,9 +67,9 @@ nemesis() {
 
 controls() {
   # The bugs' binary, as `make controls` builds it.
-  "$CARGO" build -q -p im-gateway --bin im-gateway --features faults,bugs
+  "$CARGO" build -q --workspace --bin im-gateway --features im-gateway/faults,im-gateway/bugs
   cp "$TARGET/debug/im-gateway" "$TARGET/debug/im-gateway-bugs"
-  "$CARGO" build -q -p im-gateway --bin im-gateway --features faults
+  "$CARGO" build -q --workspace --bin im-gateway --features im-gateway/faults
   touch "$TARGET/debug/im-gateway"
   local c=("$TARGET/debug/controls" --runs "$CTL_RUNS" --only "$CTL_ONLY")
   "${c[@]}" --out "$dir/controls-whole.json" || true

@@ -11,6 +11,8 @@
 //! fault (whether it leaves the sweep alone) is written in the line by whoever made the
 //! fault, never looked up here.
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -760,30 +762,13 @@ pub enum Action {
 }
 
 impl Action {
-    /// The `op` of the line.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Action::NemesisStart { .. } => "nemesis-start",
-            Action::GatewayStart { .. } => "gateway-start",
-            Action::GatewayExit { .. } => "gateway-exit",
-            Action::GatewayKill { .. } => "gateway-kill",
-            Action::PgCrash(_) => "pg-crash",
-            Action::PgRestart(_) => "pg-restart",
-            Action::PgPowerCut(_) => "pg-power-cut",
-            Action::PgPrimaryKill(_) => "pg-primary-kill",
-            Action::PgPromote(_) => "pg-promote",
-            Action::ReplicationLinkCut { .. } => "replication-link-cut",
-            Action::DbAddressSwitch { .. } => "db-address-switch",
-            Action::PgTerminateBackend { .. } => "pg-terminate-backend",
-            Action::DiskFault { .. } => "disk-fault",
-            Action::Fault { .. } => "fault",
-            Action::GwFault { .. } => "gw-fault",
-            Action::Membership { .. } => "membership",
-            Action::Reinstall { .. } => "reinstall",
-            Action::Heal { .. } => "heal",
-            Action::StaleFaultDisarmed { .. } => "stale-fault-disarmed",
-            Action::ObserverStall { .. } => "observer-stall",
-        }
+    /// The `op` of the line: the name serde writes for the variant (the enum's
+    /// `rename_all`), so what a report calls a line is what its history says.
+    pub fn name(&self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.get("op").and_then(Value::as_str).map(str::to_string))
+            .unwrap_or_default()
     }
 }
 
@@ -804,8 +789,8 @@ impl Line {
     }
 
     /// The `op` of the line, as written.
-    pub fn op(&self) -> &'static str {
-        match self {
+    pub fn op(&self) -> Cow<'static, str> {
+        Cow::Borrowed(match self {
             Line::Invoke(i) => i.op().as_str(),
             Line::Ok(d) => d.op().as_str(),
             Line::Fail(c) => c.op.as_str(),
@@ -818,11 +803,11 @@ impl Line {
             Line::Client(Life::Restart {}) => "restart",
             Line::Client(Life::Disconnect {}) => "disconnect",
             Line::Client(Life::Crash {}) => "crash",
-            Line::Nemesis(n) => n.action.name(),
+            Line::Nemesis(n) => return Cow::Owned(n.action.name()),
             Line::Probe(_) => "probe",
             Line::Meta(Meta::Open { .. }) => "open",
             Line::Meta(Meta::Final {}) => "final",
-        }
+        })
     }
 
     /// The client operation of an invoke or completion line.

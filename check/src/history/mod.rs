@@ -60,7 +60,7 @@ impl Entry {
     }
 
     /// The line's `op`, as written.
-    pub fn op(&self) -> &'static str {
+    pub fn op(&self) -> std::borrow::Cow<'static, str> {
         self.line.op()
     }
 

@@ -62,7 +62,11 @@ fn bands(h: &[Entry], end: f64) -> Vec<Band> {
                 let label = format!("#{} {kind} {}", fault.id, fault.target);
                 (kind, label)
             }
-            _ => (action.name().to_string(), format!("# {} ", action.name())),
+            _ => {
+                let name = action.name();
+                let label = format!("# {name} ");
+                (name, label)
+            }
         };
         match (phase, e.op_id) {
             (Phase::Start, Some(id)) => {
@@ -549,7 +553,7 @@ fn history_lines(h: &[Entry], shown: &BTreeSet<u64>) -> String {
             esc(&e.process),
             e.instance,
             e.kind(),
-            esc(e.op()),
+            esc(&e.op()),
             esc(&e.value_text())
         );
     }

@@ -695,13 +695,7 @@ fn main() -> anyhow::Result<()> {
         Some((k, n)) => target_dir().join(format!("controls/shard-{k}-of-{n}.json")),
         None => workspace().join("evidence/controls/result.json"),
     });
-    let bugs_bin = target_dir().join("debug/im-gateway-bugs");
-    if !bugs_bin.is_file() {
-        bail!(
-            "{} not found: `make controls` builds it (cargo build -p im-gateway --features faults,bugs)",
-            bugs_bin.display()
-        );
-    }
+    let bugs_bin = bugs_binary()?;
     let bugs = selected_bugs(&o, &bugs_bin)?;
     if o.nemesis_only {
         return nemesis_only(&o, &out, &bugs, &bugs_bin, started);
@@ -717,15 +711,15 @@ fn main() -> anyhow::Result<()> {
     // The clean side of the tests the record says the bugs will run, beside the bugs' runs
     // (in one of their `--parallel` places): both mostly wait on sweeps and timeouts.
     let anticipated = anticipated_clean_tests(&o, &bugs, &record);
-    let (controls, early_clean) = std::thread::scope(|s| {
-        let early = s.spawn(|| clean_side(&o, &anticipated));
-        let places = o.parallel.saturating_sub(1).max(1);
-        let c = suite_controls(&o, places, &bugs, &bugs_bin, &record, &expected, &mut eta);
-        let early = early
-            .join()
-            .unwrap_or_else(|_| Err(anyhow::anyhow!("the clean side's thread panicked")));
-        (c, early)
-    });
+    let (controls, early_clean) = bugs_beside_clean(
+        &o,
+        &bugs,
+        &bugs_bin,
+        &record,
+        &expected,
+        &mut eta,
+        &anticipated,
+    );
     let mut controls = controls?;
     nemesis_controls(&o, &bugs, &bugs_bin, &record, &mut controls, &mut eta)?;
     // A bug that fell back to the whole suite may run tests the record did not name: their
@@ -734,7 +728,7 @@ fn main() -> anyhow::Result<()> {
         .difference(&anticipated)
         .cloned()
         .collect();
-    let clean = merge_clean(early_clean?, clean_side(&o, &late)?);
+    let clean = summed_clean(&[&early_clean?, &clean_side(&o, &late)?]);
     judge_against_clean(&mut controls, &clean);
     // --merge: keep the other bugs' entries of the existing file, as they were measured.
     let partial = if o.merge {
@@ -756,6 +750,40 @@ fn main() -> anyhow::Result<()> {
         started.elapsed().as_secs()
     );
     finish(&doc)
+}
+
+/// The gateway built with its deliberate bugs, which `make controls` builds.
+fn bugs_binary() -> anyhow::Result<PathBuf> {
+    let bin = target_dir().join("debug/im-gateway-bugs");
+    if !bin.is_file() {
+        bail!(
+            "{} not found: `make controls` builds it (the gateway with --features faults,bugs)",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+/// The bugs' suite parts in `--parallel - 1` places, and the clean side of `anticipated`
+/// in the last place, at once; each part's own result.
+fn bugs_beside_clean(
+    o: &Opts,
+    bugs: &[(String, &str)],
+    bugs_bin: &Path,
+    record: &BTreeMap<String, Recorded>,
+    expected: &[f64],
+    eta: &mut Eta,
+    anticipated: &BTreeSet<String>,
+) -> (anyhow::Result<Vec<Value>>, anyhow::Result<Value>) {
+    std::thread::scope(|s| {
+        let early = s.spawn(|| clean_side(o, anticipated));
+        let places = o.parallel.saturating_sub(1).max(1);
+        let c = suite_controls(o, places, bugs, bugs_bin, record, expected, eta);
+        let early = early
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the clean side's thread panicked")));
+        (c, early)
+    })
 }
 
 /// The run's `environment`: the commit, the host, the options, where the catchers came
@@ -862,18 +890,14 @@ fn empty_clean() -> Value {
     json!({"tests": [], "runs": 0, "failed": {}, "anomalies": 0, "wall_ms": 0})
 }
 
-/// Two clean sides as one: the tests of both, failures and anomalies added, wall times
-/// added (the second runs after the first).
-fn merge_clean(a: Value, b: Value) -> Value {
-    if b["tests"].as_array().is_none_or(|t| t.is_empty()) {
-        return a;
-    }
-    if a["tests"].as_array().is_none_or(|t| t.is_empty()) {
-        return b;
-    }
+/// Clean sides as one: the tests of all, failures, anomalies and wall times summed (the
+/// sides ran one after another, or on separate machines); `runs` from the first side that
+/// ran anything.
+fn summed_clean(sides: &[&Value]) -> Value {
     let mut tests: BTreeSet<String> = BTreeSet::new();
     let mut failed: BTreeMap<String, u64> = BTreeMap::new();
-    for side in [&a, &b] {
+    let (mut anomalies, mut wall) = (0u64, 0u64);
+    for side in sides {
         tests.extend(
             side["tests"]
                 .as_array()
@@ -884,14 +908,19 @@ fn merge_clean(a: Value, b: Value) -> Value {
         for (t, n) in side["failed"].as_object().into_iter().flatten() {
             *failed.entry(t.clone()).or_insert(0) += n.as_u64().unwrap_or(0);
         }
+        anomalies += side["anomalies"].as_u64().unwrap_or(0);
+        wall += side["wall_ms"].as_u64().unwrap_or(0);
     }
-    let sum = |k: &str| a[k].as_u64().unwrap_or(0) + b[k].as_u64().unwrap_or(0);
+    let ran = sides
+        .iter()
+        .find(|s| s["tests"].as_array().is_some_and(|t| !t.is_empty()))
+        .or(sides.first());
     json!({
         "tests": tests,
-        "runs": a["runs"],
+        "runs": ran.map_or(json!(0), |s| s["runs"].clone()),
         "failed": failed,
-        "anomalies": sum("anomalies"),
-        "wall_ms": sum("wall_ms"),
+        "anomalies": anomalies,
+        "wall_ms": wall,
     })
 }
 
@@ -1029,36 +1058,14 @@ fn in_shard_order(docs: &[Value]) -> anyhow::Result<Vec<&Value>> {
     Ok(shards)
 }
 
-/// The shards' clean sides as one (their tests, failures and anomalies summed), and the
-/// shards' summed wall time.
+/// The shards' clean sides as one ([`summed_clean`]), and the shards' summed wall time.
 fn joined_clean(shards: &[&Value]) -> (Value, u64) {
-    let mut tests = BTreeSet::new();
-    let mut failed: BTreeMap<String, u64> = BTreeMap::new();
-    let (mut anomalies, mut wall, mut clean_wall) = (0u64, 0u64, 0u64);
-    for s in shards {
-        let c = &s["clean"];
-        tests.extend(
-            c["tests"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|t| t.as_str().map(str::to_string)),
-        );
-        for (t, k) in c["failed"].as_object().into_iter().flatten() {
-            *failed.entry(t.clone()).or_insert(0) += k.as_u64().unwrap_or(0);
-        }
-        anomalies += c["anomalies"].as_u64().unwrap_or(0);
-        clean_wall += c["wall_ms"].as_u64().unwrap_or(0);
-        wall += s["summary"]["wall_ms"].as_u64().unwrap_or(0);
-    }
-    let clean = json!({
-        "tests": tests,
-        "runs": shards[0]["clean"]["runs"],
-        "failed": failed,
-        "anomalies": anomalies,
-        "wall_ms": clean_wall,
-    });
-    (clean, wall)
+    let sides: Vec<&Value> = shards.iter().map(|s| &s["clean"]).collect();
+    let wall = shards
+        .iter()
+        .map(|s| s["summary"]["wall_ms"].as_u64().unwrap_or(0))
+        .sum();
+    (summed_clean(&sides), wall)
 }
 
 fn join_shards(files: &[PathBuf], out: &Path) -> anyhow::Result<()> {
@@ -1840,8 +1847,6 @@ mod tests {
         }
     }
 
-    /// The picked tests: the designed catchers that caught it (at most RERUN_TESTS_MAX),
-    /// else the quickest catcher alone; each once.
     #[test]
     fn two_clean_sides_merge_into_one_that_keeps_every_failure() {
         let empty = empty_clean();
@@ -1849,9 +1854,9 @@ mod tests {
             "anomalies": 2, "wall_ms": 100});
         let late = json!({"tests": ["b", "c"], "runs": 10, "failed": {"b": 2, "c": 1},
             "anomalies": 0, "wall_ms": 50});
-        assert_eq!(merge_clean(early.clone(), empty.clone()), early);
-        assert_eq!(merge_clean(empty, late.clone()), late);
-        let m = merge_clean(early, late);
+        assert_eq!(summed_clean(&[&early, &empty]), early);
+        assert_eq!(summed_clean(&[&empty, &late]), late);
+        let m = summed_clean(&[&early, &late]);
         assert_eq!(m["tests"], json!(["a", "b", "c"]));
         assert_eq!(m["failed"], json!({"b": 3, "c": 1}));
         assert_eq!(
@@ -1860,6 +1865,8 @@ mod tests {
         );
     }
 
+    /// The picked tests: the designed catchers that caught it (at most RERUN_TESTS_MAX),
+    /// else the quickest catcher alone; each once.
     #[test]
     fn pick_prefers_designed_else_the_quickest() {
         let caught = vec![
