@@ -73,14 +73,15 @@ test-containers: build
 evidence: build
 	$(TARGET)/debug/evidence
 
-# make durability [DURABILITY_RUNS=3] [ONLY_SETTINGS=off,on] [ONLY_TOPOLOGIES=…] [ONLY_FAULTS=…]: the
+# make durability [DURABILITY_RUNS=3] [DURABILITY_JOBS=2] [ONLY_SETTINGS=off,on] [ONLY_TOPOLOGIES=…] [ONLY_FAULTS=…]: the
 # durability-contract matrix (issue 21): synchronous_commit (off, local, remote_write, on,
 # remote_apply) x topology (standalone, async-standby, sync-standby) x fault (pg-crash,
-# power-cut, failover), DURABILITY_RUNS runs per cell under load; writes evidence/durability/result.json
+# power-cut, failover), DURABILITY_RUNS runs per cell under load, DURABILITY_JOBS runs at once; writes evidence/durability/result.json
 # and prints the README's table. The only target that weakens durability on purpose.
 DURABILITY_RUNS ?= 3
+DURABILITY_JOBS ?= 2
 durability: build
-	$(TARGET)/debug/durability --runs $(DURABILITY_RUNS) $(if $(ONLY_SETTINGS),--settings $(ONLY_SETTINGS)) $(if $(ONLY_TOPOLOGIES),--topologies $(ONLY_TOPOLOGIES)) $(if $(ONLY_FAULTS),--faults $(ONLY_FAULTS))
+	$(TARGET)/debug/durability --runs $(DURABILITY_RUNS) --jobs $(DURABILITY_JOBS) $(if $(ONLY_SETTINGS),--settings $(ONLY_SETTINGS)) $(if $(ONLY_TOPOLOGIES),--topologies $(ONLY_TOPOLOGIES)) $(if $(ONLY_FAULTS),--faults $(ONLY_FAULTS))
 
 # make report: the committed evidence as a static site in target/report/ (index.html and a
 # page per part: checks, nemesis, controls, bench; plots as inline SVG, no script, no

@@ -104,6 +104,18 @@ fn scenario_binaries_help_and_usage_errors() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("send.before_commit"));
     assert!(took < Duration::from_secs(3));
+    // durability refuses a job count outside 1..=8 before starting anything.
+    for jobs in ["0", "9"] {
+        let (out, took) = run(
+            std::path::Path::new(env!("CARGO_BIN_EXE_durability")),
+            &["--jobs", jobs],
+            &[],
+            Duration::from_secs(10),
+        );
+        assert_eq!(out.status.code(), Some(2), "--jobs {jobs}");
+        assert!(text(&out.stderr).contains("--jobs"), "--jobs {jobs}");
+        assert!(took < Duration::from_secs(3));
+    }
 }
 
 /// `repro` prints one JSON document, then one verdict line, exits 0 when every invariant

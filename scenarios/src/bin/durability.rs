@@ -57,6 +57,10 @@ struct Args {
     /// Acknowledged sends before the fault, per run.
     #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(10..=100_000))]
     acked: u64,
+    /// Runs at once (each its own clusters and gateway; a run mostly waits on PostgreSQL's
+    /// crash and recovery, so two runs at once on two cores take 1.3 times one run's time).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8))]
+    jobs: u32,
     /// Where the result goes [default: evidence/durability/result.json].
     #[arg(long)]
     out: Option<PathBuf>,
@@ -165,38 +169,80 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     let started = Instant::now();
     let cells = matrix(&topologies, &faults, &settings);
-    let total = cells.iter().filter(|c| c.applicable()).count() as u32 * a.runs;
-    let mut done = 0;
-    let mut rows = Vec::new();
-    for cell in cells {
-        if !cell.applicable() {
-            rows.push(
-                json!({"synchronous_commit": cell.setting, "topology": cell.topology,
-                "fault": cell.fault, "applicable": false,
-                "why": "a failover needs a standby"}),
-            );
-            continue;
-        }
-        let mut runs = Vec::new();
-        for i in 1..=a.runs {
-            done += 1;
-            eprintln!(
-                "durability: {} / {} / {} run {i} of {} ({done} of {total}, {} s elapsed)",
-                cell.setting,
-                cell.topology,
-                cell.fault,
-                a.runs,
-                started.elapsed().as_secs()
-            );
-            runs.push(timed_run(&rt, cell, a.acked));
-        }
-        rows.push(cell_row(cell, &runs));
-        write(&out, &rows, &a, started, false)?;
-    }
+    let runs = runs_at_once(&rt, &cells, &a, &out, started)?;
+    let rows: Vec<Value> = cells.iter().zip(&runs).map(|(c, r)| row(*c, r)).collect();
     write(&out, &rows, &a, started, true)?;
     println!("{}", out.display());
     print!("{}", table(&serde_json::from_slice(&std::fs::read(&out)?)?));
     Ok(())
+}
+
+/// A cell's row: its runs judged, or why it has none.
+fn row(cell: Cell, runs: &[Run]) -> Value {
+    if cell.applicable() {
+        cell_row(cell, runs)
+    } else {
+        json!({"synchronous_commit": cell.setting, "topology": cell.topology,
+            "fault": cell.fault, "applicable": false, "why": "a failover needs a standby"})
+    }
+}
+
+/// Every run of every applicable cell, `--jobs` at once (each on its own thread, blocking on
+/// the one runtime), in the matrix's order; after each cell's last run, the cells finished
+/// so far are written (`complete: false`), so a run cut short keeps what it measured.
+fn runs_at_once(
+    rt: &tokio::runtime::Runtime,
+    cells: &[Cell],
+    a: &Args,
+    out: &std::path::Path,
+    started: Instant,
+) -> anyhow::Result<Vec<Vec<Run>>> {
+    let work: Vec<(usize, u32)> = (0..cells.len())
+        .filter(|&c| cells[c].applicable())
+        .flat_map(|c| (1..=a.runs).map(move |i| (c, i)))
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let runs: std::sync::Mutex<Vec<Vec<Run>>> =
+        std::sync::Mutex::new(cells.iter().map(|_| Vec::new()).collect());
+    let written: std::sync::Mutex<anyhow::Result<()>> = std::sync::Mutex::new(Ok(()));
+    std::thread::scope(|s| {
+        for _ in 0..a.jobs.min(work.len() as u32).max(1) {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, Ordering::SeqCst);
+                let Some(&(c, i)) = work.get(k) else {
+                    return;
+                };
+                let cell = cells[c];
+                eprintln!(
+                    "durability: {} / {} / {} run {i} of {} ({} of {}, {} s elapsed)",
+                    cell.setting,
+                    cell.topology,
+                    cell.fault,
+                    a.runs,
+                    k + 1,
+                    work.len(),
+                    started.elapsed().as_secs()
+                );
+                let r = timed_run(rt, cell, a.acked);
+                let mut all = runs.lock().unwrap_or_else(|p| p.into_inner());
+                all[c].push(r);
+                if all[c].len() == a.runs as usize {
+                    let done: Vec<Value> = cells
+                        .iter()
+                        .zip(all.iter())
+                        .filter(|(c, r)| c.applicable() && r.len() == a.runs as usize)
+                        .map(|(c, r)| row(*c, r))
+                        .collect();
+                    let w = write(out, &done, a, started, false);
+                    if let Err(e) = w {
+                        *written.lock().unwrap_or_else(|p| p.into_inner()) = Err(e);
+                    }
+                }
+            });
+        }
+    });
+    written.into_inner().unwrap_or_else(|p| p.into_inner())?;
+    Ok(runs.into_inner().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// Every cell of the chosen topologies, faults and settings, in that nesting order.
@@ -230,7 +276,10 @@ fn timed_run(rt: &tokio::runtime::Runtime, cell: Cell, acked: u64) -> Run {
     });
     r.wall_ms = t.elapsed().as_millis() as u64;
     eprintln!(
-        "  acknowledged {}, lost {}, receivers wrong {}{}",
+        "  {} / {} / {}: acknowledged {}, lost {}, receivers wrong {}{}",
+        cell.setting,
+        cell.topology,
+        cell.fault,
         r.acknowledged,
         r.acknowledged_lost,
         r.receivers_wrong,
@@ -297,6 +346,7 @@ fn write(
             "generated_at": scenarios::rfc3339_now(),
             "host_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "runs_per_cell": a.runs,
+            "jobs": a.jobs,
             "acknowledged_before_fault": a.acked,
             "complete": complete,
             "wall_s": started.elapsed().as_secs(),
