@@ -35,7 +35,7 @@ rm -rf "$COV/raw" "$COV/lcov"; mkdir -p "$COV/raw" "$COV/lcov" "$COV/build"
 export CARGO_TARGET_DIR=$COV/target
 export RUSTC_WORKSPACE_WRAPPER=$PWD/scripts/cov-rustc.sh
 export LLVM_PROFILE_FILE=$COV/build/%p-%m.profraw # build scripts are instrumented too
-pkgs=(-p im-gateway -p harness -p scenarios --features im-gateway/faults)
+pkgs=(-p im-gateway -p im-check -p harness -p scenarios --features im-gateway/faults)
 t0=$(date +%s)
 echo "mutants-coverage: building instrumented ($CARGO_TARGET_DIR)"
 # Listing builds every test binary, and the gateway binary with them (cargo builds it for

@@ -80,9 +80,11 @@ done
 
 cov=$TARGET/mutants/cov
 # The map's key: a digest of every source file that can change what a test executes (not
-# the docs, the evidence, the scripts, the equivalent list or this runner's own code).
-key=$(git ls-files -z -co --exclude-standard -- . ':(exclude)evidence' ':(exclude)scripts' \
-  ':(exclude)*.md' ':(exclude)mutants' ':(exclude)scenarios/src/bin/mutants' |
+# the docs, the evidence, the equivalent list or this runner's own code), and of the
+# scripts that take the map (which packages' tests it holds).
+key=$( { git ls-files -z -co --exclude-standard -- . ':(exclude)evidence' ':(exclude)scripts' \
+  ':(exclude)*.md' ':(exclude)mutants' ':(exclude)scenarios/src/bin/mutants'
+  printf '%s\0' scripts/mutants-coverage.sh scripts/cov-rustc.sh scripts/mutants-cov-runner.sh; } |
   xargs -0 -r sha256sum 2>/dev/null | sha256sum | cut -c1-16)
 if [ -f "$cov/map.json" ] && [ "$(cat "$cov/key" 2>/dev/null)" = "$key" ]; then
   echo "mutants: reusing the coverage map $cov/map.json (taken of this tree)"

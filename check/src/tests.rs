@@ -862,6 +862,49 @@ fn a_seq_invisible_to_the_user_is_not_a_hole() {
     assert_eq!(only(&b, &f, Kind::D3AckBeyondStore).len(), 1);
 }
 
+/// Issue 21: an ack made under an older epoch than the conversation's newest acked a seq of
+/// a lost history, which the final read cannot judge; an `epoch` line discards what the
+/// device had stored, so an ack after it counts only what it stored since.
+#[test]
+fn d3_judges_acks_of_the_newest_epoch_against_what_was_stored_since_the_epoch_line() {
+    let mut b = B::new();
+    subbed(&mut b, "b1", "c1", 1);
+    // Old lineage: nothing stored, acked 2. Not judged.
+    b.ack("b1", "c1", 2, false, 2);
+    b.store("b1", "push", "c1", &[(1, "m1"), (2, "m2")]);
+    b.epoch("b1", "c1", 1, 2);
+    // What was stored before the epoch line is gone.
+    let (late, _) = b.ack("b1", "c1", 2, false, 2);
+    let d3 = only(&b, &two_rows(), Kind::D3AckBeyondStore);
+    assert_eq!(d3.len(), 1, "{d3:?}");
+    assert_eq!(d3[0].entries, vec![late]);
+    assert!(
+        d3[0].msg.contains("only through 0, not c1:1"),
+        "{}",
+        d3[0].msg
+    );
+    // Stored again after it: clean.
+    b.store("b1", "sync", "c1", &[(1, "m1"), (2, "m2")]);
+    b.ack("b1", "c1", 2, false, 2);
+    assert_eq!(only(&b, &two_rows(), Kind::D3AckBeyondStore).len(), 1);
+}
+
+/// D3: the contiguous run a device stored stops at the final head; an ack of a seq above
+/// it acked an event the database does not have.
+#[test]
+fn d3_an_ack_above_the_final_head_is_beyond_the_store() {
+    let mut b = B::new();
+    b.store("b1", "push", "c1", &[(1, "m1"), (2, "m2"), (3, "m3")]);
+    b.ack("b1", "c1", 3, false, 3);
+    let d3 = only(&b, &two_rows(), Kind::D3AckBeyondStore);
+    assert_eq!(d3.len(), 1, "{d3:?}");
+    assert!(
+        d3[0].msg.contains("only through 2, not c1:3"),
+        "{}",
+        d3[0].msg
+    );
+}
+
 #[test]
 fn d3_cursor_moved_without_an_earlier_ack() {
     let mut b = B::new();

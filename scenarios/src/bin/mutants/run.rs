@@ -59,9 +59,11 @@ pub struct RunArgs {
 
 /// The cargo arguments of every build and test command: always the same packages and
 /// features, so that cargo never builds the dependencies again for another feature set.
-const PACKAGES: [&str; 8] = [
+const PACKAGES: [&str; 10] = [
     "-p",
     "im-gateway",
+    "-p",
+    "im-check",
     "-p",
     "harness",
     "-p",
