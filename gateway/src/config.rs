@@ -126,6 +126,7 @@ pub const ENV: &[EnvVar] = &[
     v("IM_FANOUT_BATCH_MAX", "256", "most notifications one fan-out read covers (one query)"),
     v("IM_SEND_BATCH_MAX", "64", "most sends (and acks) one group commit takes; 1: one transaction per send"),
     v("IM_BATCH_SLOTS", "2", "batches of sends (and of acks) running at once"),
+    v("IM_WORKER_THREADS", "0", "tokio worker threads (0: one per CPU, tokio's own default)"),
     v("IM_SYNCHRONOUS_COMMIT", "on", "synchronous_commit of every database session: on, remote_apply, remote_write, local or off (anything but on or remote_apply is logged as a warning: D6 then rests on it)"),
     v("IM_HELLO_TIMEOUT_MS", "10000", "a connection without a good hello by then is closed"),
     v("IM_HELLO_FAILS_PER_ADDR_PER_MIN", "30", "failed hellos one source address may make per minute"),
@@ -204,6 +205,13 @@ where
         bail!("{name}={v} is out of range {min}..={max}");
     }
     Ok(v)
+}
+
+/// `IM_WORKER_THREADS`: the runtime's worker threads, `None` for tokio's default (one per
+/// CPU). Read before the runtime exists, apart from [`Config`] (issue 44: on a 2-core
+/// machine shared with PostgreSQL, one worker wakes less and answers a lone sender sooner).
+pub fn worker_threads() -> anyhow::Result<Option<usize>> {
+    Ok(Some(num("IM_WORKER_THREADS", 0, 1024)?).filter(|n| *n > 0))
 }
 
 /// PostgreSQL's `synchronous_commit`, as the gateway sets it on every session: what a

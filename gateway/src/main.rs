@@ -136,10 +136,18 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    match config::worker_threads() {
+        Ok(Some(n)) => {
+            builder.worker_threads(n);
+        }
+        Ok(None) => {}
+        Err(e) => {
+            eprintln!("im-gateway: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    let rt = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("im-gateway: cannot start the runtime: {e}");

@@ -168,6 +168,25 @@ fn armed_fault_points_are_announced_before_anything_else() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
 }
 
+/// `IM_WORKER_THREADS` (issue 44) is read before the runtime starts: a value that is not a
+/// number, or out of range, exits 2 naming it, before any connection.
+#[test]
+fn a_bad_worker_thread_count_is_refused_before_the_runtime_starts() {
+    let url = format!("postgres://im@127.0.0.1:{}/im", dead_port());
+    for bad in ["two", "-1", "1025"] {
+        let (out, _) = run(
+            &gateway(),
+            &["serve"],
+            &[("IM_WORKER_THREADS", bad), ("IM_DATABASE_URL", &url)],
+            Duration::from_secs(10),
+        );
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {stderr}");
+        assert!(stderr.contains("IM_WORKER_THREADS"), "{bad}: {stderr}");
+        assert!(!stderr.contains("cannot connect"), "{bad}: {stderr}");
+    }
+}
+
 /// The fail crate's `FAILPOINTS` arms nothing here: it is refused (exit 2) with a message
 /// naming `IM_FAULT`, before any connection.
 #[test]
