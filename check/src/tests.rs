@@ -889,6 +889,53 @@ fn d3_judges_acks_of_the_newest_epoch_against_what_was_stored_since_the_epoch_li
     assert_eq!(only(&b, &two_rows(), Kind::D3AckBeyondStore).len(), 1);
 }
 
+/// Issue 21: a `sent` reply shows its sender the epoch its row was committed in, and that
+/// alone can make a conversation's epoch the newest: an ack made under an older one is
+/// then not judged against the final read.
+#[test]
+fn a_sent_reply_shows_the_newest_epoch() {
+    for sent_epoch in [1, 2] {
+        let mut b = B::new();
+        subbed(&mut b, "b1", "c1", 1);
+        b.ack("b1", "c1", 2, false, 2);
+        let id = b.invoke(
+            "a1",
+            "send",
+            json!({"conv": "c1", "cmid": "x2", "body_len": 1}),
+        );
+        b.done(
+            "a1",
+            Type::Ok,
+            "send",
+            id,
+            json!({"conv": "c1", "seq": 2, "mid": "m2", "dup": false, "epoch": sent_epoch}),
+        );
+        let d3 = only(&b, &two_rows(), Kind::D3AckBeyondStore);
+        assert_eq!(
+            d3.len(),
+            usize::from(sent_epoch == 1),
+            "{sent_epoch}: {d3:?}"
+        );
+    }
+}
+
+/// A witness spells out at most `LIST_MAX` seqs and counts the rest.
+#[test]
+fn a_long_list_of_seqs_is_cut_at_list_max() {
+    let seqs = |n: i64| (1..=n).collect::<Vec<_>>();
+    let max = LIST_MAX as i64;
+    assert_eq!(list(&seqs(3)), "1, 2, 3");
+    assert_eq!(list(&seqs(max)), "1, 2, 3, 4, 5, 6, 7, 8, 9, 10");
+    assert_eq!(
+        list(&seqs(max + 1)),
+        "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, … (1 more)"
+    );
+    assert_eq!(
+        list(&seqs(max + 2)),
+        "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, … (2 more)"
+    );
+}
+
 /// D3: the contiguous run a device stored stops at the final head; an ack of a seq above
 /// it acked an event the database does not have.
 #[test]
