@@ -919,6 +919,36 @@ fn a_sent_reply_shows_the_newest_epoch() {
     }
 }
 
+/// Issue 21: so does an event of a sync page, to the device that synced it.
+#[test]
+fn a_synced_event_shows_the_newest_epoch() {
+    for synced_epoch in [1, 2] {
+        let mut b = B::new();
+        subbed(&mut b, "b1", "c1", 1);
+        b.ack("b1", "c1", 2, false, 2);
+        let id = b.invoke(
+            "a1",
+            "sync",
+            json!({"conv": "c1", "after": 1, "limit": 100}),
+        );
+        b.done(
+            "a1",
+            Type::Ok,
+            "sync",
+            id,
+            json!({"conv": "c1", "head": 2, "complete": true, "events": [
+                {"conv": "c1", "seq": 2, "mid": "m2", "sender": "alice", "cmid": "x2",
+                 "epoch": synced_epoch}]}),
+        );
+        let d3 = only(&b, &two_rows(), Kind::D3AckBeyondStore);
+        assert_eq!(
+            d3.len(),
+            usize::from(synced_epoch == 1),
+            "{synced_epoch}: {d3:?}"
+        );
+    }
+}
+
 /// A witness spells out at most `LIST_MAX` seqs and counts the rest.
 #[test]
 fn a_long_list_of_seqs_is_cut_at_list_max() {
