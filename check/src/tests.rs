@@ -949,6 +949,18 @@ fn a_synced_event_shows_the_newest_epoch() {
     }
 }
 
+/// A line's `value_text` is its `value` as JSON (what the nemesis report shows).
+#[test]
+fn value_text_is_the_lines_value_as_json() {
+    let mut b = B::new();
+    b.push("b1", "c1", 2, "m2");
+    let v: Value = serde_json::from_str(&b.h[1].value_text()).expect("JSON");
+    assert_eq!(
+        (&v["conv"], &v["seq"], &v["mid"]),
+        (&json!("c1"), &json!(2), &json!("m2"))
+    );
+}
+
 /// A witness spells out at most `LIST_MAX` seqs and counts the rest.
 #[test]
 fn a_long_list_of_seqs_is_cut_at_list_max() {

@@ -84,4 +84,21 @@ mod tests {
         }
         assert!(serde_json::from_str::<Verdict>("\"pass\"").is_err());
     }
+
+    #[test]
+    fn of_and_is_pass_tell_a_pass_from_everything_else() {
+        assert_eq!(Verdict::of(true), Verdict::Pass);
+        assert_eq!(Verdict::of(false), Verdict::Fail);
+        let passes: Vec<bool> = [
+            Verdict::Pass,
+            Verdict::Fail,
+            Verdict::Error,
+            Verdict::NotRun,
+        ]
+        .iter()
+        .map(|v| v.is_pass())
+        .collect();
+        assert_eq!(passes, [true, false, false, false]);
+        assert!(!Verdict::default().is_pass());
+    }
 }
