@@ -100,5 +100,8 @@ mod tests {
         .collect();
         assert_eq!(passes, [true, false, false, false]);
         assert!(!Verdict::default().is_pass());
+        // A record's word compares equal to its own verdict only.
+        assert!(serde_json::json!("FAIL") != Verdict::Pass);
+        assert!(serde_json::json!(null) != Verdict::NotRun);
     }
 }
