@@ -127,6 +127,17 @@ pub(crate) fn stop_tree(root: u32) -> BTreeSet<u32> {
     }
 }
 
+/// SIGKILLs `root` and its whole tree as [`stop_tree`] finds it (its process group, every
+/// descendant, also those in groups or sessions of their own, as nextest's test processes
+/// and PostgreSQL's backends are); returns how many processes it signalled.
+pub fn kill_tree(root: u32) -> usize {
+    let pids = stop_tree(root);
+    for &pid in &pids {
+        signal(pid, Signal::SIGKILL);
+    }
+    pids.len()
+}
+
 /// `kill(pid, sig)`, ignoring a process that is already gone.
 pub(crate) fn signal(pid: u32, sig: Signal) {
     if let Ok(pid) = i32::try_from(pid) {

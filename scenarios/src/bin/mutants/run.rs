@@ -286,10 +286,10 @@ fn run_logged(mut cmd: Command, log: &Path, limit: Duration) -> anyhow::Result<O
             return Ok(Some(s.code().unwrap_or(-1)));
         }
         if Instant::now() > deadline {
-            // The whole group: cargo, nextest, the tests, their gateways and clusters.
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
+            // The whole tree: cargo, nextest, the tests (each in a process group of its
+            // own, which a signal to this group misses: they kept running, spinning on a
+            // mutant's endless loop), their gateways and clusters.
+            harness::process::kill_tree(child.id());
             let _ = child.wait();
             writeln!(f, "(killed at the time limit, {limit:?})")?;
             return Ok(None);
@@ -816,6 +816,34 @@ fn write_outcomes(out: &Path, wall_s: f64, outcomes: Vec<Outcome>) -> anyhow::Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A command killed at its time limit leaves nothing running: not even a process in a
+    /// group and session of its own, as nextest runs each test (a mutant's endless loop
+    /// went on spinning after the group kill this replaced, and slowed every later build).
+    #[test]
+    fn a_command_killed_at_its_limit_leaves_no_process_behind() -> anyhow::Result<()> {
+        let marker = format!("{}.{}", 60 + std::process::id() % 1000, 7);
+        let dir = tempfile::tempdir()?;
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", &format!("setsid sleep {marker} & sleep {marker}")]);
+        let code = run_logged(cmd, &dir.path().join("log"), Duration::from_millis(500))?;
+        assert_eq!(code, None, "not killed at the limit");
+        let left = || {
+            std::fs::read_dir("/proc")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+                .filter(|c| c == format!("sleep\0{marker}\0").as_bytes())
+                .count()
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while left() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(left(), 0, "a sleep {marker} is still running");
+        Ok(())
+    }
 
     #[test]
     fn targets_follow_binary_ids() {
