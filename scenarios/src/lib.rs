@@ -645,6 +645,34 @@ pub fn page_seqs(page: &serde_json::Value) -> Vec<i64> {
         .collect()
 }
 
+/// `work(k, &items[k])` for every item, at most `places` at once: each of `places` threads
+/// takes the next item in order as soon as it is free, so a long item does not hold back
+/// the places beside it. The results come back in `items`' order; a panic in `work` is
+/// raised here once every thread has stopped.
+pub fn each_in_places<T: Sync, R: Send>(
+    items: &[T],
+    places: usize,
+    work: impl Fn(usize, &T) -> R + Sync,
+) -> Vec<R> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done: std::sync::Mutex<Vec<(usize, R)>> = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..places.clamp(1, items.len().max(1)) {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let Some(item) = items.get(k) else {
+                    return;
+                };
+                let r = work(k, item);
+                done.lock().unwrap_or_else(|p| p.into_inner()).push((k, r));
+            });
+        }
+    });
+    let mut done = done.into_inner().unwrap_or_else(|p| p.into_inner());
+    done.sort_by_key(|(k, _)| *k);
+    done.into_iter().map(|(_, r)| r).collect()
+}
+
 /// Milliseconds with one decimal, for evidence.
 pub fn ms(d: std::time::Duration) -> f64 {
     (d.as_secs_f64() * 10_000.0).round() / 10.0
@@ -853,7 +881,29 @@ pub fn im06_not_run() -> Vec<Record> {
 
 #[cfg(test)]
 mod tests {
+    use super::each_in_places;
     use super::Verdict;
+
+    /// Every item once, its result in the items' order, never more than `places` at once
+    /// and, with work that waits, as many as `places` at once.
+    #[test]
+    fn each_in_places_runs_every_item_in_at_most_its_places() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        for places in [1, 3] {
+            let (now, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
+            let items: Vec<u64> = (0..12).collect();
+            let out = each_in_places(&items, places, |k, &x| {
+                most.fetch_max(now.fetch_add(1, SeqCst) + 1, SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(20 + (x % 3) * 10));
+                now.fetch_sub(1, SeqCst);
+                (k, x * 2)
+            });
+            let want: Vec<(usize, u64)> = (0..12).map(|k| (k, k as u64 * 2)).collect();
+            assert_eq!(out, want);
+            assert_eq!(most.load(SeqCst), places, "places {places}");
+        }
+        assert!(each_in_places(&[] as &[u8], 2, |_, _| ()).is_empty());
+    }
 
     /// Evidence that reads itself: every PASS and FAIL of the committed
     /// evidence/im-06/result.json follows from its own `expected` and `observed` values by

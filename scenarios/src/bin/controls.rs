@@ -1588,34 +1588,20 @@ fn suite_controls(
         }
     };
     order.sort_by(|a, b| key(b).total_cmp(&key(a)));
-    let next = std::sync::atomic::AtomicUsize::new(0);
     let eta = std::sync::Mutex::new(eta);
-    let results: std::sync::Mutex<Vec<Option<anyhow::Result<Value>>>> =
-        std::sync::Mutex::new((0..bugs.len()).map(|_| None).collect());
-    std::thread::scope(|s| {
-        for _ in 0..places.max(1) {
-            s.spawn(|| loop {
-                let k = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let Some(&i) = order.get(k) else {
-                    return;
-                };
-                let (bug, side) = &bugs[i];
-                {
-                    let mut e = eta.lock().unwrap_or_else(|p| p.into_inner());
-                    e.next_part();
-                    eprintln!("controls: {bug}: {}", e.line());
-                }
-                let r = control(o, bug, side, bugs_bin, record.get(bug));
-                results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(r);
-            });
-        }
-    });
-    results
-        .into_inner()
-        .unwrap_or_else(|p| p.into_inner())
-        .into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("a control thread panicked"))))
-        .collect()
+    let mut results: Vec<(usize, anyhow::Result<Value>)> =
+        scenarios::each_in_places(&order, places as usize, |_, &i| {
+            let (bug, side) = &bugs[i];
+            {
+                let mut e = eta.lock().unwrap_or_else(|p| p.into_inner());
+                e.next_part();
+                eprintln!("controls: {bug}: {}", e.line());
+            }
+            (i, control(o, bug, side, bugs_bin, record.get(bug)))
+        });
+    // Back in the bugs' order.
+    results.sort_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
 }
 
 /// The nemesis part of every bug, one after the other (each series runs 7 seeds at once).

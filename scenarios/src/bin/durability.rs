@@ -201,44 +201,34 @@ fn runs_at_once(
         .filter(|&c| cells[c].applicable())
         .flat_map(|c| (1..=a.runs).map(move |i| (c, i)))
         .collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
     let runs: std::sync::Mutex<Vec<Vec<Run>>> =
         std::sync::Mutex::new(cells.iter().map(|_| Vec::new()).collect());
     let written: std::sync::Mutex<anyhow::Result<()>> = std::sync::Mutex::new(Ok(()));
-    std::thread::scope(|s| {
-        for _ in 0..a.jobs.min(work.len() as u32).max(1) {
-            s.spawn(|| loop {
-                let k = next.fetch_add(1, Ordering::SeqCst);
-                let Some(&(c, i)) = work.get(k) else {
-                    return;
-                };
-                let cell = cells[c];
-                eprintln!(
-                    "durability: {} / {} / {} run {i} of {} ({} of {}, {} s elapsed)",
-                    cell.setting,
-                    cell.topology,
-                    cell.fault,
-                    a.runs,
-                    k + 1,
-                    work.len(),
-                    started.elapsed().as_secs()
-                );
-                let r = timed_run(rt, cell, a.acked);
-                let mut all = runs.lock().unwrap_or_else(|p| p.into_inner());
-                all[c].push(r);
-                if all[c].len() == a.runs as usize {
-                    let done: Vec<Value> = cells
-                        .iter()
-                        .zip(all.iter())
-                        .filter(|(c, r)| c.applicable() && r.len() == a.runs as usize)
-                        .map(|(c, r)| row(*c, r))
-                        .collect();
-                    let w = write(out, &done, a, started, false);
-                    if let Err(e) = w {
-                        *written.lock().unwrap_or_else(|p| p.into_inner()) = Err(e);
-                    }
-                }
-            });
+    scenarios::each_in_places(&work, a.jobs as usize, |k, &(c, i)| {
+        let cell = cells[c];
+        eprintln!(
+            "durability: {} / {} / {} run {i} of {} ({} of {}, {} s elapsed)",
+            cell.setting,
+            cell.topology,
+            cell.fault,
+            a.runs,
+            k + 1,
+            work.len(),
+            started.elapsed().as_secs()
+        );
+        let r = timed_run(rt, cell, a.acked);
+        let mut all = runs.lock().unwrap_or_else(|p| p.into_inner());
+        all[c].push(r);
+        if all[c].len() == a.runs as usize {
+            let done: Vec<Value> = cells
+                .iter()
+                .zip(all.iter())
+                .filter(|(c, r)| c.applicable() && r.len() == a.runs as usize)
+                .map(|(c, r)| row(*c, r))
+                .collect();
+            if let Err(e) = write(out, &done, a, started, false) {
+                *written.lock().unwrap_or_else(|p| p.into_inner()) = Err(e);
+            }
         }
     });
     written.into_inner().unwrap_or_else(|p| p.into_inner())?;
