@@ -1007,6 +1007,10 @@ fn d3_cursor_moved_without_an_earlier_ack() {
     ];
     let d3 = only(&b, &f, Kind::D3CursorUnexplained);
     assert_eq!(d3.len(), 2, "{d3:?}");
+    // "Follows" is strict: an ack invoked in the write's own microsecond did not precede it.
+    let mut same = f.clone();
+    same.cursor_audit = vec![audit("b1", Some(0), 1, b.wall(inv))];
+    assert_eq!(only(&b, &same, Kind::D3CursorUnexplained).len(), 1);
     assert_eq!(d3[0].entries, vec![inv]);
     assert!(d3[0].msg.contains("moved 0 -> 1"), "{}", d3[0].msg);
     assert!(d3[1].msg.contains("moved none -> 2"), "{}", d3[1].msg);
