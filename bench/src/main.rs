@@ -97,7 +97,7 @@ fn full_params(seed: u64) -> Params {
         fanout_senders_per_pair: 2,
         fanout_base_frames_per_s: 9067.0,
         fanout_start_multiplier: 1.0,
-        fanout_up: vec![1.5, 2.0, 3.0, 4.0],
+        fanout_up: vec![1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0],
         fanout_down: vec![0.5, 0.25, 0.125],
         fanout_step_s: 4.0,
         // Issue 12: push p99 <= 50 ms at the chapter-02 load (was 100 ms).
