@@ -1013,6 +1013,13 @@ fn d3_cursor_moved_without_an_earlier_ack() {
     assert_eq!(only(&b, &same, Kind::D3CursorUnexplained).len(), 1);
     assert_eq!(d3[0].entries, vec![inv]);
     assert!(d3[0].msg.contains("moved 0 -> 1"), "{}", d3[0].msg);
+    assert!(
+        d3[0]
+            .msg
+            .ends_with(&format!("(its first ack of 1 is line {inv}, 10 us later)")),
+        "{}",
+        d3[0].msg
+    );
     assert!(d3[1].msg.contains("moved none -> 2"), "{}", d3[1].msg);
 }
 
