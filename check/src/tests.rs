@@ -1101,7 +1101,8 @@ fn overlapping_acks_answered_out_of_order_are_not_d4() {
 fn d4_audit_decrease_and_final_cursor_outside_the_head() {
     let b = B::new();
     let mut f = two_rows();
-    f.cursor_audit = vec![audit("b1", Some(2), 1, 5)];
+    // A write that keeps the cursor where it was (GREATEST) lowers nothing.
+    f.cursor_audit = vec![audit("b1", Some(2), 1, 5), audit("b1", Some(2), 2, 6)];
     f.cursors = vec![
         cursor("a1", "c1", 3),
         cursor("b1", "c1", -1),
@@ -1115,6 +1116,106 @@ fn d4_audit_decrease_and_final_cursor_outside_the_head() {
     assert!(d4
         .iter()
         .any(|a| a.msg == "final cursor of a1 in c1 is 3, outside 0..=2 (head)"));
+    assert!(d4
+        .iter()
+        .any(|a| a.msg == "final cursor of b1 in c1 is -1, outside 0..=2 (head)"));
+}
+
+/// D4 (b) compares with the highest `delivered` received before the invoke, not the last:
+/// after 2 then 1, another 1 is below the 2 again.
+#[test]
+fn d4_compares_with_the_highest_delivered_so_far() {
+    let mut b = B::new();
+    b.ack("b1", "c1", 2, true, 2);
+    b.ack("b1", "c1", 1, true, 1);
+    let (inv, ok) = b.ack("b1", "c1", 1, true, 1);
+    let d4 = only(&b, &two_rows(), Kind::D4Decrease);
+    assert_eq!(d4.len(), 2, "{d4:?}");
+    assert_eq!(d4[1].entries, vec![2, inv, ok]);
+}
+
+/// Rule 4's count: a cmid that got `sent` at least once (even after an info) or only
+/// definite failures is not in doubt; one that ended in info only is, present or absent.
+#[test]
+fn info_sends_counts_only_the_cmids_left_in_doubt() {
+    let mut b = B::new();
+    b.send("a1", "c1", "x1", 1, "m1");
+    let id = b.invoke(
+        "a1",
+        "send",
+        json!({"conv": "c1", "cmid": "x2", "body_len": 1}),
+    );
+    b.done(
+        "a1",
+        Type::Fail,
+        "send",
+        id,
+        json!({"code": "NOT_MEMBER", "msg": "no"}),
+    );
+    b.send_info("a1", "c1", "x3");
+    b.send_info("a1", "c1", "x4");
+    b.send("a1", "c1", "x4", 2, "m2");
+    b.send_info("a1", "c1", "x5");
+    let f = fin(&[
+        ("c1", 1, "m1", "a1", "x1"),
+        ("c1", 2, "m2", "a1", "x4"),
+        ("c1", 3, "m3", "a1", "x5"),
+    ]);
+    let r = check(&b.h, &f);
+    assert_eq!(
+        r.stats.info_sends,
+        InfoSends {
+            total: 2,
+            present: 1,
+            absent: 1
+        }
+    );
+}
+
+/// Rule 12: a state-file event the device stored names the line that stored it, and an
+/// epoch line of one conversation starts only that conversation afresh for that device.
+#[test]
+fn store_mismatch_names_the_store_line_and_an_epoch_resets_only_its_conversation() {
+    let mut b = B::new();
+    let st = b.store("b1", "push", "c1", &[(2, "bad")]);
+    let mut f = two_rows();
+    state_file(&mut f, "b1", &[(2, "bad")]);
+    let sm = only(&b, &f, Kind::StoreMismatch);
+    assert_eq!(sm.len(), 1, "{sm:?}");
+    assert_eq!(sm[0].entries, vec![st]);
+
+    let mut b = B::new();
+    let first = b.push("b1", "c2", 1, "one");
+    b.push("b2", "c1", 1, "m1");
+    b.epoch("b1", "c1", 1, 2);
+    let second = b.push("b1", "c2", 1, "two");
+    b.push("b2", "c1", 1, "other");
+    let sm = only(&b, &two_rows(), Kind::StoreMismatch);
+    assert_eq!(sm.len(), 2, "{sm:?}");
+    assert_eq!(sm[0].entries, vec![first, second]);
+
+    // The same when the move shows first in a push of the newer epoch.
+    let mut b = B::new();
+    let push = |b: &mut B, dev: &str, conv: &str, mid: &str, epoch: i64| {
+        b.line(
+            dev,
+            1,
+            Type::Recv,
+            "push",
+            None,
+            json!({"conv": conv, "seq": 1, "mid": mid, "sender": "alice", "cmid": "x",
+                   "epoch": epoch}),
+        )
+    };
+    let first = push(&mut b, "b1", "c2", "one", 1);
+    push(&mut b, "b1", "c1", "m1", 1);
+    push(&mut b, "b2", "c1", "m1", 1);
+    push(&mut b, "b1", "c1", "new", 2);
+    let second = push(&mut b, "b1", "c2", "two", 1);
+    push(&mut b, "b2", "c1", "other", 1);
+    let sm = only(&b, &two_rows(), Kind::StoreMismatch);
+    assert_eq!(sm.len(), 2, "{sm:?}");
+    assert_eq!(sm[0].entries, vec![first, second]);
 }
 
 #[test]
