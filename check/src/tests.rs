@@ -1170,6 +1170,43 @@ fn info_sends_counts_only_the_cmids_left_in_doubt() {
             absent: 1
         }
     );
+    // The statistics count each send line by how it ended.
+    let send = OpCounts {
+        invoke: 6,
+        ok: 2,
+        fail: 1,
+        info: 3,
+    };
+    assert_eq!(r.stats.ops["send"], send);
+}
+
+/// Both kinds of frame a client could not read are counted: a push (`recv malformed`) and
+/// a reply (`info` with `why: malformed-reply`).
+#[test]
+fn malformed_pushes_and_replies_are_counted() {
+    let mut b = B::new();
+    b.line(
+        "b1",
+        1,
+        Type::Recv,
+        "malformed",
+        None,
+        json!({"frame": {"t": "zzz"}}),
+    );
+    let id = b.invoke(
+        "a1",
+        "send",
+        json!({"conv": "c1", "cmid": "x1", "body_len": 1}),
+    );
+    b.done(
+        "a1",
+        Type::Info,
+        "send",
+        id,
+        json!({"why": MALFORMED_REPLY}),
+    );
+    b.send_info("a1", "c1", "x2");
+    assert_eq!(check(&b.h, &two_rows()).stats.malformed, 2);
 }
 
 /// Rule 12: a state-file event the device stored names the line that stored it, and an
