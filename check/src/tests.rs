@@ -1180,6 +1180,29 @@ fn info_sends_counts_only_the_cmids_left_in_doubt() {
     assert_eq!(r.stats.ops["send"], send);
 }
 
+/// Delivery time is a device's first store of a seq minus its `sent` reply's time; repair
+/// time the same where that store came from a sync.
+#[test]
+fn delivery_and_repair_times_run_from_the_sent_reply_to_the_first_store() {
+    let mut b = B::new();
+    b.send("a1", "c1", "x1", 1, "m1");
+    b.wait(9.0);
+    b.store("b1", "push", "c1", &[(1, "m1")]);
+    b.store("b1", "push", "c1", &[(1, "m1")]);
+    b.send("a1", "c1", "x2", 2, "m2");
+    b.wait(4.0);
+    b.store("b1", "sync", "c1", &[(2, "m2")]);
+    let st = check(&b.h, &two_rows()).stats;
+    let q = |n, p50, max| Quantiles {
+        n,
+        p50: Some(p50),
+        p95: Some(max),
+        max: Some(max),
+    };
+    assert_eq!(st.delivery_ms, q(2, 5.0, 10.0));
+    assert_eq!(st.repair_ms, q(1, 5.0, 5.0));
+}
+
 /// Both kinds of frame a client could not read are counted: a push (`recv malformed`) and
 /// a reply (`info` with `why: malformed-reply`).
 #[test]
