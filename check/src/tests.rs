@@ -767,6 +767,16 @@ fn p1_gap_when_rows_are_not_one_to_head() {
     f.heads.insert("c1".into(), 1);
     let gap = only(&b, &f, Kind::P1Gap);
     assert_eq!(gap[0].msg, "c1 has head 1 but rows outside 1..=1: 3");
+    // As many rows as the head, one of them outside: the holes are still named.
+    f.heads.insert("c1".into(), 2);
+    f.events.remove(0);
+    let gap = only(&b, &f, Kind::P1Gap);
+    assert_eq!(gap.len(), 1, "{gap:?}");
+    assert!(
+        gap[0].msg.contains("no rows for seqs 1, 2"),
+        "{}",
+        gap[0].msg
+    );
 }
 
 #[test]
@@ -1413,6 +1423,23 @@ fn d5_a_hello_throttled_with_no_refused_hello_before_it_is_a_lockout() {
             "{refused}"
         );
     }
+
+    // Not earned: a hello failed for another reason, or another op refused UNAUTHENTICATED.
+    for (op, code) in [("hello", "BAD_REQUEST"), ("send", "UNAUTHENTICATED")] {
+        let mut b = B::new();
+        let args = match op {
+            "hello" => json!({"device": "x9", "epoch": 1}),
+            _ => json!({"conv": "c1", "cmid": "y1", "body_len": 1}),
+        };
+        let id = b.invoke("x9", op, args);
+        b.done("x9", Type::Fail, op, id, json!({"code": code, "msg": "no"}));
+        hello_refused(&mut b, "a1", Type::Info, throttled.clone());
+        assert_eq!(
+            only(&b, &two_rows(), Kind::D5LockedOut).len(),
+            1,
+            "{op} {code}"
+        );
+    }
 }
 
 #[test]
@@ -1474,17 +1501,25 @@ fn d5_sweep_hints_too_far_apart() {
 /// same gap with the stall elsewhere still is.
 #[test]
 fn d5_sweep_gap_across_an_observer_stall_is_not_judged() {
-    for (stall_inside, want) in [(true, 0), (false, 1)] {
+    // Where the stall is, relative to the two hints; only a stall that overlaps the open
+    // interval between them excuses the gap (one that touches an end does not).
+    for (stall_inside, want) in [
+        ("inside", 0),
+        ("after", 1),
+        ("from the second", 1),
+        ("to the first", 1),
+    ] {
         let mut b = B::new();
         b.gateway_start(500);
         b.hint("b1", "c1", 2, "sweep");
         let t1 = b.t;
         b.wait(1900.0);
         b.hint("b1", "c1", 2, "sweep");
-        let (from, to) = if stall_inside {
-            (t1 + 100.0, t1 + 1850.0)
-        } else {
-            (b.t + 10.0, b.t + 400.0)
+        let (from, to) = match stall_inside {
+            "inside" => (t1 + 100.0, t1 + 1850.0),
+            "after" => (b.t + 10.0, b.t + 400.0),
+            "from the second" => (b.t, b.t + 400.0),
+            _ => (t1 - 400.0, t1),
         };
         b.wait(500.0);
         b.line(
