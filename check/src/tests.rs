@@ -1564,6 +1564,26 @@ fn d5_sweep_median_too_slow() {
     assert_eq!(late[0].entries.len(), 4);
 }
 
+/// The bounds themselves are allowed: a gap of exactly `sweep_ms` + 1000 ms, and a median
+/// of exactly 1.5 × `sweep_ms`, are not late; a millisecond more is.
+#[test]
+fn d5_sweep_bounds_are_inclusive() {
+    let late = |sweep_ms: u64, gap_ms: f64, gaps: usize| {
+        let mut b = B::new();
+        b.gateway_start(sweep_ms);
+        b.hint("b1", "c1", 2, "sweep");
+        for _ in 0..gaps {
+            b.wait(gap_ms - 1.0);
+            b.hint("b1", "c1", 2, "sweep");
+        }
+        only(&b, &two_rows(), Kind::D5SweepLate).len()
+    };
+    assert_eq!(late(500, 1500.0, 1), 0);
+    assert_eq!(late(500, 1501.0, 1), 1);
+    assert_eq!(late(1000, 1500.0, 3), 0);
+    assert_eq!(late(1000, 1501.0, 3), 1);
+}
+
 #[test]
 fn sweep_hints_are_not_late_across_an_ack_a_reconnect_or_a_gateway_start() {
     let mut b = B::new();
