@@ -206,8 +206,6 @@ struct Disturbance {
     disturbed: HashSet<u64>,
     /// From a crash (or power cut, or primary kill) of the database until it is back.
     db_down: bool,
-    /// Nemesis faults (by op id) that leave the sweep alone.
-    harmless: HashSet<u64>,
 }
 
 impl Disturbance {
@@ -248,16 +246,11 @@ impl Disturbance {
             // Nor does a fault that cannot delay a hint or move a cursor unseen: a device
             // killed (its own crash entry ends what it was waiting for), or frames dropped
             // or answered with an error by the gateway, except the ack's reply (the ack
-            // took effect and the sweep stopped hinting, but the client never heard).
-            Action::Fault { .. } | Action::GwFault { .. }
-                if op_id.is_some_and(|id| self.harmless.contains(&id)) =>
-            {
-                false
-            }
+            // took effect and the sweep stopped hinting, but the client never heard). Its
+            // start and its end carry the same fault, so both are answered here.
             Action::Fault { .. } | Action::GwFault { .. }
                 if fault_leaves_the_sweep_alone(action) =>
             {
-                self.harmless.extend(op_id);
                 false
             }
             // Any other fault (a pause, network latency or blackhole, a killed backend, a
