@@ -971,6 +971,44 @@ fn value_text_is_the_lines_value_as_json() {
     );
 }
 
+/// A request frame becomes its typed invoke (`rid` and token dropped, the body's length
+/// kept, a sync's missing `after`/`limit` null, a raw ack not explicit); a frame naming
+/// `connect` or `raw`, or of no known shape, stays raw, `t` and all.
+#[test]
+fn a_request_frame_becomes_its_typed_invoke() {
+    let of = |v: Value| Invoke::of_frame(&v);
+    assert_eq!(
+        of(json!({"t": "send", "rid": "1", "conv": "c1", "cmid": "x", "body": "hello"})),
+        Invoke::Send {
+            conv: "c1".into(),
+            cmid: "x".into(),
+            body_len: 5
+        }
+    );
+    assert_eq!(
+        of(json!({"t": "sync", "rid": "2", "conv": "c1"})),
+        Invoke::Sync {
+            conv: "c1".into(),
+            after: None,
+            limit: None
+        }
+    );
+    assert_eq!(
+        of(json!({"t": "ack", "rid": "3", "conv": "c1", "seq": 4})),
+        Invoke::Ack {
+            conv: "c1".into(),
+            seq: 4,
+            explicit: false
+        }
+    );
+    for raw in [
+        json!({"t": "connect", "url": "ws://x"}),
+        json!({"t": "send", "conv": "c1"}),
+    ] {
+        assert_eq!(of(raw.clone()), Invoke::Raw { frame: raw });
+    }
+}
+
 /// A witness spells out at most `LIST_MAX` seqs and counts the rest.
 #[test]
 fn a_long_list_of_seqs_is_cut_at_list_max() {
