@@ -1009,6 +1009,48 @@ fn a_request_frame_becomes_its_typed_invoke() {
     }
 }
 
+/// A raw request's reply is kept as received, less its `rid`.
+#[test]
+fn a_raw_requests_reply_is_kept_as_received() {
+    let reply = json!({"t": "error", "rid": "r1", "code": "BAD_REQUEST", "msg": "no"});
+    let frame = im_protocol::ServerFrame::parse(&reply.to_string());
+    let done = Done::of_frame(OpName::Raw, &reply, &frame).expect("a raw reply");
+    let kept = json!({"t": "error", "code": "BAD_REQUEST", "msg": "no"});
+    assert_eq!(done, Done::Raw { reply: kept });
+}
+
+/// How a database action went: success with what it reports, or its error; `done` reports
+/// nothing beyond that.
+#[test]
+fn an_outcome_says_how_the_action_went() {
+    let ok: anyhow::Result<i64> = Ok(5);
+    let o = crate::history::Outcome::of(&ok, |x| x * 2);
+    assert_eq!((o.ok, o.error, o.cut), (Some(true), None, Some(json!(10))));
+    let err: anyhow::Result<i64> = Err(anyhow::anyhow!("inner").context("outer"));
+    let o = crate::history::Outcome::of(&err, |x| x * 2);
+    assert_eq!(
+        (o.ok, o.error.as_deref(), o.cut),
+        (Some(false), Some("outer: inner"), None)
+    );
+    let o = crate::history::Outcome::done(&ok);
+    assert_eq!((o.ok, o.cut), (Some(true), None));
+}
+
+/// A nemesis line's `op` is the name serde writes for its action.
+#[test]
+fn a_nemesis_lines_op_is_its_actions_serialised_name() {
+    let mut b = B::new();
+    b.line(
+        "harness",
+        0,
+        Type::Nemesis,
+        "observer-stall",
+        None,
+        json!({"phase": "instant", "from_ms": 1.0, "to_ms": 2.0, "cause": "test"}),
+    );
+    assert_eq!(b.h[1].op(), "observer-stall");
+}
+
 /// A witness spells out at most `LIST_MAX` seqs and counts the rest.
 #[test]
 fn a_long_list_of_seqs_is_cut_at_list_max() {
