@@ -939,6 +939,62 @@ mod tests {
             .any(|x| x.name == "send.c32.gateway_vs_pgbench_plain" && x.met.is_none()));
     }
 
+    /// Issue 44's send targets: the ratio to pgbench plain at 1, 8 and 32 senders against
+    /// 0.9, 1.2 and 1.5 (each judged at its bound), and at 8 senders the gateway's CPU per
+    /// send against 60 µs and PostgreSQL's against pgbench plain's in the same run.
+    #[test]
+    fn send_targets_are_issue_44s() {
+        let level = |c: usize, ratio: f64, gateway_us: f64, pg_us: f64| {
+            let mut l = SendLevel {
+                concurrency: c,
+                gateway: SendRun::default(),
+                pgbench_plain: Some(SendRun::default()),
+                ..Default::default()
+            };
+            l.ratios.gateway_vs_pgbench_plain_throughput = Some(ratio);
+            l.gateway.cpu_per_op.gateway_us = Some(gateway_us);
+            l.gateway.cpu_per_op.postgres_us = Some(pg_us);
+            if let Some(p) = l.pgbench_plain.as_mut() {
+                p.cpu_per_op.postgres_us = Some(200.0);
+            }
+            l
+        };
+        let judge = |levels: Vec<SendLevel>| {
+            let m = SendPath {
+                levels,
+                ..Default::default()
+            }
+            .metrics();
+            let get = |name: &str| m.iter().find(|x| x.name == name).map(|x| x.met);
+            [
+                get("send.c1.gateway_vs_pgbench_plain"),
+                get("send.c8.gateway_vs_pgbench_plain"),
+                get("send.c32.gateway_vs_pgbench_plain"),
+                get("send.c8.gateway_cpu_us_per_send"),
+                get("send.c8.postgres_cpu_us_per_send_vs_pgbench_plain"),
+                get("send.c1.gateway_cpu_us_per_send"),
+            ]
+        };
+        let at_bounds = vec![
+            level(1, 0.9, 500.0, 900.0),
+            level(8, 1.2, 60.0, 200.0),
+            level(32, 1.5, 500.0, 900.0),
+        ];
+        let met = Some(Some(true));
+        assert_eq!(judge(at_bounds), [met, met, met, met, met, None]);
+        let missed = vec![
+            level(1, 0.899, 1.0, 1.0),
+            level(8, 1.199, 60.001, 200.2),
+            level(32, 1.499, 1.0, 1.0),
+        ];
+        let no = Some(Some(false));
+        assert_eq!(judge(missed), [no, no, no, no, no, None]);
+        // No pgbench figure at 8: the PostgreSQL budget is unjudged, never met.
+        let mut alone = level(8, 1.3, 10.0, 10.0);
+        alone.pgbench_plain = None;
+        assert_eq!(judge(vec![alone])[4], Some(None));
+    }
+
     #[test]
     fn presets_are_consistent() {
         for mode in ["full", "quick", "smoke"] {

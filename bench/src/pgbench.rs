@@ -2,7 +2,8 @@
 //! RETURNING for the seq, INSERT … ON CONFLICT DO NOTHING RETURNING mid, commit), (a) without
 //! and (b) with `pg_notify` inside, on the same cluster, prepared statements, one connection
 //! and thread per client. Latencies come from pgbench's per-transaction log. (a) is the
-//! target's baseline (issue 12: the gateway at >= 0.8 of it); (b) is the gateway's shape
+//! targets' baseline (issue 44: the gateway at >= 0.9, 1.2 and 1.5 of it at 1, 8 and 32
+//! senders); (b) is the gateway's shape
 //! before issue 12 (NOTIFY in the transaction, its lock held through the commit flush), kept
 //! as the measure of what that lock costs.
 
