@@ -975,24 +975,31 @@ mod tests {
                 get("send.c1.gateway_cpu_us_per_send"),
             ]
         };
-        let at_bounds = vec![
-            level(1, 0.9, 500.0, 900.0),
-            level(8, 1.2, 60.0, 200.0),
-            level(32, 1.5, 500.0, 900.0),
-        ];
+        // The three levels, each ratio `short` below its bound, and level 8's CPU figures.
+        let levels = |short: f64, gateway_us: f64, pg_us: f64| {
+            vec![
+                level(1, 0.9 - short, 500.0, 900.0),
+                level(8, 1.2 - short, gateway_us, pg_us),
+                level(32, 1.5 - short, 500.0, 900.0),
+            ]
+        };
         let met = Some(Some(true));
-        assert_eq!(judge(at_bounds), [met, met, met, met, met, None]);
-        let missed = vec![
-            level(1, 0.899, 1.0, 1.0),
-            level(8, 1.199, 60.001, 200.2),
-            level(32, 1.499, 1.0, 1.0),
-        ];
+        assert_eq!(
+            judge(levels(0.0, 60.0, 200.0)),
+            [met, met, met, met, met, None]
+        );
         let no = Some(Some(false));
-        assert_eq!(judge(missed), [no, no, no, no, no, None]);
+        assert_eq!(
+            judge(levels(0.001, 60.001, 200.2)),
+            [no, no, no, no, no, None]
+        );
         // No pgbench figure at 8: the PostgreSQL budget is unjudged, never met.
         let mut alone = level(8, 1.3, 10.0, 10.0);
         alone.pgbench_plain = None;
         assert_eq!(judge(vec![alone])[4], Some(None));
+        // Level 8 not run (the smoke mode): both CPU budgets stay targets, unjudged.
+        let unrun = judge(vec![level(2, 1.3, 10.0, 10.0)]);
+        assert_eq!(unrun[3..5], [Some(None), Some(None)]);
     }
 
     #[test]

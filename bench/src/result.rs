@@ -656,8 +656,8 @@ fn absent<T>(part: &str, s: &Section<T>) -> Option<String> {
 }
 
 /// One send level's metrics: its sends/s and latency, the ratios against pgbench with
-/// NOTIFY and batched, and the issue-19 target against pgbench without NOTIFY where one
-/// is set.
+/// NOTIFY and batched, issue 44's target against pgbench without NOTIFY where one is set,
+/// and its CPU budgets at [`SEND_CPU_AT`].
 fn level_metrics(l: &SendLevel, out: &mut Vec<Metric>) {
     let c = l.concurrency;
     let g = &l.gateway;
@@ -696,7 +696,7 @@ fn level_metrics(l: &SendLevel, out: &mut Vec<Metric>) {
     }
     let plain = l.pgbench_plain.as_ref().map(|a| a.ops_per_s);
     if c == SEND_CPU_AT {
-        cpu_metrics(l, out);
+        cpu_metrics(Some(l), out);
     }
     if SEND_RATIO_AT.contains(&c) {
         let mut m = Metric::target(
@@ -705,7 +705,7 @@ fn level_metrics(l: &SendLevel, out: &mut Vec<Metric>) {
                 "ratio",
                 "ge",
                 send_vs_plain_min(c),
-                Some("issue 19: acknowledged sends/s vs pgbench running one message per transaction without NOTIFY".into()),
+                Some("issue 44: acknowledged sends/s vs pgbench running one message per transaction without NOTIFY".into()),
             );
         if plain.is_none() {
             m.note = Some("no pgbench on this machine".into());
@@ -722,34 +722,38 @@ fn level_metrics(l: &SendLevel, out: &mut Vec<Metric>) {
 
 /// Issue 44's CPU budgets of one send at [`SEND_CPU_AT`] senders: the gateway's at most
 /// [`GATEWAY_US_PER_SEND_MAX`], PostgreSQL's no more than it spends on one of pgbench
-/// plain's inserts in the same run (each over the whole run, warm-up included).
-fn cpu_metrics(l: &SendLevel, out: &mut Vec<Metric>) {
-    let c = l.concurrency;
+/// plain's inserts in the same run (each over the whole run, warm-up included). Without
+/// the level (a mode that does not run it) both stay targets, unmeasured, never met.
+fn cpu_metrics(l: Option<&SendLevel>, out: &mut Vec<Metric>) {
+    let c = SEND_CPU_AT;
+    let why = |s: &str| match l {
+        Some(_) => s.to_string(),
+        None => format!("{c} senders not run in this mode"),
+    };
     out.push(Metric::target(
         &format!("send.c{c}.gateway_cpu_us_per_send"),
-        l.gateway.cpu_per_op.gateway_us,
+        l.and_then(|l| l.gateway.cpu_per_op.gateway_us),
         "us",
         "le",
         GATEWAY_US_PER_SEND_MAX,
-        Some("issue 44: the gateway's CPU per acknowledged send".into()),
+        Some(why("issue 44: the gateway's CPU per acknowledged send")),
     ));
     let plain = l
-        .pgbench_plain
-        .as_ref()
+        .and_then(|l| l.pgbench_plain.as_ref())
         .and_then(|a| a.cpu_per_op.postgres_us);
     let mut m = Metric::target(
         &format!("send.c{c}.postgres_cpu_us_per_send_vs_pgbench_plain"),
-        l.gateway
-            .cpu_per_op
-            .postgres_us
+        l.and_then(|l| l.gateway.cpu_per_op.postgres_us)
             .zip(plain)
             .and_then(|(g, p)| ratio(g, p)),
         "ratio",
         "le",
         1.0,
-        Some("issue 44: PostgreSQL's CPU per send over its CPU per pgbench plain insert".into()),
+        Some(why(
+            "issue 44: PostgreSQL's CPU per send over its CPU per pgbench plain insert",
+        )),
     );
-    if plain.is_none() {
+    if l.is_some() && plain.is_none() {
         m.note = Some("no pgbench on this machine".into());
     }
     out.push(m);
@@ -775,6 +779,9 @@ impl SendPath {
                     Some(format!("{c} senders not run in this mode")),
                 ));
             }
+        }
+        if !self.levels.iter().any(|l| l.concurrency == SEND_CPU_AT) {
+            cpu_metrics(None, &mut out);
         }
         out
     }

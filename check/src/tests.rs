@@ -1294,7 +1294,8 @@ fn delivery_and_repair_times_run_from_the_sent_reply_to_the_first_store() {
 }
 
 /// Both kinds of frame a client could not read are counted: a push (`recv malformed`) and
-/// a reply (`info` with `why: malformed-reply`).
+/// a reply (`info` with `why: malformed-reply`); an `info` for another reason is not (two of
+/// them, so that counting the other reasons instead would not give the same total).
 #[test]
 fn malformed_pushes_and_replies_are_counted() {
     let mut b = B::new();
@@ -1319,6 +1320,7 @@ fn malformed_pushes_and_replies_are_counted() {
         json!({"why": MALFORMED_REPLY}),
     );
     b.send_info("a1", "c1", "x2");
+    b.send_info("a1", "c1", "x3");
     assert_eq!(check(&b.h, &two_rows()).stats.malformed, 2);
 }
 
