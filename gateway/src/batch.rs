@@ -167,9 +167,20 @@ fn gone<T>(done: &oneshot::Sender<T>) -> bool {
     done.is_closed()
 }
 
-/// Runs one batch of sends: `send.before_insert` per row, the batch's INSERTs,
-/// `send.before_commit` per inserted row (inside the open transaction, as in the single
-/// send), COMMIT, then the answers (and the notifier) only after COMMIT returned (D1).
+/// Whether a batch holds its transaction open between its inserts and its COMMIT (three
+/// round trips): only while a fault point that acts there is armed (`send.before_commit`,
+/// `send.batch.before_commit`; never without the `faults` feature, one atomic load each
+/// with it). Otherwise the batch is one statement in one round trip
+/// ([`store::send_batch_statement`], issue 44): same rows, same answers, same D1.
+fn holds_open() -> bool {
+    faults::is_armed(points::SEND_BEFORE_COMMIT)
+        || faults::is_armed(points::SEND_BATCH_BEFORE_COMMIT)
+}
+
+/// Runs one batch of sends: `send.before_insert` per row, then either the batch as one
+/// statement ([`holds_open`] false) or its INSERTs, `send.before_commit` per inserted row
+/// (inside the open transaction, as in the single send) and COMMIT; then the answers (and
+/// the notifier) only after the commit returned (D1).
 async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
     let mut rows = Vec::with_capacity(jobs.len());
     for job in jobs.into_iter().filter(|j| !gone(&j.done)) {
@@ -192,6 +203,14 @@ async fn send_batch(pool: PgPool, notifier: Notifier, jobs: Vec<SendJob>) {
             body: &j.body,
         })
         .collect();
+    if !holds_open() {
+        let sent = store::send_batch_statement(&pool, &batch).await;
+        drop(batch);
+        return match sent {
+            Ok(sent) => answer_committed(&pool, &notifier, rows, sent).await,
+            Err(e) => failed(&pool, &notifier, rows, e).await,
+        };
+    }
     let inserted = store::send_batch_insert(&pool, &batch).await;
     drop(batch);
     let (tx, out) = match inserted {

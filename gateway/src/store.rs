@@ -857,35 +857,68 @@ pub enum RowOutcome {
     Busy,
 }
 
-/// Group commit (issue 19): BEGIN; `im_send_batch` (migrations 0004, 0005) with the rows as
-/// arrays; COMMIT ([`send_batch_commit`]): three round trips and one WAL flush for the
-/// whole batch. Returns the open transaction and, per row in the order given, what the
-/// batch did with it ([`RowOutcome`]). P1, S1 and D2 hold per row inside `im_send_batch`
-/// exactly as in [`send`]; a row whose conversation another transaction holds is skipped
-/// (`Busy`), never waited for. An error: nothing of the batch was stored.
+/// Group commit (issue 19), held open: BEGIN; `im_send_batch` (migrations 0004, 0005) with
+/// the rows as arrays; COMMIT ([`send_batch_commit`]): three round trips and one WAL flush
+/// for the whole batch. Returns the open transaction and, per row in the order given, what
+/// the batch did with it ([`RowOutcome`]). P1, S1 and D2 hold per row inside
+/// `im_send_batch` exactly as in [`send`]; a row whose conversation another transaction
+/// holds is skipped (`Busy`), never waited for. An error: nothing of the batch was stored.
+/// `batch` takes this form only while a fault point inside the transaction is armed;
+/// otherwise [`send_batch_statement`], the same statement in one round trip.
 pub async fn send_batch_insert(
     pool: &PgPool,
     rows: &[BatchRow<'_>],
 ) -> Result<(BatchTx, Vec<RowOutcome>), WireError> {
+    let mut tx = pool.begin().await.map_err(db("batch.begin"))?;
+    let inserted = batch_query(rows)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db("batch.insert"))?;
+    Ok((tx, outcomes(rows.len(), inserted)?))
+}
+
+/// Group commit in one round trip (issue 44): `im_send_batch` as a single statement in its
+/// own implicit transaction, which PostgreSQL commits (and, with `synchronous_commit = on`,
+/// flushes) before it reports the statement done. D1: this returns only after sqlx read
+/// the statement's ReadyForQuery, which comes after that commit; a failed commit is the
+/// statement's error. An error: the batch's fate is unknown (the caller sends each row
+/// again on its own, and D2 answers a row that did commit with its seq). Same rows, same
+/// outcomes as [`send_batch_insert`] then [`send_batch_commit`], without the BEGIN and
+/// COMMIT round trips.
+pub async fn send_batch_statement(
+    pool: &PgPool,
+    rows: &[BatchRow<'_>],
+) -> Result<Vec<RowOutcome>, WireError> {
+    let inserted = batch_query(rows)
+        .fetch_all(pool)
+        .await
+        .map_err(db("batch.statement"))?;
+    outcomes(rows.len(), inserted)
+}
+
+/// `im_send_batch` over `rows`, as arrays in row order.
+fn batch_query<'q>(
+    rows: &[BatchRow<'q>],
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     let convs: Vec<&str> = rows.iter().map(|r| r.conv).collect();
     let users: Vec<&str> = rows.iter().map(|r| r.who.user.as_str()).collect();
     let devices: Vec<&str> = rows.iter().map(|r| r.who.device.as_str()).collect();
     let cmids: Vec<&str> = rows.iter().map(|r| r.cmid).collect();
     let bodies: Vec<&str> = rows.iter().map(|r| r.body).collect();
     let epochs: Vec<i64> = rows.iter().map(|r| r.who.epoch).collect();
-    let mut tx = pool.begin().await.map_err(db("batch.begin"))?;
-    let inserted =
-        sqlx::query("SELECT k, seq, mid, conv_epoch FROM im_send_batch($1, $2, $3, $4, $5, $6)")
-            .bind(&convs)
-            .bind(&users)
-            .bind(&devices)
-            .bind(&epochs)
-            .bind(&cmids)
-            .bind(&bodies)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db("batch.insert"))?;
-    let mut out: Vec<RowOutcome> = vec![RowOutcome::NotInserted; rows.len()];
+    sqlx::query("SELECT k, seq, mid, conv_epoch FROM im_send_batch($1, $2, $3, $4, $5, $6)")
+        .bind(convs)
+        .bind(users)
+        .bind(devices)
+        .bind(epochs)
+        .bind(cmids)
+        .bind(bodies)
+}
+
+/// What `im_send_batch` did with each of `n` rows, in row order, from its result (`k` is
+/// a row's 1-based place; a row it did not return inserted nothing; a null seq: busy).
+fn outcomes(n: usize, inserted: Vec<sqlx::postgres::PgRow>) -> Result<Vec<RowOutcome>, WireError> {
+    let mut out: Vec<RowOutcome> = vec![RowOutcome::NotInserted; n];
     for r in inserted {
         let k: i32 = r.get(0);
         let slot = usize::try_from(k - 1)
@@ -903,7 +936,7 @@ pub async fn send_batch_insert(
             None => RowOutcome::Busy,
         };
     }
-    Ok((tx, out))
+    Ok(out)
 }
 
 /// The batch's COMMIT, behind the `send.batch.before_commit` point. Returns the rows of

@@ -75,9 +75,41 @@ async fn seqs_of(pool: &sqlx::PgPool, conv: &str) -> (i64, Vec<i64>) {
     (head, seqs)
 }
 
+/// The two forms of a send batch: held open (BEGIN, `im_send_batch`, COMMIT: while a fault
+/// point inside the transaction is armed) and one statement (production, issue 44). Both
+/// must give every row the same outcome.
+#[derive(Clone, Copy, Debug)]
+enum Form {
+    HeldOpen,
+    Statement,
+}
+
+/// One committed batch of `rows` in `form`.
+async fn batch(form: Form, pool: &sqlx::PgPool, rows: &[BatchRow<'_>]) -> Vec<RowOutcome> {
+    match form {
+        Form::HeldOpen => store::send_batch(pool, rows)
+            .await
+            .expect("the batch commits")
+            .expect("no fault dropped it"),
+        Form::Statement => store::send_batch_statement(pool, rows)
+            .await
+            .expect("the batch commits"),
+    }
+}
+
 /// P1, D2 and S1 per row of one batch, and of the batch after it.
 #[tokio::test]
 async fn a_batch_keeps_every_rule_of_a_single_send_per_row() {
+    every_rule_per_row(Form::HeldOpen).await
+}
+
+/// The same in one statement: what production runs.
+#[tokio::test]
+async fn a_one_statement_batch_keeps_every_rule_of_a_single_send_per_row() {
+    every_rule_per_row(Form::Statement).await
+}
+
+async fn every_rule_per_row(form: Form) {
     let w = world().await;
     let pool = w.admin.pool().await.unwrap();
     let (a, b, k) = (
@@ -96,10 +128,7 @@ async fn a_batch_keeps_every_rule_of_a_single_send_per_row() {
         row(&stale, "c1", "m4"),  // an install epoch that is not the current one
         row(&a, "c2", "m5"),      // another conversation: its own seqs
     ];
-    let out = store::send_batch(&pool, &rows)
-        .await
-        .expect("the batch commits")
-        .expect("no fault dropped it");
+    let out = batch(form, &pool, &rows).await;
     assert_eq!(
         seqs(&out),
         [Some(1), Some(2), None, None, Some(3), None, None, Some(1)]
@@ -133,10 +162,7 @@ async fn a_batch_keeps_every_rule_of_a_single_send_per_row() {
     );
 
     // A later batch: the resend inserts nothing; the new message takes the next seq.
-    let out = store::send_batch(&pool, &[row(&a, "c1", "m1"), row(&a, "c1", "m6")])
-        .await
-        .unwrap()
-        .unwrap();
+    let out = batch(form, &pool, &[row(&a, "c1", "m1"), row(&a, "c1", "m6")]).await;
     assert_eq!(seqs(&out), [None, Some(4)]);
     assert_eq!(
         seqs_of(&pool, "c1").await,
@@ -151,6 +177,16 @@ async fn a_batch_keeps_every_rule_of_a_single_send_per_row() {
 /// the busy rows take no seq (P1), so that the caller can send them on their own.
 #[tokio::test]
 async fn a_locked_conversation_makes_only_its_own_rows_busy() {
+    only_locked_rows_busy(Form::HeldOpen).await
+}
+
+/// The same in one statement: what production runs.
+#[tokio::test]
+async fn a_locked_conversation_makes_only_its_own_rows_busy_in_one_statement() {
+    only_locked_rows_busy(Form::Statement).await
+}
+
+async fn only_locked_rows_busy(form: Form) {
     let w = world().await;
     let pool = w.admin.pool().await.unwrap();
     let a = who("alice", "a1", 1);
@@ -167,12 +203,10 @@ async fn a_locked_conversation_makes_only_its_own_rows_busy() {
     ];
     let out = tokio::time::timeout(
         std::time::Duration::from_secs(10),
-        store::send_batch(&pool, &rows),
+        batch(form, &pool, &rows),
     )
     .await
-    .expect("the batch does not wait for the held conversation")
-    .expect("the batch commits")
-    .expect("no fault dropped it");
+    .expect("the batch does not wait for the held conversation");
     assert_eq!(out[0], RowOutcome::Busy);
     assert_eq!(seqs(&out[1..2]), [Some(1)], "c2 inserted");
     assert_eq!(out[2], RowOutcome::Busy);
@@ -189,10 +223,7 @@ async fn a_locked_conversation_makes_only_its_own_rows_busy() {
         "P1: busy rows took no seq"
     );
     // Once free, the same rows insert, at the conversation's first seqs.
-    let out = store::send_batch(&pool, &[row(&a, "c1", "m1"), row(&a, "c1", "m3")])
-        .await
-        .unwrap()
-        .unwrap();
+    let out = batch(form, &pool, &[row(&a, "c1", "m1"), row(&a, "c1", "m3")]).await;
     assert_eq!(seqs(&out), [Some(1), Some(2)]);
 }
 

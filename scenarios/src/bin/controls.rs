@@ -1310,6 +1310,12 @@ fn pick(catchers: &[(String, u64)], designed: &[&str]) -> Vec<(String, u64)> {
     v
 }
 
+/// A catcher's duration as the evidence states it: `None` (null) for one no run measured
+/// (recorded by an older runner), which [`pick`] sorts last as `u64::MAX`.
+fn known_ms(ms: u64) -> Option<u64> {
+    (ms != u64::MAX).then_some(ms)
+}
+
 /// A nextest filter naming exactly these tests.
 fn filter_of<'a>(tests: impl IntoIterator<Item = &'a String>) -> String {
     tests
@@ -1381,7 +1387,7 @@ fn control(
         "run_wall_ms": run_walls,
         "whole_run_catchers": {
             "git_commit": whole_commit,
-            "tests": whole.iter().map(|(t, d)| json!({"test": t, "duration_ms": d})).collect::<Vec<_>>(),
+            "tests": whole.iter().map(|(t, d)| json!({"test": t, "duration_ms": known_ms(*d)})).collect::<Vec<_>>(),
         },
         "targeted_missed": targeted_missed,
         "known_limit": known_limit(bug),
@@ -1887,5 +1893,8 @@ mod tests {
         );
         assert_eq!(names(pick(&caught, &["absent"])), vec!["quick"]);
         assert!(pick(&[], &["designed"]).is_empty());
+        // A duration no run measured is written as null, never as u64::MAX.
+        assert_eq!(known_ms(u64::MAX), None);
+        assert_eq!(known_ms(2098), Some(2098));
     }
 }
