@@ -63,6 +63,25 @@ impl Ctx {
         harness::gateway::Gateway::start(&self.cluster.url(), &opts, &self.cluster.log_dir()).await
     }
 
+    /// The gateway's batch slots: `IM_BATCH_SLOTS` from `--gateway-env`, else the gateway's
+    /// own default (`im_gateway::config::ENV`, the one list its `--help` prints).
+    pub fn batch_slots(&self) -> usize {
+        let var = "IM_BATCH_SLOTS";
+        let default = im_gateway::config::ENV
+            .iter()
+            .find(|v| v.name == var)
+            .map(|v| v.default);
+        self.gateway_env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == var)
+            .map(|(_, v)| v.as_str())
+            .or(default)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+            .max(1)
+    }
+
     pub fn probe(&self, gateway: Option<u32>) -> cpu::Probe {
         cpu::Probe {
             gateway,

@@ -406,6 +406,10 @@ pub struct SendRun {
     pub db_ms_per_op: Option<f64>,
     /// Per label: statement execution time per operation, ms.
     pub db_ms_per_op_by_label: BTreeMap<String, f64>,
+    /// The gateway's sends per group commit: operations over the whole run per call of
+    /// the `send_batch` statement (`None` for pgbench, or without `pg_stat_statements`).
+    #[serde(default)]
+    pub rows_per_batch: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -676,6 +680,13 @@ fn level_metrics(l: &SendLevel, out: &mut Vec<Metric>) {
         g.latency.p99_ms,
         "ms",
     ));
+    if let Some(r) = g.rows_per_batch {
+        out.push(Metric::value(
+            &format!("send.c{c}.rows_per_batch"),
+            r,
+            "sends/batch",
+        ));
+    }
     if let Some(b) = &l.pgbench_notify {
         let mut m = Metric::ratio_of(
             &format!("send.c{c}.gateway_vs_pgbench_notify"),

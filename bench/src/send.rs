@@ -151,6 +151,9 @@ fn merge(driver: &str, rounds: Vec<Round>, measured_s: u64, client_is_child: boo
     let stmts = merged_stmts(by_query);
     let ops = lat.len() as u64;
     let (db, by) = db_per_op(&stmts, ops_total);
+    let rows_per_batch = (driver == "gateway")
+        .then(|| rows_per_batch(&stmts, ops_total))
+        .flatten();
     SendRun {
         driver: driver.into(),
         ops,
@@ -163,7 +166,19 @@ fn merge(driver: &str, rounds: Vec<Round>, measured_s: u64, client_is_child: boo
         statements: stmts,
         db_ms_per_op: db,
         db_ms_per_op_by_label: by,
+        rows_per_batch,
     }
+}
+
+/// Operations per call of the `send_batch` statement (sends per group commit); `None`
+/// when no such call was recorded.
+fn rows_per_batch(stmts: &[pgss::StmtStat], ops_total: u64) -> Option<f64> {
+    let batches: u64 = stmts
+        .iter()
+        .filter(|s| s.label == "send_batch")
+        .map(|s| s.calls)
+        .sum();
+    (batches > 0).then(|| crate::util::r3(ops_total as f64 / batches as f64))
 }
 
 /// The merged CPU use: machine busy weighted by each round's wall time, every total
@@ -337,9 +352,6 @@ async fn round_trips(pool: &sqlx::PgPool, n: usize) -> anyhow::Result<(Latency, 
     Ok((summarize_us(&mut ping), summarize_us(&mut select)))
 }
 
-/// The gateway's `IM_BATCH_SLOTS` default: senders spread over this many batch slots.
-const BATCH_SLOTS: usize = 2;
-
 /// The send part's world: conversations every sender is a member of, one user and device
 /// per sender at the highest concurrency, the body, and pgbench's scripts.
 struct World {
@@ -441,7 +453,7 @@ async fn level(
     let rounds = p.send_rounds.max(1);
     // (d) issue 19's true ceiling: pgbench committing the gateway's batch size, as the
     // gateway would gather it (its senders spread over IM_BATCH_SLOTS slots).
-    let batch_rows = (c / BATCH_SLOTS).max(1);
+    let batch_rows = (c / ctx.batch_slots()).max(1);
     let script_d = crate::pgbench::batch_script(p.send_conversations, &w.body, batch_rows);
     let drivers = drivers(w, &script_d);
     // Rounds in ABBA order (gateway, a, b, c, then c, b, a, gateway, ...): a load that
@@ -526,7 +538,7 @@ async fn pgbench_driver_round(
     // (its slots), each of the batch the gateway gathers; a batch
     // transaction stores `batch_rows` messages.
     let (clients, per_tx) = if tag == "pgbench_batch" {
-        (c.min(BATCH_SLOTS), batch_rows)
+        (c.min(ctx.batch_slots()), batch_rows)
     } else {
         (c, 1)
     };
@@ -594,4 +606,27 @@ fn level_of(
         pgbench_batch_rows: batch_rows,
         ratios,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sends per group commit: operations over the calls of `send_batch` only (the
+    /// notify and member checks do not count), none without such a call.
+    #[test]
+    fn rows_per_batch_counts_send_batch_calls_only() {
+        let stat = |label: &str, calls: u64| pgss::StmtStat {
+            label: label.into(),
+            calls,
+            ..Default::default()
+        };
+        let stmts = [
+            stat("send_batch", 400),
+            stat("notify", 390),
+            stat("other", 5),
+        ];
+        assert_eq!(rows_per_batch(&stmts, 1000), Some(2.5));
+        assert_eq!(rows_per_batch(&stmts[1..], 1000), None);
+    }
 }
