@@ -50,7 +50,7 @@ const DROP_SIGQUIT_WAIT: Duration = Duration::from_secs(5);
 /// Interval of every polling loop in this module.
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
 /// Attempts at a fresh port when the postmaster loses a race for the one we picked.
-const PORT_ATTEMPTS: u32 = 3;
+pub(crate) const PORT_ATTEMPTS: u32 = 3;
 /// Lines of `postgres.log` quoted in errors.
 const LOG_TAIL_LINES: usize = 30;
 
@@ -510,9 +510,7 @@ impl Cluster {
                     self.port,
                     log_path.display()
                 );
-                if tail.contains("could not create any TCP/IP sockets")
-                    || tail.contains("Address already in use")
-                {
+                if lost_its_port(&tail) {
                     return Err(anyhow::Error::new(PortTaken(msg)));
                 }
                 bail!(msg);
@@ -947,9 +945,17 @@ impl Drop for Cluster {
     }
 }
 
-/// The postmaster exited at startup because another process took its port first.
+/// The postmaster exited at startup because another process took its port first (or, for
+/// a server listening on every address, could not bind its IPv4 one: it then runs, but
+/// 127.0.0.1 reaches the other process).
 #[derive(Debug)]
-struct PortTaken(String);
+pub(crate) struct PortTaken(pub(crate) String);
+
+/// Whether a server log says the postmaster lost its port to another process: a port
+/// picked by [`free_port`] is only free until someone else binds it.
+pub(crate) fn lost_its_port(log: &str) -> bool {
+    log.contains("could not create any TCP/IP sockets") || log.contains("Address already in use")
+}
 
 impl std::fmt::Display for PortTaken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
