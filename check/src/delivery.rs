@@ -12,17 +12,7 @@ pub(super) fn lost(cx: &Ctx, out: &mut Findings) {
     // had was committed on the old primary, in the history the failover may lose, as that
     // configuration allows. (One naming the newest epoch was committed on the promoted
     // standby: it must be kept. With a synchronous standby nothing may be lost.)
-    let async_failover = cx.h.iter().any(|e| {
-        matches!(
-            &e.line,
-            Line::Nemesis(Nemesis {
-                action: Action::ReplicationLinkCut {
-                    synchronous: Some(false)
-                },
-                ..
-            })
-        )
-    });
+    let async_failover = async_failover(cx.h);
     let newest = newest_epochs(cx.h);
     let mut old_lineage: HashSet<u64> = HashSet::new();
     for ok in &cx.send_oks {

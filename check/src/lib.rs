@@ -320,6 +320,23 @@ fn epochs_in(e: &Entry) -> Vec<(&str, i64)> {
     }
 }
 
+/// Whether the history has an asynchronous standby's promotion (issue 21): its replication
+/// link was cut as its primary died, so what the standby had not received is gone, as that
+/// configuration allows.
+fn async_failover(h: &[Entry]) -> bool {
+    h.iter().any(|e| {
+        matches!(
+            &e.line,
+            Line::Nemesis(Nemesis {
+                action: Action::ReplicationLinkCut {
+                    synchronous: Some(false)
+                },
+                ..
+            })
+        )
+    })
+}
+
 /// The newest epoch of each conversation anything in the history showed: what came under
 /// an older one belongs to a history the database lost (a failover), and the final read
 /// (heads, periods) is the new lineage's.

@@ -2308,3 +2308,78 @@ fn s1_does_not_judge_an_event_of_a_lost_history() {
     assert_eq!(s1.len(), 1, "{s1:?}");
     assert_eq!(s1[0].entries, vec![2]);
 }
+
+/// Issue 21 and D1: after an asynchronous standby's promotion, a probe taken once the
+/// gateways' database address moved to the standby, that does not find the event of a
+/// reply or push of the old epoch (committed on the old primary after the link was cut),
+/// read another history: it is neither `reply-before-commit` nor `push-before-commit`. The
+/// same probe before the move, with a synchronous standby, or of an event under the newest
+/// epoch is judged.
+#[test]
+fn a_probe_of_the_promoted_standby_judges_no_event_of_the_old_primary() {
+    let f = fin(&[("c1", 1, "m1", "a1", "x1")]);
+    let nemesis = |b: &mut B, op: &str, v: Value| b.line("harness", 0, Type::Nemesis, op, None, v);
+    let judged = |synchronous: bool, probe_after_move: bool, epoch: i64| {
+        let mut b = B::new();
+        nemesis(
+            &mut b,
+            "replication-link-cut",
+            json!({"phase": "instant", "synchronous": synchronous}),
+        );
+        let id = b.invoke(
+            "a1",
+            "send",
+            json!({"conv": "c1", "cmid": "x2", "body_len": 1}),
+        );
+        let ok = b.done(
+            "a1",
+            Type::Ok,
+            "send",
+            id,
+            json!({"conv": "c1", "seq": 2, "mid": "m2", "dup": false, "epoch": epoch}),
+        );
+        let push = b.line(
+            "b1",
+            1,
+            Type::Recv,
+            "push",
+            None,
+            json!({"conv": "c1", "seq": 2, "mid": "m2", "sender": "alice", "cmid": "x2",
+                   "epoch": epoch}),
+        );
+        let probes = |b: &mut B| {
+            b.probe(ok, "c1", 2, "m2", None, None);
+            b.probe(push, "c1", 2, "m2", None, None);
+        };
+        if !probe_after_move {
+            probes(&mut b);
+        }
+        nemesis(
+            &mut b,
+            "db-address-switch",
+            json!({"phase": "instant", "to": "127.0.0.1:2"}),
+        );
+        if probe_after_move {
+            probes(&mut b);
+        }
+        // The promoted standby's epoch, as a device saw it.
+        b.line(
+            "b1",
+            1,
+            Type::Recv,
+            "push",
+            None,
+            json!({"conv": "c1", "seq": 1, "mid": "m1", "sender": "alice", "cmid": "x1",
+                   "epoch": 2}),
+        );
+        let r = check(&b.h, &f);
+        (
+            r.counts[&Kind::ReplyBeforeCommit],
+            r.counts[&Kind::PushBeforeCommit],
+        )
+    };
+    assert_eq!(judged(false, true, 1), (0, 0));
+    assert_eq!(judged(false, false, 1), (1, 1), "probed before the move");
+    assert_eq!(judged(true, true, 1), (1, 1), "a synchronous standby");
+    assert_eq!(judged(false, true, 2), (1, 1), "the newest epoch");
+}
