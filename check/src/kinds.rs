@@ -64,9 +64,9 @@ kinds! {
     HeldLost = "held-lost", "D1/D6",
         "a device received (push or sync) an event whose row `(conv, seq)` is missing at the end or has another mid, and no later `epoch` line of that device moved that conversation's epoch (an epoch change excuses it only if it reached the device)";
     ReplyBeforeCommit = "reply-before-commit", "D1",
-        "a probe after a `sent` reply did not find the event";
+        "a probe after a `sent` reply did not find the event (not judged: a probe that read a promoted asynchronous standby after the database address moved, of an event that came before the move under an older epoch than its conversation's newest; the `lost` rule reports such a message as the failover's expected loss)";
     PushBeforeCommit = "push-before-commit", "D1",
-        "a probe after a push did not find the event";
+        "a probe after a push did not find the event (not judged: a probe that read a promoted asynchronous standby after the database address moved, of an event that came before the move under an older epoch than its conversation's newest; the `lost` rule reports such a message as the failover's expected loss)";
 }
 
 impl std::fmt::Display for Kind {
