@@ -81,10 +81,13 @@ impl<'a> OtherLineage<'a> {
         } else {
             Vec::new()
         };
-        OtherLineage {
-            switches,
-            newest: newest_epochs(h),
-        }
+        // The epochs matter only where the address moved.
+        let newest = if switches.is_empty() {
+            HashMap::new()
+        } else {
+            newest_epochs(h)
+        };
+        OtherLineage { switches, newest }
     }
 
     /// Whether `probe` read another history than the one `src` (a reply or push) came from.

@@ -2123,6 +2123,19 @@ fn a_history_of_twenty_thousand_lines_is_judged_quickly() {
 }
 
 impl B {
+    /// The promoted standby's epoch (2) of c1, as a device saw it: a push of m1 to b1.
+    fn promoted_epoch_seen(&mut self) -> u64 {
+        self.line(
+            "b1",
+            1,
+            Type::Recv,
+            "push",
+            None,
+            json!({"conv": "c1", "seq": 1, "mid": "m1", "sender": "alice", "cmid": "x1",
+                   "epoch": 2}),
+        )
+    }
+
     /// An `epoch` line: `dev` discarded what it held of `conv` (issue 21).
     fn epoch(&mut self, dev: &str, conv: &str, from: i64, to: i64) -> u64 {
         self.line(
@@ -2257,16 +2270,7 @@ fn an_asynchronous_failover_loss_is_expected_not_an_anomaly() {
             id,
             json!({"conv": "c1", "seq": 2, "mid": "m2", "dup": false, "epoch": second_epoch}),
         );
-        // The promoted standby's epoch, as a device saw it.
-        b.line(
-            "b1",
-            1,
-            Type::Recv,
-            "push",
-            None,
-            json!({"conv": "c1", "seq": 1, "mid": "m1", "sender": "alice", "cmid": "x1",
-                   "epoch": 2}),
-        );
+        b.promoted_epoch_seen();
         check(&b.h, &f)
     };
     for (synchronous, second_epoch, lost, expected) in
@@ -2362,16 +2366,7 @@ fn a_probe_of_the_promoted_standby_judges_no_event_of_the_old_primary() {
         if probe_after_move {
             probes(&mut b);
         }
-        // The promoted standby's epoch, as a device saw it.
-        b.line(
-            "b1",
-            1,
-            Type::Recv,
-            "push",
-            None,
-            json!({"conv": "c1", "seq": 1, "mid": "m1", "sender": "alice", "cmid": "x1",
-                   "epoch": 2}),
-        );
+        b.promoted_epoch_seen();
         let r = check(&b.h, &f);
         (
             r.counts[&Kind::ReplyBeforeCommit],
