@@ -341,37 +341,8 @@ fn parse_shard(s: &str) -> Result<(usize, usize), String> {
 }
 
 /// Seeds of the nemesis at once, as `make nemesis` runs them (clean series at this
-/// concurrency are in evidence/nemesis): a bug no fault exposes costs 20 seeds / 7 waves,
-/// and the recorded seeds of 7 bugs run side by side ([`recorded_seeds_at_once`]).
+/// concurrency are in evidence/nemesis), across the bugs ([`nemesis_part`]).
 const NEMESIS_JOBS: usize = 7;
-
-/// One bug under the nemesis: the seed an earlier run recorded as catching it
-/// (`recorded_seed`), when it was `tried` (one run, [`recorded_seeds_at_once`]) and still
-/// catches it; else seeds 1..=`seeds`, stopping at the first one that catches it.
-fn nemesis_control(
-    bug: &str,
-    env: &[(&str, String)],
-    seeds: u64,
-    gateways: u32,
-    recorded_seed: Option<u64>,
-    tried: Option<Value>,
-) -> anyhow::Result<Value> {
-    if let (Some(seed), Some(mut n)) = (recorded_seed, tried) {
-        if n["result"] == "CAUGHT" {
-            n["recorded_seed"] = json!(seed);
-            return Ok(n);
-        }
-        eprintln!("  {bug}: recorded nemesis seed {seed} no longer catches it: seeds 1..={seeds}");
-    }
-    let mut n = nemesis_series(bug, env, 1, seeds, gateways)?;
-    if let Some(seed) = recorded_seed {
-        n["recorded_seed"] = json!(seed);
-    }
-    if n["result"] == "MISSED" {
-        n["would_need"] = json!(nemesis_would_need(bug));
-    }
-    Ok(n)
-}
 
 /// A clean directory at `dir`: whatever an earlier run left there is removed first.
 fn fresh_dir(dir: &Path) -> anyhow::Result<()> {
@@ -418,22 +389,34 @@ fn nemesis_command(
     cmd
 }
 
-/// Seeds `first..first + seeds` of the nemesis against `bug`, stopping at the first that
-/// catches it.
-fn nemesis_series(
+/// One seed of the nemesis against `bug`, as it ended.
+#[derive(Debug)]
+struct SeedRun {
+    seed: u64,
+    /// The checker failed the run.
+    caught: bool,
+    /// The run could not be judged (`ERROR`: a heal that did not finish).
+    not_judged: bool,
+    /// Its anomaly kinds and the command that runs it again (null unless `caught`).
+    anomalies: Value,
+    repeat: Value,
+    started: Instant,
+    ended: Instant,
+}
+
+/// Seed `seed` of the nemesis against `bug` (environment `env`), its run under
+/// `{bug}-nemesis/seed-{seed}`.
+fn nemesis_run(
     bug: &str,
     env: &[(&str, String)],
-    first: u64,
-    seeds: u64,
+    seed: u64,
     gateways: u32,
-) -> anyhow::Result<Value> {
-    let dir = target_dir()
-        .join("imfault-controls")
-        .join(format!("{bug}-nemesis"));
+) -> anyhow::Result<SeedRun> {
+    let dir = nemesis_dir(bug).join(format!("seed-{seed}"));
     fresh_dir(&dir)?;
     let summary = dir.join("summary.json");
     let started = Instant::now();
-    let mut cmd = nemesis_command(&dir, &summary, first, seeds, gateways, env);
+    let mut cmd = nemesis_command(&dir, &summary, seed, 1, gateways, env);
     let out = cmd.output().context("run target/debug/nemesis")?;
     std::fs::write(dir.join("nemesis.log"), &out.stdout)?;
     let s: Value = serde_json::from_slice(&std::fs::read(&summary).with_context(|| {
@@ -446,28 +429,61 @@ fn nemesis_series(
                 .collect::<String>()
         )
     })?)?;
-    let runs = s["per_run"].as_array().cloned().unwrap_or_default();
-    // The lowest failing seed (runs are listed in the order they finished).
-    let catching = runs
-        .iter()
-        .filter(|r| r["verdict"] == Verdict::Fail)
-        .min_by_key(|r| r["seed"].as_u64());
-    let errors = runs
-        .iter()
-        .filter(|r| r["verdict"] == Verdict::Error)
-        .count();
-    Ok(json!({
+    let run = s["per_run"]
+        .as_array()
+        .and_then(|r| r.first())
+        .cloned()
+        .with_context(|| format!("nemesis seed {seed} of {bug}: its summary lists no run"))?;
+    let caught = run["verdict"] == Verdict::Fail;
+    Ok(SeedRun {
+        seed,
+        caught,
+        not_judged: run["verdict"] == Verdict::Error,
+        anomalies: if caught {
+            run["anomalies"].clone()
+        } else {
+            Value::Null
+        },
+        repeat: if caught {
+            run["repeat"].clone()
+        } else {
+            Value::Null
+        },
+        started,
+        ended: Instant::now(),
+    })
+}
+
+/// Where `bug`'s nemesis runs go.
+fn nemesis_dir(bug: &str) -> PathBuf {
+    target_dir()
+        .join("imfault-controls")
+        .join(format!("{bug}-nemesis"))
+}
+
+/// A bug's `nemesis` entry from its runs of seeds `first..=last` (`runs`, not empty):
+/// caught by the lowest seed that caught it; `wall_ms` from the first run's start to the
+/// last one's end (the runs of other bugs beside them).
+fn nemesis_entry(runs: &[SeedRun], first: u64, last: u64, gateways: u32) -> Value {
+    let catching = runs.iter().filter(|r| r.caught).min_by_key(|r| r.seed);
+    let start = runs.iter().map(|r| r.started).min();
+    let end = runs.iter().map(|r| r.ended).max();
+    let wall = match (start, end) {
+        (Some(s), Some(e)) => e.duration_since(s).as_millis() as u64,
+        _ => 0,
+    };
+    json!({
         "result": if catching.is_some() { "CAUGHT" } else { "MISSED" },
         "seeds_run": runs.len(),
         "first_seed": first,
-        "seeds_max": first + seeds - 1,
+        "seeds_max": last,
         "gateways": gateways,
-        "first_catching_seed": catching.map(|r| r["seed"].clone()),
-        "anomaly_kinds": catching.map(|r| r["anomalies"].clone()),
-        "repeat": catching.map(|r| r["repeat"].clone()),
-        "runs_not_judged": errors,
-        "wall_ms": started.elapsed().as_millis() as u64,
-    }))
+        "first_catching_seed": catching.map(|r| r.seed),
+        "anomaly_kinds": catching.map(|r| r.anomalies.clone()),
+        "repeat": catching.map(|r| r.repeat.clone()),
+        "runs_not_judged": runs.iter().filter(|r| r.not_judged).count(),
+        "wall_ms": wall,
+    })
 }
 
 fn parse_args() -> Opts {
@@ -1615,10 +1631,8 @@ fn suite_controls(
     results.into_iter().map(|(_, r)| r).collect()
 }
 
-/// The nemesis part of every bug: first the seeds the record says catch them,
-/// [`NEMESIS_JOBS`] bugs at once ([`recorded_seeds_at_once`]); then, one bug after the
-/// other, the series of those no recorded seed caught (each series runs [`NEMESIS_JOBS`]
-/// seeds at once).
+/// The nemesis part of every bug ([`nemesis_part`]), with the seeds the record says
+/// catch them, into each bug's entry.
 fn nemesis_controls(
     o: &Opts,
     bugs: &[(String, &str)],
@@ -1630,65 +1644,132 @@ fn nemesis_controls(
     if o.nemesis_seeds == 0 {
         return Ok(());
     }
+    eta.next_part();
+    eprintln!(
+        "controls: {} bugs under the nemesis, up to {} seeds each ({})",
+        bugs.len(),
+        o.nemesis_seeds,
+        eta.line()
+    );
     let seed_of = |bug: &str| record.get(bug).and_then(|r| r.nemesis_seed);
-    let tried = recorded_seeds_at_once(o, bugs, bugs_bin, &seed_of);
-    for (((bug, side), entry), tried) in bugs.iter().zip(controls.iter_mut()).zip(tried) {
-        eta.next_part();
-        eprintln!(
-            "controls: {bug} under the nemesis, up to {} seeds ({})",
-            o.nemesis_seeds,
-            eta.line()
-        );
-        let n = nemesis_control(
-            bug,
-            &bug_env(bug, side, bugs_bin),
-            o.nemesis_seeds,
-            o.nemesis_gateways,
-            seed_of(bug),
-            tried.transpose()?,
-        )?;
-        eprintln!(
-            "  {bug}: nemesis {} after {} seed(s)",
-            n["result"], n["seeds_run"]
-        );
-        entry["nemesis"] = n;
+    for (entry, n) in controls
+        .iter_mut()
+        .zip(nemesis_part(o, bugs, bugs_bin, &seed_of))
+    {
+        entry["nemesis"] = n?;
     }
     Ok(())
 }
 
-/// Each bug's recorded catching seed (`seed_of`, when within `--nemesis-seeds`), one run
-/// per bug, [`NEMESIS_JOBS`] bugs at once: as loaded as a seed of a series, and 19 bugs
-/// caught by their first seed cost three waves, not 19 seeds one after the other (about
-/// 380 s of the 1,808 s of the controls at 1b066a6). In `bugs`' order; `None` where no
-/// seed was tried.
-fn recorded_seeds_at_once(
+/// Every bug's nemesis part, in `bugs`' order, [`NEMESIS_JOBS`] seeds at once throughout:
+/// 1. each bug's recorded catching seed (`seed_of`, within `--nemesis-seeds`), one run per
+///    bug: 19 bugs caught by their recorded seed cost three waves, not 19 seeds one after
+///    the other (about 380 s of the 1,808 s of the controls at 1b066a6);
+/// 2. for every bug no recorded seed caught, seeds 1..=`--nemesis-seeds` as one queue,
+///    seed by seed across the bugs, no more of a bug's seeds started once one caught it:
+///    the seven places stay full from one bug's series to the next, where a series of its
+///    own ended in a tail of one or two seeds (59 to 80 s for 20 seeds at 1b066a6, about
+///    56 at the clean series' pace).
+fn nemesis_part(
     o: &Opts,
     bugs: &[(String, &str)],
     bugs_bin: &Path,
     seed_of: &(dyn Fn(&str) -> Option<u64> + Sync),
-) -> Vec<Option<anyhow::Result<Value>>> {
-    let tries: Vec<(usize, u64)> = bugs
-        .iter()
-        .enumerate()
-        .filter_map(|(i, (bug, _))| Some((i, seed_of(bug)?)))
-        .filter(|(_, s)| (1..=o.nemesis_seeds).contains(s))
-        .collect();
-    if !tries.is_empty() {
-        eprintln!(
-            "controls: the recorded nemesis seeds of {} bugs, {NEMESIS_JOBS} at once",
-            tries.len()
-        );
-    }
-    let done = scenarios::each_in_places(&tries, NEMESIS_JOBS, |_, &(i, seed)| {
-        let (bug, side) = &bugs[i];
-        let env = bug_env(bug, side, bugs_bin);
-        (i, nemesis_series(bug, &env, seed, 1, o.nemesis_gateways))
-    });
+) -> Vec<anyhow::Result<Value>> {
+    let (seeds, gateways) = (o.nemesis_seeds, o.nemesis_gateways);
+    let recorded = |i: usize| seed_of(&bugs[i].0).filter(|s| (1..=seeds).contains(s));
     let mut out: Vec<Option<anyhow::Result<Value>>> = (0..bugs.len()).map(|_| None).collect();
-    for (i, r) in done {
-        out[i] = Some(r);
+    for (i, (bug, _)) in bugs.iter().enumerate() {
+        if let Err(e) = fresh_dir(&nemesis_dir(bug)) {
+            out[i] = Some(Err(e));
+        }
     }
-    out
+    let tries: Vec<(usize, u64)> = (0..bugs.len())
+        .filter(|&i| out[i].is_none())
+        .filter_map(|i| Some((i, recorded(i)?)))
+        .collect();
+    let run = |i: usize, seed: u64| {
+        let (bug, side) = &bugs[i];
+        nemesis_run(bug, &bug_env(bug, side, bugs_bin), seed, gateways)
+    };
+    for (i, run) in runs_at_once(bugs.len(), NEMESIS_JOBS, &tries, run) {
+        let seed = tries.iter().find(|t| t.0 == i).map(|t| t.1);
+        out[i] = match run {
+            Ok(r) if r.caught => {
+                let mut n = nemesis_entry(std::slice::from_ref(&r), r.seed, r.seed, gateways);
+                n["recorded_seed"] = json!(seed);
+                Some(Ok(n))
+            }
+            Ok(_) => {
+                eprintln!(
+                    "  {}: recorded nemesis seed {} no longer catches it: seeds 1..={seeds}",
+                    bugs[i].0,
+                    seed.unwrap_or(0)
+                );
+                None
+            }
+            Err(e) => Some(Err(e)),
+        };
+    }
+    let left: Vec<usize> = (0..bugs.len()).filter(|&i| out[i].is_none()).collect();
+    let queue: Vec<(usize, u64)> = (1..=seeds)
+        .flat_map(|s| left.iter().map(move |&i| (i, s)))
+        .collect();
+    let mut runs: BTreeMap<usize, anyhow::Result<Vec<SeedRun>>> =
+        left.iter().map(|&i| (i, Ok(Vec::new()))).collect();
+    for (i, run) in runs_at_once(bugs.len(), NEMESIS_JOBS, &queue, run) {
+        let slot = runs.get_mut(&i).expect("a bug of the queue");
+        match (slot.as_mut(), run) {
+            (Ok(v), Ok(r)) => v.push(r),
+            (Ok(_), Err(e)) => *slot = Err(e),
+            (Err(_), _) => {}
+        }
+    }
+    for (i, r) in runs {
+        out[i] = Some(r.map(|v| {
+            let mut n = nemesis_entry(&v, 1, seeds, gateways);
+            if let Some(seed) = seed_of(&bugs[i].0) {
+                n["recorded_seed"] = json!(seed);
+            }
+            if n["result"] == "MISSED" {
+                n["would_need"] = json!(nemesis_would_need(&bugs[i].0));
+            }
+            eprintln!(
+                "  {}: nemesis {} after {} seed(s)",
+                bugs[i].0, n["result"], n["seeds_run"]
+            );
+            n
+        }));
+    }
+    out.into_iter()
+        .map(|n| n.unwrap_or_else(|| Err(anyhow::anyhow!("no nemesis run"))))
+        .collect()
+}
+
+/// `run(bug index, seed)` for each of `queue`, in its order, `places` at once; a bug's run
+/// is not started once one of its runs caught it (or failed to run). The runs done, in
+/// the order they were started.
+fn runs_at_once(
+    bugs: usize,
+    places: usize,
+    queue: &[(usize, u64)],
+    run: impl Fn(usize, u64) -> anyhow::Result<SeedRun> + Sync,
+) -> Vec<(usize, anyhow::Result<SeedRun>)> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let done: Vec<AtomicBool> = (0..bugs).map(|_| AtomicBool::new(false)).collect();
+    scenarios::each_in_places(queue, places, |_, &(i, seed)| {
+        if done[i].load(Ordering::SeqCst) {
+            return None;
+        }
+        let r = run(i, seed);
+        if r.as_ref().map_or(true, |r| r.caught) {
+            done[i].store(true, Ordering::SeqCst);
+        }
+        Some((i, r))
+    })
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 /// `--merge`: the existing file's entries with this run's in place of those it measured
@@ -1789,21 +1870,14 @@ fn nemesis_only(
             .with_context(|| format!("read {} (run make controls first)", out.display()))?,
     )
     .context("parse the existing controls result")?;
-    for (bug, side) in bugs {
-        let mut env = vec![("IM_BUG", bug.clone())];
-        if *side == "gateway" {
-            env.push(("IM_GATEWAY_BIN", bugs_bin.display().to_string()));
-        }
-        eprintln!(
-            "controls: {bug} under the nemesis, up to {} seeds",
-            o.nemesis_seeds
-        );
-        let mut n = nemesis_control(bug, &env, o.nemesis_seeds, o.nemesis_gateways, None, None)?;
+    eprintln!(
+        "controls: {} bugs under the nemesis, up to {} seeds each",
+        bugs.len(),
+        o.nemesis_seeds
+    );
+    for ((bug, _), n) in bugs.iter().zip(nemesis_part(o, bugs, bugs_bin, &|_| None)) {
+        let mut n = n?;
         n["git_commit"] = json!(git(&["rev-parse", "HEAD"]));
-        eprintln!(
-            "  {bug}: nemesis {} after {} seed(s)",
-            n["result"], n["seeds_run"]
-        );
         let entries = doc["controls"]
             .as_array_mut()
             .context("no controls in the file")?;
@@ -1841,6 +1915,53 @@ fn nemesis_only(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn seed_run(seed: u64, caught: bool) -> SeedRun {
+        let now = Instant::now();
+        SeedRun {
+            seed,
+            caught,
+            not_judged: false,
+            anomalies: if caught {
+                json!({"lost": 1})
+            } else {
+                Value::Null
+            },
+            repeat: Value::Null,
+            started: now,
+            ended: now,
+        }
+    }
+
+    /// The nemesis queue starts no more seeds of a bug once one caught it (or did not
+    /// run), goes on with the others, and the entry names the lowest catching seed.
+    #[test]
+    fn the_nemesis_queue_stops_a_bug_at_its_catch_and_goes_on_with_the_others() {
+        let queue: Vec<(usize, u64)> = (1..=5).flat_map(|s| [(0, s), (1, s), (2, s)]).collect();
+        let runs = runs_at_once(3, 1, &queue, |i, seed| match (i, seed) {
+            (0, 2) => Ok(seed_run(seed, true)),
+            (2, 3) => Err(anyhow::anyhow!("no summary")),
+            _ => Ok(seed_run(seed, false)),
+        });
+        let seeds = |bug: usize| -> Vec<u64> {
+            runs.iter()
+                .filter(|(i, _)| *i == bug)
+                .map(|(_, r)| r.as_ref().map_or(0, |r| r.seed))
+                .collect()
+        };
+        assert_eq!(seeds(0), vec![1, 2]);
+        assert_eq!(seeds(1), vec![1, 2, 3, 4, 5]);
+        assert_eq!(seeds(2), vec![1, 2, 0]);
+        let mine: Vec<SeedRun> = [3, 1, 2].into_iter().map(|s| seed_run(s, s >= 2)).collect();
+        let n = nemesis_entry(&mine, 1, 20, 3);
+        assert_eq!(n["result"], "CAUGHT");
+        assert_eq!(n["first_catching_seed"], 2);
+        assert_eq!(n["seeds_run"], 3);
+        assert_eq!(n["anomaly_kinds"], json!({"lost": 1}));
+        let missed = nemesis_entry(&[seed_run(1, false)], 1, 20, 3);
+        assert_eq!(missed["result"], "MISSED");
+        assert_eq!(missed["first_catching_seed"], Value::Null);
+    }
 
     /// nextest's status lines, with and without `--stress-count`'s iteration.
     #[test]
