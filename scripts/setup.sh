@@ -63,7 +63,13 @@ if [ -n "$missing" ]; then
     echo "setup:$missing missing (Debian: apt-get install -y$missing); their tests will be SKIPPED" >&2
   fi
 fi
-if ! cargo nextest --version >/dev/null 2>&1; then
-  echo "setup: installing cargo-nextest from crates.io"
+# .config/nextest.toml requires 0.9.91 (test priorities): an older one is replaced.
+nextest_ok() {
+  local v
+  v=$(cargo nextest --version 2>/dev/null | sed -n 's/^cargo-nextest \([0-9.]*\).*/\1/p' | head -1)
+  [ -n "$v" ] && [ "$(printf '%s\n%s\n' 0.9.91 "$v" | sort -V | head -1)" = 0.9.91 ]
+}
+if ! nextest_ok; then
+  echo "setup: installing cargo-nextest (0.9.91 or newer) from crates.io"
   cargo install cargo-nextest --locked
 fi
