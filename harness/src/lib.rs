@@ -1,6 +1,7 @@
 pub mod autofailover;
 pub mod balancer;
 pub mod client;
+pub mod client_files;
 pub mod container;
 pub mod gateway;
 pub mod history;

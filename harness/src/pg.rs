@@ -931,7 +931,12 @@ impl Drop for Cluster {
             drop(lazy);
         }
         let path = self.work_dir.display();
-        if defer_removal(&self.work_dir) {
+        let deferred = defer_removal(&self.work_dir);
+        if !deferred {
+            let kept = std::thread::panicking() || keep_requested() || self.keep;
+            crate::client_files::settle(&self.work_dir, kept);
+        }
+        if deferred {
             // The check that owns this process decides at its verdict (`finish_run`).
         } else if std::thread::panicking() {
             eprintln!("imfault: kept cluster work dir {path} (test failed)");
@@ -1005,6 +1010,9 @@ pub fn finish_run(keep: bool) -> Vec<PathBuf> {
     // many) removes a failed run's directories too.
     let keep = (keep && std::env::var("IMFAULT_KEEP_FAILED").map_or(true, |v| v != "0"))
         || keep_requested();
+    for d in &dirs {
+        crate::client_files::settle(d, keep);
+    }
     if keep {
         return dirs;
     }

@@ -369,10 +369,10 @@ async fn check_gateway_binary(opts: &GatewayOpts) -> anyhow::Result<()> {
     .context("join the gateway binary check")?
 }
 
-/// The clients' directory and the history, in `pg`'s work directory.
+/// The clients' directory ([`crate::client_files`]) and the history, in `pg`'s work
+/// directory.
 fn open_history(pg: &Cluster) -> anyhow::Result<History> {
-    let clients = pg.work_dir().join("clients");
-    std::fs::create_dir_all(&clients).with_context(|| format!("create {}", clients.display()))?;
+    crate::client_files::make(pg.work_dir())?;
     History::create(&pg.work_dir().join("history.jsonl"))
 }
 
