@@ -26,8 +26,8 @@ use anyhow::Context as _;
 const RAM_FS: &str = "/dev/shm";
 /// Room the RAM file system must have left for a new clients' directory.
 const RAM_FREE_MIN: u64 = 1 << 30;
-/// Name prefix of a clients' directory on the RAM file system: the work directory's name
-/// follows.
+/// Name prefix of a clients' directory on the RAM file system: the id of the process that
+/// made it, a dash and the work directory's name follow.
 const PREFIX: &str = "imfault-clients-";
 
 /// Makes `work_dir/clients` (see the module doc) and returns it.
@@ -77,27 +77,38 @@ pub fn settle(work_dir: &Path, keep: bool) {
 
 /// The RAM directory for `work_dir`'s clients, if they go to RAM.
 fn ram_dir_for(work_dir: &Path) -> Option<PathBuf> {
-    if std::env::var("IMFAULT_CLIENTS_IN_RAM").is_ok_and(|v| v == "0") {
+    if std::env::var("IMFAULT_CLIENTS_IN_RAM").is_ok_and(|v| v == "0")
+        || crate::util::file_system_of(work_dir) == "tmpfs"
+    {
         return None;
     }
     let name = work_dir.file_name()?.to_str()?;
-    let st = nix::sys::statvfs::statvfs(RAM_FS).ok()?;
-    let free = (st.blocks_available() as u64).saturating_mul(st.fragment_size() as u64);
-    (free >= RAM_FREE_MIN).then(|| Path::new(RAM_FS).join(format!("{PREFIX}{name}")))
+    let pid = std::process::id();
+    crate::util::has_room(Path::new(RAM_FS), RAM_FREE_MIN)
+        .then(|| Path::new(RAM_FS).join(format!("{PREFIX}{pid}-{name}")))
 }
 
-/// Removes the RAM directories whose work directory is gone (a test process killed before
-/// its drop ran): they would hold memory for ever.
+/// Removes the RAM directories whose process is gone (killed before its drops ran): they
+/// would hold memory for ever. A process id used again keeps its predecessor's directory
+/// until that one is gone too, which is harmless.
 fn remove_orphans() {
     let Ok(entries) = fs::read_dir(RAM_FS) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(work) = name.strip_prefix(PREFIX) else {
+        let Some(pid) = name
+            .strip_prefix(PREFIX)
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<i32>().ok())
+        else {
             continue;
         };
-        if !std::env::temp_dir().join(work).exists() {
+        let gone = matches!(
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
+            Err(nix::errno::Errno::ESRCH)
+        );
+        if gone {
             let _ = fs::remove_dir_all(e.path());
         }
     }
@@ -149,5 +160,29 @@ mod tests {
                 assert!(!kept.exists());
             }
         }
+    }
+
+    /// A RAM directory whose process is gone is removed when another is made; one whose
+    /// process lives stays.
+    #[test]
+    fn orphans_of_dead_processes_are_removed_and_the_living_keep_theirs() {
+        if !Path::new(RAM_FS).is_dir() {
+            return;
+        }
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let orphan = Path::new(RAM_FS).join(format!("{PREFIX}{dead}-imfault-orphan-test"));
+        let mine = Path::new(RAM_FS).join(format!(
+            "{PREFIX}{}-imfault-living-test",
+            std::process::id()
+        ));
+        for d in [&orphan, &mine] {
+            fs::create_dir_all(d).unwrap();
+        }
+        remove_orphans();
+        assert!(!orphan.exists(), "{} stayed", orphan.display());
+        assert!(mine.exists(), "{} was removed", mine.display());
+        fs::remove_dir_all(&mine).unwrap();
     }
 }

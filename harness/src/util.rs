@@ -352,6 +352,34 @@ pub fn human_s(s: f64) -> String {
     }
 }
 
+/// Whether the file system of `dir` has at least `bytes` free.
+pub fn has_room(dir: &std::path::Path, bytes: u64) -> bool {
+    nix::sys::statvfs::statvfs(dir)
+        .is_ok_and(|st| st.blocks_available().saturating_mul(st.fragment_size()) >= bytes)
+}
+
+/// The type of the file system `path` is on: `tmpfs`, `ext4`, `xfs`, `btrfs`, `overlay`,
+/// `fuse`, else its magic number in hex.
+pub fn file_system_of(path: &std::path::Path) -> String {
+    use nix::sys::statfs as f;
+    let Ok(st) = f::statfs(path) else {
+        return "unknown".into();
+    };
+    let t = st.filesystem_type();
+    let known = [
+        (f::TMPFS_MAGIC, "tmpfs"),
+        (f::EXT4_SUPER_MAGIC, "ext4"),
+        (f::XFS_SUPER_MAGIC, "xfs"),
+        (f::BTRFS_SUPER_MAGIC, "btrfs"),
+        (f::OVERLAYFS_SUPER_MAGIC, "overlay"),
+        (f::FUSE_SUPER_MAGIC, "fuse"),
+    ];
+    known
+        .iter()
+        .find(|(m, _)| *m == t)
+        .map_or_else(|| format!("{:#x}", t.0), |(_, n)| n.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     /// Issue 41: evidence/ of a work tree is written only while the tree (evidence/ aside)

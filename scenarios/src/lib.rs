@@ -433,6 +433,12 @@ pub async fn durability_settings(
     m.insert("server.fsync".to_string(), fsync);
     m.insert("server.synchronous_commit".to_string(), sync_commit);
     m.insert("server.full_page_writes".to_string(), fpw);
+    // Where the data directory is: a RAM file system under cargo-nextest when it has room
+    // (`harness::pg::work_base`), where a flush reaches memory only.
+    m.insert(
+        "data_directory.file_system".to_string(),
+        harness::util::file_system_of(w.work_dir()),
+    );
     for (k, v) in w.gw().session_durability() {
         m.insert(format!("gateway_session.{k}"), v);
     }

@@ -159,7 +159,8 @@ fn repro_prints_json_then_a_verdict_and_cleans_up() {
         assert_eq!(doc["checker"]["verdict"], "PASS", "{doc}");
         assert_eq!(doc["events_rows_c1"], 1, "{doc}");
         let prefix = format!("imfault-{pid}-");
-        let left: Vec<PathBuf> = std::fs::read_dir(std::env::temp_dir())
+        // Where the harness made it: under cargo-nextest a RAM file system (`work_base`).
+        let left: Vec<PathBuf> = std::fs::read_dir(harness::pg::work_base())
             .expect("list the temporary directory")
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| {
