@@ -1726,24 +1726,35 @@ fn nemesis_part(
         }
     }
     for (i, r) in runs {
-        out[i] = Some(r.map(|v| {
-            let mut n = nemesis_entry(&v, 1, seeds, gateways);
-            if let Some(seed) = seed_of(&bugs[i].0) {
-                n["recorded_seed"] = json!(seed);
-            }
-            if n["result"] == "MISSED" {
-                n["would_need"] = json!(nemesis_would_need(&bugs[i].0));
-            }
-            eprintln!(
-                "  {}: nemesis {} after {} seed(s)",
-                bugs[i].0, n["result"], n["seeds_run"]
-            );
-            n
-        }));
+        let (bug, recorded) = (&bugs[i].0, seed_of(&bugs[i].0));
+        out[i] = Some(r.map(|v| series_entry(bug, &v, recorded, seeds, gateways)));
     }
     out.into_iter()
         .map(|n| n.unwrap_or_else(|| Err(anyhow::anyhow!("no nemesis run"))))
         .collect()
+}
+
+/// `bug`'s `nemesis` entry from its runs of seeds 1..=`seeds` (`runs`), with the seed the
+/// record named (`recorded`) and, when missed, what the nemesis would need.
+fn series_entry(
+    bug: &str,
+    runs: &[SeedRun],
+    recorded: Option<u64>,
+    seeds: u64,
+    gateways: u32,
+) -> Value {
+    let mut n = nemesis_entry(runs, 1, seeds, gateways);
+    if let Some(seed) = recorded {
+        n["recorded_seed"] = json!(seed);
+    }
+    if n["result"] == "MISSED" {
+        n["would_need"] = json!(nemesis_would_need(bug));
+    }
+    eprintln!(
+        "  {bug}: nemesis {} after {} seed(s)",
+        n["result"], n["seeds_run"]
+    );
+    n
 }
 
 /// `run(bug index, seed)` for each of `queue`, in its order, `places` at once; a bug's run
