@@ -986,24 +986,7 @@ impl Drop for Formation {
                 }
             }
         }
-        let path = self.work_dir.display();
-        let deferred = pg::defer_removal(&self.work_dir);
-        if !deferred {
-            let kept = (std::thread::panicking() && pg::keep_failed())
-                || pg::keep_requested()
-                || self.keep;
-            crate::client_files::settle(&self.work_dir, kept);
-        }
-        if deferred {
-            // The check that owns this process decides at its verdict (`finish_run`).
-        } else if (std::thread::panicking() && pg::keep_failed())
-            || pg::keep_requested()
-            || self.keep
-        {
-            eprintln!("imfault: kept pg_auto_failover work dir {path}");
-        } else if let Err(e) = fs::remove_dir_all(&self.work_dir) {
-            eprintln!("imfault: could not remove pg_auto_failover work dir {path}: {e}");
-        }
+        pg::leave_work_dir(&self.work_dir, self.keep, "pg_auto_failover");
     }
 }
 

@@ -22,8 +22,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 
-/// The RAM file system the clients' directories go to.
-const RAM_FS: &str = "/dev/shm";
+/// The RAM file system the clients' directories go to (and, under cargo-nextest, the
+/// work directories themselves: `pg::work_base`).
+pub(crate) const RAM_FS: &str = "/dev/shm";
 /// Room the RAM file system must have left for a new clients' directory.
 const RAM_FREE_MIN: u64 = 1 << 30;
 /// Name prefix of a clients' directory on the RAM file system: the id of the process that

@@ -930,23 +930,7 @@ impl Drop for Cluster {
             }
             drop(lazy);
         }
-        let path = self.work_dir.display();
-        let deferred = defer_removal(&self.work_dir);
-        if !deferred {
-            let kept = (std::thread::panicking() && keep_failed()) || keep_requested() || self.keep;
-            crate::client_files::settle(&self.work_dir, kept);
-        }
-        if deferred {
-            // The check that owns this process decides at its verdict (`finish_run`).
-        } else if std::thread::panicking() && keep_failed() {
-            eprintln!("imfault: kept cluster work dir {path} (test failed)");
-        } else if keep_requested() {
-            eprintln!("imfault: kept cluster work dir {path} (IMFAULT_KEEP=1)");
-        } else if self.keep {
-            eprintln!("imfault: kept cluster work dir {path}");
-        } else if let Err(e) = fs::remove_dir_all(&self.work_dir) {
-            eprintln!("imfault: could not remove cluster work dir {path}: {e}");
-        }
+        leave_work_dir(&self.work_dir, self.keep, "cluster");
     }
 }
 
@@ -1053,6 +1037,36 @@ pub(crate) fn defer_removal(dir: &Path) -> bool {
         .unwrap_or_else(|p| p.into_inner())
         .as_ref()
         .is_some_and(|r| r.dirs.iter().any(|d| d == dir))
+}
+
+/// What a dropped cluster or formation (`what`) does with its work directory `dir`:
+/// nothing while a run owns it (`finish_run` decides at the check's verdict); kept, with
+/// its clients' files settled into it ([`crate::client_files::settle`]), when its test
+/// failed (unless `IMFAULT_KEEP_FAILED=0`), with `IMFAULT_KEEP=1` or when `keep`; else
+/// removed.
+pub(crate) fn leave_work_dir(dir: &Path, keep: bool, what: &str) {
+    if defer_removal(dir) {
+        return;
+    }
+    let why = if std::thread::panicking() && keep_failed() {
+        Some(" (test failed)")
+    } else if keep_requested() {
+        Some(" (IMFAULT_KEEP=1)")
+    } else {
+        keep.then_some("")
+    };
+    crate::client_files::settle(dir, why.is_some());
+    match why {
+        Some(why) => eprintln!("imfault: kept {what} work dir {}{why}", dir.display()),
+        None => {
+            if let Err(e) = fs::remove_dir_all(dir) {
+                eprintln!(
+                    "imfault: could not remove {what} work dir {}: {e}",
+                    dir.display()
+                );
+            }
+        }
+    }
 }
 
 /// Unless `IMFAULT_KEEP_FAILED=0` (`make controls`, whose failures are expected by the
@@ -1306,15 +1320,13 @@ pub fn work_base() -> PathBuf {
         _ => {}
     }
     if std::env::var_os("NEXTEST").is_some()
-        && crate::util::has_room(Path::new(WORK_RAM), WORK_RAM_FREE_MIN)
+        && crate::util::has_room(Path::new(crate::client_files::RAM_FS), WORK_RAM_FREE_MIN)
     {
-        return PathBuf::from(WORK_RAM);
+        return PathBuf::from(crate::client_files::RAM_FS);
     }
     std::env::temp_dir()
 }
 
-/// The RAM file system [`work_base`] chooses under cargo-nextest.
-const WORK_RAM: &str = "/dev/shm";
 /// Room the RAM file system must have left for [`work_base`] to choose it.
 const WORK_RAM_FREE_MIN: u64 = 4 << 30;
 

@@ -353,23 +353,23 @@ fn fresh_dir(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The nemesis over seeds `first..first + seeds`, stopping at the first failure, its runs
-/// under `dir` and its summary in `summary`, in the bug's environment `env`.
+/// Seed `seed` of the nemesis, its run under `dir` and its summary in `summary`, in the
+/// bug's environment `env`. `--jobs` only makes the nemesis run the seed in a child
+/// process, as each seed of its own series runs; the queue across the bugs
+/// ([`nemesis_part`]) is what runs [`NEMESIS_JOBS`] at once.
 fn nemesis_command(
     dir: &Path,
     summary: &Path,
-    first: u64,
-    seeds: u64,
+    seed: u64,
     gateways: u32,
     env: &[(&str, String)],
 ) -> Command {
     let mut cmd = Command::new(target_dir().join("debug/nemesis"));
     cmd.args([
         "--first-seed",
-        &first.to_string(),
+        &seed.to_string(),
         "--seeds",
-        &seeds.to_string(),
-        "--stop-at-first-failure",
+        "1",
         "--jobs",
         &NEMESIS_JOBS.to_string(),
         "--gateways",
@@ -416,7 +416,7 @@ fn nemesis_run(
     fresh_dir(&dir)?;
     let summary = dir.join("summary.json");
     let started = Instant::now();
-    let mut cmd = nemesis_command(&dir, &summary, seed, 1, gateways, env);
+    let mut cmd = nemesis_command(&dir, &summary, seed, gateways, env);
     let out = cmd.output().context("run target/debug/nemesis")?;
     std::fs::write(dir.join("nemesis.log"), &out.stdout)?;
     let s: Value = serde_json::from_slice(&std::fs::read(&summary).with_context(|| {
