@@ -24,6 +24,8 @@ use crate::process::set_parent_death_signal;
 /// connections there.
 const CHECK_INTER_MS: u64 = 200;
 const CHECK_FALL: u32 = 2;
+/// How long HAProxy may take to listen (it takes about 40 ms here).
+const START_WITHIN: Duration = Duration::from_secs(5);
 
 /// The running balancer; killed on drop.
 pub struct Balancer {
@@ -107,7 +109,7 @@ impl Balancer {
             servers: backends.len(),
             _dir: dir,
         };
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + START_WITHIN;
         loop {
             if let Some(status) = b.child.try_wait()? {
                 anyhow::bail!(
@@ -115,12 +117,20 @@ impl Balancer {
                     std::fs::read_to_string(b._dir.path().join("haproxy.log")).unwrap_or_default()
                 );
             }
-            if tokio::net::TcpStream::connect(b.addr).await.is_ok() && b.admin.exists() {
+            let listens = tokio::net::TcpStream::connect(b.addr).await.is_ok();
+            if listens && b.admin.exists() {
                 return Ok(b);
             }
             anyhow::ensure!(
                 Instant::now() < deadline,
-                "haproxy did not listen within 5 s"
+                "haproxy (pid {}, {}) did not listen within {START_WITHIN:?}: port {} {}, admin \
+                 socket {}; its log:\n{}",
+                b.child.id(),
+                process_state(b.child.id()),
+                b.addr.port(),
+                if listens { "answers" } else { "refused" },
+                if b.admin.exists() { "there" } else { "missing" },
+                std::fs::read_to_string(b._dir.path().join("haproxy.log")).unwrap_or_default()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -182,6 +192,21 @@ impl Balancer {
             })
             .collect())
     }
+}
+
+/// A process's state as `/proc/PID/stat` has it (`R` running, `S` sleeping, `T` stopped...),
+/// for an error that must say why a child did not do what it was started for.
+fn process_state(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or_else(
+        |e| format!("no /proc entry: {e}"),
+        |stat| {
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().next())
+                .unwrap_or("?");
+            format!("state {state}")
+        },
+    )
 }
 
 impl Drop for Balancer {

@@ -111,6 +111,31 @@ pub struct Cluster {
     /// `IMFAULT_PG=container`: the server runs in this container instead of as `child`,
     /// and `port` is the container's proxy (docker maps a new host port on every start).
     container: Option<PgContainer>,
+    /// Where the last disk faults began ([`Cluster::set_disk_faults`]).
+    fault_mark: Option<FaultMark>,
+}
+
+/// The server log's length and the layer's failed `fsync`s when disk faults were put in
+/// force: what [`Cluster::disk_fault_aftermath`] reads from.
+#[derive(Debug, Clone, Copy)]
+struct FaultMark {
+    log_len: usize,
+    fsync_errors: u64,
+}
+
+/// Where the server is in the aftermath of the last disk faults
+/// ([`Cluster::disk_fault_aftermath`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Aftermath {
+    /// No crash since the faults began, or the last one is over (the server said it is
+    /// ready again after it).
+    Over,
+    /// An `fsync` failed and the log has no PANIC yet: the process it failed in has not run
+    /// since (PostgreSQL PANICs on a failed `fsync` of WAL or of a data file).
+    PanicOwed,
+    /// A PANIC (or a server process ended by a signal) after the last "ready to accept
+    /// connections": the postmaster is ending the backends or running crash recovery.
+    Recovering,
 }
 
 /// How a cluster is set up beyond the defaults.
@@ -153,6 +178,7 @@ impl Cluster {
             settings: opts.settings.clone(),
             lazy: None,
             container: None,
+            fault_mark: None,
         };
         if let Err(e) = cluster.prepare(&template, opts.lazyfs).await {
             cluster.keep = true;
@@ -187,6 +213,7 @@ impl Cluster {
             settings: opts.settings.clone(),
             lazy: None,
             container: None,
+            fault_mark: None,
         };
         cluster.make_dirs()?;
         let mut settings: Vec<(String, String)> = SERVER_SETTINGS
@@ -635,6 +662,7 @@ impl Cluster {
             settings,
             lazy: None,
             container: None,
+            fault_mark: None,
         };
         let made = async {
             cluster.make_dirs()?;
@@ -832,15 +860,41 @@ impl Cluster {
     }
 
     /// The disk faults in force on the layer from now on (issue 21); an error without it.
-    pub fn set_disk_faults(&self, faults: lazyfs::DiskFaults) -> anyhow::Result<()> {
+    pub fn set_disk_faults(&mut self, faults: lazyfs::DiskFaults) -> anyhow::Result<()> {
         let Some(lazy) = &self.lazy else {
             bail!(
                 "disk faults: the cluster on port {} has no lazyfs layer",
                 self.port
             );
         };
+        if faults != lazyfs::DiskFaults::default() && lazy.faults() == lazyfs::DiskFaults::default()
+        {
+            let fsync_errors = lazy.stats().fsync_errors.load(Ordering::Relaxed);
+            self.fault_mark = Some(FaultMark {
+                log_len: self.server_log().len(),
+                fsync_errors,
+            });
+        }
         lazy.set_faults(faults);
         Ok(())
+    }
+
+    /// Where the server is in the aftermath of the last disk faults, as its log since they
+    /// began says ([`aftermath`]); `None` when no disk fault was ever put in force.
+    /// PostgreSQL PANICs on a failed `fsync` (and on a WAL write that found the disk full),
+    /// and the postmaster then ends every backend and runs crash recovery: until that is
+    /// over, a backend that was not the one to fail may still answer a query, so "the
+    /// database answers" does not yet say the fault's consequences are over (nemesis seed
+    /// 28 on three gateways at 5fbb45c: a disk fault ended, the database answered, and a
+    /// crash recovery of 1.7 s followed, judged as a late sweep).
+    pub fn disk_fault_aftermath(&self) -> Option<Aftermath> {
+        let (lazy, mark) = (self.lazy.as_ref()?, self.fault_mark?);
+        let failed = lazy.stats().fsync_errors.load(Ordering::Relaxed) > mark.fsync_errors;
+        let log = self.server_log();
+        Some(aftermath(
+            log.get(mark.log_len..).unwrap_or_default(),
+            failed,
+        ))
     }
 
     /// The layer's counters (null without it).
@@ -931,6 +985,21 @@ impl Drop for Cluster {
             drop(lazy);
         }
         leave_work_dir(&self.work_dir, self.keep, "cluster");
+    }
+}
+
+/// Where a server whose log `since` disk faults began is this is in their aftermath
+/// ([`Aftermath`]); `fsync_failed`: the layer failed an `fsync` since.
+pub(crate) fn aftermath(since: &str, fsync_failed: bool) -> Aftermath {
+    let crash = since
+        .rfind("PANIC:")
+        .max(since.rfind("was terminated by signal"));
+    let ready = since.rfind("database system is ready to accept connections");
+    match crash {
+        None if fsync_failed => Aftermath::PanicOwed,
+        None => Aftermath::Over,
+        Some(c) if ready.is_some_and(|r| r > c) => Aftermath::Over,
+        Some(_) => Aftermath::Recovering,
     }
 }
 
@@ -1361,6 +1430,7 @@ impl Cluster {
             settings: Vec::new(),
             lazy: None,
             container: None,
+            fault_mark: None,
         };
         cluster.make_dirs()?;
         Ok(cluster)
@@ -1468,6 +1538,101 @@ mod tests {
         assert_eq!(b.setting("max_connections").await?, "200");
         assert!(a.restart().await.is_ok());
         assert!(a.restart().await.is_err(), "restart of a running cluster");
+        Ok(())
+    }
+
+    /// The aftermath of disk faults as a server log tells it: nothing, a PANIC owed by a
+    /// failed `fsync`, a crash under way (PANIC, or a process ended by a signal, with no
+    /// "ready" after it) and a crash over.
+    #[test]
+    fn the_aftermath_of_disk_faults_is_read_from_the_log() {
+        let panic = "2026-12-07 13:44:01 UTC [91] PANIC:  could not fsync file \"pg_wal/000000010000000000000001\": Input/output error\n";
+        let killed = "2026-12-07 13:44:01 UTC [80] LOG:  server process (PID 91) was terminated by signal 6: Aborted\n";
+        let ready =
+            "2026-12-07 13:44:03 UTC [80] LOG:  database system is ready to accept connections\n";
+        assert_eq!(aftermath("", false), Aftermath::Over);
+        assert_eq!(aftermath("", true), Aftermath::PanicOwed);
+        assert_eq!(aftermath(panic, true), Aftermath::Recovering);
+        assert_eq!(aftermath(killed, false), Aftermath::Recovering);
+        assert_eq!(
+            aftermath(&format!("{panic}{killed}"), true),
+            Aftermath::Recovering
+        );
+        assert_eq!(
+            aftermath(&format!("{panic}{killed}{ready}"), true),
+            Aftermath::Over
+        );
+        // A second crash after the server was ready again is under way.
+        assert_eq!(
+            aftermath(&format!("{panic}{ready}{killed}"), true),
+            Aftermath::Recovering
+        );
+        // A restart that was not a crash leaves it over.
+        assert_eq!(aftermath(ready, false), Aftermath::Over);
+    }
+
+    /// Proves the disk faults' aftermath is seen on a live server: a commit under failing
+    /// `fsync`s PANICs PostgreSQL; once the faults are cleared the aftermath is not over
+    /// until the server says it is ready again, and then it answers. Without the aftermath
+    /// (a fault's end that only asked "does it answer") the nemesis judged a crash recovery
+    /// after the fault as a late sweep. Skipped without /dev/fuse.
+    #[tokio::test]
+    async fn a_failed_fsync_is_over_only_after_its_crash_recovery() -> anyhow::Result<()> {
+        if let Err(why) = LazyFs::available() {
+            eprintln!("skipped: {why}");
+            return Ok(());
+        }
+        let mut cluster = match Cluster::start_with(ClusterOpts {
+            lazyfs: true,
+            settings: Vec::new(),
+        })
+        .await
+        {
+            Ok(c) => c,
+            Err(e) if format!("{e:#}").contains("mount the lazyfs layer") => {
+                eprintln!("skipped: {e:#}");
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        assert_eq!(cluster.disk_fault_aftermath(), None, "no fault yet");
+        let pool = cluster.pool().await?;
+        sqlx::query("CREATE TABLE t (id int PRIMARY KEY)")
+            .execute(&pool)
+            .await?;
+        cluster.set_disk_faults(lazyfs::DiskFaults {
+            fsync_eio: true,
+            ..Default::default()
+        })?;
+        assert_eq!(cluster.disk_fault_aftermath(), Some(Aftermath::Over));
+        let commit = sqlx::query("INSERT INTO t VALUES (1)").execute(&pool).await;
+        assert!(
+            commit.is_err(),
+            "a commit whose WAL fsync failed was acknowledged"
+        );
+        cluster.set_disk_faults(lazyfs::DiskFaults::default())?;
+        pool.close().await;
+        let seen = cluster.disk_fault_aftermath();
+        assert!(
+            matches!(seen, Some(Aftermath::Recovering | Aftermath::PanicOwed)),
+            "a failed WAL fsync left no crash to wait for: {seen:?}"
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while cluster.disk_fault_aftermath() != Some(Aftermath::Over) {
+            if !cluster.is_running() {
+                // Its crash recovery failed on the disk: started again, as the nemesis does.
+                cluster.restart().await?;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the crash never ended: {}",
+                cluster.server_log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let pool = cluster.pool().await?;
+        sqlx::query("SELECT 1").execute(&pool).await?;
+        pool.close().await;
         Ok(())
     }
 

@@ -35,7 +35,7 @@ impl World {
     /// Puts `faults` in force on the database's LazyFS layer (issue 21), recorded as a
     /// `disk-fault` period that [`World::end_disk_faults`] ends.
     pub fn start_disk_faults(
-        &self,
+        &mut self,
         faults: crate::lazyfs::DiskFaults,
     ) -> anyhow::Result<DiskFaultPeriod> {
         self.pg.set_disk_faults(faults)?;
@@ -44,7 +44,7 @@ impl World {
     }
 
     /// Ends what [`World::start_disk_faults`] started: the layer has no fault from now on.
-    pub fn end_disk_faults(&self, p: DiskFaultPeriod) -> anyhow::Result<()> {
+    pub fn end_disk_faults(&mut self, p: DiskFaultPeriod) -> anyhow::Result<()> {
         let r = self.pg.set_disk_faults(Default::default());
         self.hist
             .nemesis_end(p.id, Action::DiskFault { faults: p.faults });

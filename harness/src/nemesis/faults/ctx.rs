@@ -13,6 +13,7 @@ use serde_json::Value;
 use super::CrashSwitches;
 use crate::lazyfs::{Cut, DiskFaults};
 use crate::nemesis::supervisor::Supervisor;
+use crate::pg::Aftermath;
 use crate::proxy::{Condition, Proxy};
 use crate::world::World;
 
@@ -75,8 +76,13 @@ impl FaultCtx<'_> {
     }
 
     /// The disk faults in force on the database's LazyFS layer.
-    pub fn set_disk_faults(&self, faults: DiskFaults) -> anyhow::Result<()> {
+    pub fn set_disk_faults(&mut self, faults: DiskFaults) -> anyhow::Result<()> {
         self.w.pg.set_disk_faults(faults)
+    }
+
+    /// Where the database is in the aftermath of the last disk faults.
+    pub fn disk_fault_aftermath(&self) -> Option<Aftermath> {
+        self.w.pg.disk_fault_aftermath()
     }
 
     /// Whether the database answers `SELECT 1` within `within`.

@@ -6,20 +6,24 @@
 //!
 //! PostgreSQL PANICs on a failed `fsync`, and when its crash recovery fails on the same disk
 //! the postmaster exits for good: the fault's end then starts it again, as its service
-//! manager would, and every end waits (bounded) until the database answers, so what follows
-//! is judged on a database that runs.
+//! manager would, and every end waits (bounded) until the database answers and any crash
+//! recovery the fault caused is over, so what follows is judged on a database that runs.
 //!
 //! Must not: touch the gateway process or the network.
 
 use super::{Drawn, FaultCtx, Package, Targets};
 use crate::lazyfs::DiskFaults;
 use crate::nemesis::rng::Rng;
+use crate::pg::Aftermath;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::time::Duration;
 
 /// How long a disk fault's end waits for the database to answer again.
 const BACK_WITHIN: Duration = Duration::from_secs(20);
+/// How long a disk fault's end waits for the PANIC a failed `fsync` owes (the failing
+/// process logs it as soon as it runs again; on a loaded machine that may take a while).
+const PANIC_GRACE: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
@@ -133,16 +137,24 @@ impl DiskFault {
             DiskFault::DiskTornPowerCut => cx.restart_pg().await?,
             _ => cx.set_disk_faults(DiskFaults::default())?,
         }
-        let (waited, restarts) = back(cx).await?;
-        Ok(json!({"postgres_restarts": restarts, "answered_after_ms": waited}))
+        let (waited, restarts, after) = back(cx).await?;
+        Ok(
+            json!({"postgres_restarts": restarts, "answered_after_ms": waited,
+            "aftermath": after.map(|a| format!("{a:?}"))}),
+        )
     }
 }
 
-/// Waits (at most [`BACK_WITHIN`]) until the database answers a query, starting the
-/// postmaster again whenever it is found gone (a crash recovery that failed on the faulty
-/// disk, even one that fails after the fault ended, ends it for good). Returns the wait
-/// (ms) and the restarts it made.
-async fn back(cx: &mut FaultCtx<'_>) -> anyhow::Result<(u64, u32)> {
+/// Waits (at most [`BACK_WITHIN`]) until the database answers a query and any crash the
+/// fault caused is over, starting the postmaster again whenever it is found gone (a crash
+/// recovery that failed on the faulty disk, even one that fails after the fault ended, ends
+/// it for good). "Answers" alone is not enough: PostgreSQL PANICs on a failed `fsync`, and
+/// until the postmaster has ended every backend, one that did not fail still answers; a
+/// crash recovery then follows the fault's end, and what the run does in it would be judged
+/// as if the database were up ([`Aftermath`]). A PANIC owed by a failed `fsync` and not yet
+/// logged is waited for [`PANIC_GRACE`] at most: not every `fsync` PostgreSQL makes is one
+/// it PANICs on. Returns the wait (ms), the restarts it made and the last aftermath seen.
+async fn back(cx: &mut FaultCtx<'_>) -> anyhow::Result<(u64, u32, Option<Aftermath>)> {
     let t = std::time::Instant::now();
     let mut restarts = 0;
     let mut last = String::new();
@@ -151,8 +163,15 @@ async fn back(cx: &mut FaultCtx<'_>) -> anyhow::Result<(u64, u32)> {
             cx.restart_pg().await?;
             restarts += 1;
         }
+        let after = cx.disk_fault_aftermath();
+        let settled = match after {
+            None | Some(Aftermath::Over) => true,
+            Some(Aftermath::PanicOwed) => t.elapsed() >= PANIC_GRACE,
+            Some(Aftermath::Recovering) => false,
+        };
         match cx.pg_answers(Duration::from_secs(1)).await {
-            Ok(()) => return Ok((t.elapsed().as_millis() as u64, restarts)),
+            Ok(()) if settled => return Ok((t.elapsed().as_millis() as u64, restarts, after)),
+            Ok(()) => last = format!("answers, but the crash is not over ({after:?})"),
             Err(e) => last = format!("{e:#}"),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
