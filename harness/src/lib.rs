@@ -3,6 +3,7 @@ pub mod balancer;
 pub mod client;
 pub mod client_files;
 pub mod container;
+mod dsm;
 pub mod gateway;
 pub mod history;
 pub mod lazyfs;

@@ -1357,6 +1357,8 @@ fn flock_exclusive(file: File) -> std::io::Result<Flock<File>> {
 /// [`work_base`]), traversable by the postgres user. It is kept: removing it, or keeping it
 /// on failure, is `register_run_dir`'s and `Drop`'s business.
 pub(crate) fn create_work_dir() -> anyhow::Result<PathBuf> {
+    // What killed servers left in /dev/shm (at most once a minute on the machine).
+    crate::dsm::sweep();
     let n = CLUSTER_COUNTER.fetch_add(1, Ordering::Relaxed);
     let name = run_name().map(|r| format!("{r}-")).unwrap_or_default();
     let dir = tempfile::Builder::new()
