@@ -13,6 +13,8 @@
 #   MERGE='d …'   also read these outcome directories (shards run elsewhere: their
 #                 target/mutants/run; cargo-mutants' mutants.out of older runs also reads)
 #   OUT=path      where the evidence goes (default evidence/mutants/result.json)
+#   NO_SCHEMATA=1 build and run every mutant alone (its diff applied), without the one
+#                 schema build (step 3); slower, for comparing the two
 #
 # Steps:
 #   1. `cargo mutants --list --json --diff`: the mutants, with their diffs.
@@ -22,9 +24,14 @@
 #      from those it was taken of (a digest of their contents, below). That run
 #      is also the baseline: a test that fails on the unmutated tree stops everything, or
 #      every mutant it is selected for would count as caught.
-#   3. `target/debug/mutants run`: per mutant, in a scratch copy of the sources with its own
-#      target dir kept warm (target/mutants/scratch), the diff applied, only the test
-#      binaries of the selected tests built, those tests run (fail-fast, one retry) in two
+#   3. `target/debug/mutants run`: first one schema build in a scratch copy of the sources
+#      with its own target dir kept warm (target/mutants/scratch): every mutant written into
+#      its file behind a switch read from IMFAULT_MUTANT, every test binary built once (a
+#      mutant a build error is blamed on is taken out; log/schemata.log says which). Each
+#      mutant it holds runs its selected tests with IMFAULT_MUTANT naming it, nothing built.
+#      The others run alone afterwards, the sources written back: per mutant,
+#      the diff applied, only the test
+#      binaries of the selected tests built. Either way the tests run (fail-fast, one retry) in two
 #      stages: first the likeliest catchers (at most 6: the tests that caught a mutant of
 #      the same function, then of the same file, then any, each quickest first), the rest
 #      only when none of those failed; the file restored. A mutant those tests miss gets a second chance: the other tests that
@@ -98,7 +105,7 @@ started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 status=0
 "$TARGET/debug/mutants" run --list "$work/list.json" --map "$cov/map.json" \
   --equivalent mutants/equivalent.txt --scratch "$TARGET/mutants/scratch" --out "$work" \
-  --cargo "$CARGO" ${SHARD:+--shard "$SHARD"} || status=$?
+  --cargo "$CARGO" ${SHARD:+--shard "$SHARD"} ${NO_SCHEMATA:+--no-schemata} || status=$?
 case $status in 0) ;; 1) echo "mutants: some mutants could not be judged (Failure; see $work/log)" >&2 ;;
   *) echo "mutants: mutants run exited $status" >&2; exit 2 ;; esac
 

@@ -197,16 +197,11 @@ impl Balancer {
 /// A process's state as `/proc/PID/stat` has it (`R` running, `S` sleeping, `T` stopped...),
 /// for an error that must say why a child did not do what it was started for.
 fn process_state(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or_else(
-        |e| format!("no /proc entry: {e}"),
-        |stat| {
-            let state = stat
-                .rfind(')')
-                .and_then(|i| stat[i + 1..].split_whitespace().next())
-                .unwrap_or("?");
-            format!("state {state}")
-        },
-    )
+    match crate::process::stat(pid) {
+        Ok(Some((_, _, state))) => format!("state {state}"),
+        Ok(None) => "state ?".to_string(),
+        Err(e) => format!("no /proc entry: {e}"),
+    }
 }
 
 impl Drop for Balancer {

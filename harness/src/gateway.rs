@@ -2,7 +2,7 @@
 //!
 //! Owns: finding the binary (and refusing a missing or stale one), the admin and
 //! `migrate` commands, and `serve` processes: a cleared environment plus an allow-list
-//! (and `PATH` and `LLVM_PROFILE_FILE`, [`crate::util::inherit_allowed`]),
+//! (and `PATH`, `LLVM_PROFILE_FILE` and `IMFAULT_MUTANT`, [`crate::util::inherit_allowed`]),
 //! port 0 with the bound address read back from the `listening on ADDR` line, one log
 //! file per process (stderr, plus every stdout line), the recorded exit status, and
 //! SIGKILL on drop.

@@ -86,14 +86,24 @@ pub(crate) fn processes() -> Vec<(u32, u32, u32, char)> {
     dir.filter_map(Result::ok)
         .filter_map(|e| {
             let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let stat = fs::read_to_string(e.path().join("stat")).ok()?;
-            // "pid (comm) S ppid pgrp ...": comm may hold spaces and parentheses.
-            let rest = &stat[stat.rfind(')')? + 1..];
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            let state = f.first()?.chars().next()?;
-            Some((pid, f.get(1)?.parse().ok()?, f.get(2)?.parse().ok()?, state))
+            let (ppid, pgid, state) = stat(pid).ok()??;
+            Some((pid, ppid, pgid, state))
         })
         .collect()
+}
+
+/// `(ppid, pgid, state)` of process `pid` from `/proc/PID/stat`: an error when it has no
+/// entry (gone, or reaped), `None` when the entry does not parse.
+pub(crate) fn stat(pid: u32) -> std::io::Result<Option<(u32, u32, char)>> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // "pid (comm) S ppid pgrp ...": comm may hold spaces and parentheses.
+    let parse = || {
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let state = f.first()?.chars().next()?;
+        Some((f.get(1)?.parse().ok()?, f.get(2)?.parse().ok()?, state))
+    };
+    Ok(parse())
 }
 
 /// SIGSTOPs `root`, its process group and every descendant (PostgreSQL backends run in

@@ -168,11 +168,13 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> 
 }
 
 /// The variables a child started with a cleared environment still inherits from ours:
-/// `PATH`, and `LLVM_PROFILE_FILE` (set only by the per-test coverage run of `make
+/// `PATH`, `LLVM_PROFILE_FILE` (set only by the per-test coverage run of `make
 /// mutants`, scripts/mutants-coverage.sh: an instrumented gateway must write its profile
-/// where the test that started it says, or its lines would count for no test).
+/// where the test that started it says, or its lines would count for no test) and
+/// `IMFAULT_MUTANT` (set only by `make mutants`' runs of a schema build: the mutant a
+/// gateway built with every mutant switches on; without it, none).
 pub fn inherit_allowed(cmd: &mut std::process::Command) {
-    for name in ["PATH", "LLVM_PROFILE_FILE"] {
+    for name in ["PATH", "LLVM_PROFILE_FILE", "IMFAULT_MUTANT"] {
         if let Some(value) = std::env::var_os(name) {
             cmd.env(name, value);
         }

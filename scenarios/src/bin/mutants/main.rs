@@ -23,6 +23,7 @@
 
 mod coverage;
 mod run;
+mod schemata;
 
 use anyhow::{bail, Context};
 use im_check::Verdict;
@@ -137,6 +138,9 @@ struct Span {
 #[derive(Debug, Clone, Copy, Deserialize)]
 struct LineCol {
     line: usize,
+    /// 1-based; optional for the tests' sake.
+    #[serde(default)]
+    column: usize,
 }
 
 /// outcomes.json (the fields read here).
@@ -796,7 +800,7 @@ mod tests {
             file: file.into(),
             function: None,
             span: Span {
-                start: LineCol { line },
+                start: LineCol { line, column: 1 },
                 end: None,
             },
             replacement: String::new(),

@@ -12,12 +12,22 @@
 //! tests, under a time limit, in two stages: the likeliest catchers first (the tests that
 //! caught a mutant of the same function or file earlier in the run, then the quickest), the
 //! rest only when none of those failed; the file is then written back.
+//!
+//! Before that, one schema build ([`schemata`]): every mutant to run written into the
+//! scratch tree's files at once, each behind a switch read from `IMFAULT_MUTANT`, and every
+//! test binary built from them; a mutant a build error is blamed on is taken out until the
+//! tree builds. Each mutant the schema build holds then runs only its tests, with
+//! `IMFAULT_MUTANT` set to its id (the harness passes it on to the gateways it starts) and
+//! nothing built; the others (unviable ones, those inside a macro call, those whose value
+//! cannot share a function with its body) run afterwards as above, the tree written back
+//! to the sources. `--no-schemata` runs every mutant that way.
 //! Writes `<out>/outcomes.json` in the shape of cargo-mutants' (read by `mutants report`),
 //! each outcome with the tests it ran, and `<out>/diff/`, `<out>/log/`.
 //!
 //! Must not: judge (that is `mutants report`) or touch the workspace itself.
 
 use crate::coverage::{CoverageMap, TestId};
+use crate::schemata;
 use anyhow::{bail, Context};
 use serde::Serialize;
 use serde_json::Value;
@@ -55,6 +65,9 @@ pub struct RunArgs {
     timeout_extra_s: f64,
     #[arg(long, default_value = "cargo")]
     cargo: String,
+    /// Build and run each mutant alone (its diff applied), without the schema build.
+    #[arg(long)]
+    no_schemata: bool,
 }
 
 /// The cargo arguments of every build and test command: always the same packages and
@@ -313,6 +326,11 @@ struct Runner<'a> {
     killers: std::cell::RefCell<Vec<Killer>>,
     /// The file and function of the mutant being run.
     current: std::cell::RefCell<(String, String)>,
+    /// The mutants the tree's schema build holds ([`Runner::schematize`]).
+    switched: BTreeSet<usize>,
+    /// The switched mutant being run: its tests run with [`schemata::VAR`] naming it, and
+    /// nothing is built for it.
+    active: std::cell::Cell<Option<usize>>,
 }
 
 /// A test that caught a mutant of `file`, in `function`.
@@ -321,6 +339,19 @@ struct Killer {
     file: String,
     function: String,
     test: TestId,
+}
+
+/// At most this many builds look for a schema build that builds ([`Runner::schematize`]).
+const SCHEMA_ROUNDS: usize = 8;
+
+fn append(log: &Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    f.write_all(text.as_bytes())?;
+    Ok(())
 }
 
 /// At most this many tests run first, the likeliest catchers; the rest only when none of
@@ -391,7 +422,11 @@ impl Runner<'_> {
             .env("CARGO_TARGET_DIR", &self.target)
             .env_remove("LLVM_PROFILE_FILE")
             .env_remove("RUSTC_WORKSPACE_WRAPPER")
-            .env("NEXTEST_HIDE_PROGRESS_BAR", "1");
+            .env("NEXTEST_HIDE_PROGRESS_BAR", "1")
+            .env_remove(schemata::VAR);
+        if let Some(id) = self.active.get() {
+            c.env(schemata::VAR, id.to_string());
+        }
         c.arg("--binaries-metadata")
             .arg(self.a.out.join("binaries.json"))
             .arg("--cargo-metadata")
@@ -431,6 +466,149 @@ impl Runner<'_> {
             .env_remove("RUSTC_WORKSPACE_WRAPPER")
             .env("NEXTEST_HIDE_PROGRESS_BAR", "1");
         c
+    }
+
+    /// Writes the mutants of `todo` into the tree's files as schemata ([`schemata`]) and
+    /// builds every test binary from them; a mutant a build error is blamed on is taken out
+    /// and the files written again, until the tree builds (at most [`SCHEMA_ROUNDS`]
+    /// builds). The mutants the built tree holds; none (and the tree as it was) when a
+    /// build error is blamed on no mutant, or the rounds run out.
+    fn schematize(
+        &self,
+        todo: &[usize],
+        mutants: &[crate::Mutant],
+    ) -> anyhow::Result<BTreeSet<usize>> {
+        let log = self.a.out.join("log/schemata.log");
+        let mut by_file: BTreeMap<&str, Vec<schemata::Want>> = BTreeMap::new();
+        for &i in todo {
+            let m = &mutants[i];
+            let start = (m.span.start.line, m.span.start.column);
+            by_file.entry(&m.file).or_default().push(schemata::Want {
+                id: i,
+                genre: m.genre.clone(),
+                start,
+                end: m.span.end.map_or(start, |e| (e.line, e.column)),
+                replacement: m.replacement.clone(),
+            });
+        }
+        let mut originals = BTreeMap::new();
+        for file in by_file.keys() {
+            let p = self.tree.join(file);
+            originals.insert(
+                *file,
+                std::fs::read_to_string(&p).with_context(|| format!("read {}", p.display()))?,
+            );
+        }
+        let restore = |originals: &BTreeMap<&str, String>| -> anyhow::Result<()> {
+            for (file, text) in originals {
+                std::fs::write(self.tree.join(file), text)?;
+            }
+            Ok(())
+        };
+        let mut out_of_it: BTreeSet<usize> = BTreeSet::new();
+        for round in 1..=SCHEMA_ROUNDS {
+            let mut placed = BTreeSet::new();
+            let mut texts = BTreeMap::new();
+            for (file, wants) in &by_file {
+                let wants: Vec<_> = wants
+                    .iter()
+                    .filter(|w| !out_of_it.contains(&w.id))
+                    .cloned()
+                    .collect();
+                match schemata::schema(&originals[file], &wants) {
+                    Ok((text, ids)) => {
+                        std::fs::write(self.tree.join(file), &text)?;
+                        placed.extend(ids);
+                        texts.insert(file.to_string(), text);
+                    }
+                    Err(e) => {
+                        append(
+                            &log,
+                            &format!("{file}: no schema ({e:#}); its mutants run alone\n"),
+                        )?;
+                        std::fs::write(self.tree.join(file), &originals[file])?;
+                    }
+                }
+            }
+            let t0 = Instant::now();
+            let errors = self.build_json(&log)?;
+            append(
+                &log,
+                &format!(
+                    "round {round}: {} mutants placed, built in {:.1} s, {} errors\n",
+                    placed.len(),
+                    t0.elapsed().as_secs_f64(),
+                    errors.as_ref().map_or(0, Vec::len)
+                ),
+            )?;
+            let Some(errors) = errors else {
+                return Ok(placed);
+            };
+            let blamed: BTreeSet<usize> = errors
+                .iter()
+                .filter_map(|(file, at)| schemata::blame(texts.get(file)?, *at))
+                .collect();
+            append(&log, &format!("round {round}: taken out {blamed:?}\n"))?;
+            if blamed.is_empty() {
+                break;
+            }
+            out_of_it.extend(blamed);
+        }
+        append(&log, "no schema build: every mutant runs alone\n")?;
+        restore(&originals)?;
+        Ok(BTreeSet::new())
+    }
+
+    /// `cargo test --no-run` of every test binary with JSON messages: `None` when it built,
+    /// else each error's places (file relative to the tree, byte offset).
+    fn build_json(&self, log: &Path) -> anyhow::Result<Option<Vec<(String, usize)>>> {
+        let mut build = self.cargo(&["test", "--no-run", "--message-format=json"]);
+        let err = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)?;
+        let out = build
+            .stderr(err)
+            .output()
+            .context("run cargo test --no-run")?;
+        if out.status.success() {
+            return Ok(None);
+        }
+        let mut places = Vec::new();
+        for line in out.stdout.split(|b| *b == b'\n') {
+            let Ok(v) = serde_json::from_slice::<Value>(line) else {
+                continue;
+            };
+            let msg = &v["message"];
+            if v["reason"] != "compiler-message" || msg["level"] != "error" {
+                continue;
+            }
+            // Not `rendered`: a schema file is one line, which rustc quotes whole.
+            let first = msg["spans"].get(0);
+            append(
+                log,
+                &format!(
+                    "error: {} ({}, byte {})\n",
+                    msg["message"].as_str().unwrap_or("?"),
+                    first.and_then(|s| s["file_name"].as_str()).unwrap_or("?"),
+                    first.and_then(|s| s["byte_start"].as_u64()).unwrap_or(0)
+                ),
+            )?;
+            let mut spans: Vec<&Value> = msg["spans"].as_array().into_iter().flatten().collect();
+            while let Some(sp) = spans.pop() {
+                if let (Some(file), Some(at)) =
+                    (sp["file_name"].as_str(), sp["byte_start"].as_u64())
+                {
+                    let file = Path::new(file);
+                    let file = file.strip_prefix(&self.tree).unwrap_or(file);
+                    places.push((file.to_string_lossy().into_owned(), at as usize));
+                }
+                if sp["expansion"]["span"].is_object() {
+                    spans.push(&sp["expansion"]["span"]);
+                }
+            }
+        }
+        Ok(Some(places))
     }
 
     /// Records the file and function of the mutant about to run.
@@ -489,6 +667,16 @@ impl Runner<'_> {
         let mut outcome = Outcome::new(raw, diff_path, log_path, &tests);
 
         self.set_current(m);
+        if self.switched.contains(&i) {
+            // In the schema build: switched on for its tests, nothing built.
+            self.active.set(Some(i));
+            let result = self
+                .build_and_test(&mut outcome, &targets, &tests, &log)
+                .and_then(|()| self.widen(&mut outcome, &wider_targets, &wider, &log));
+            self.active.set(None);
+            result?;
+            return Ok(outcome);
+        }
         let original = self.apply(m, &outcome.diff_path)?;
         let result = self
             .build_and_test(&mut outcome, &targets, &tests, &log)
@@ -539,8 +727,12 @@ impl Runner<'_> {
         Ok(original)
     }
 
-    /// Builds `targets` from the tree as it is: whether they built.
+    /// Builds `targets` from the tree as it is: whether they built. Nothing to build for a
+    /// switched mutant: the schema build holds it.
     fn build(&self, o: &mut Outcome, targets: &[String], log: &Path) -> anyhow::Result<bool> {
+        if self.active.get().is_some() {
+            return Ok(true);
+        }
         let t0 = Instant::now();
         let mut build = self.cargo(&["test", "--no-run"]);
         build.args(targets);
@@ -661,8 +853,17 @@ impl Runner<'_> {
             Duration::from_secs_f64(expected * self.a.timeout_factor + self.a.timeout_extra_s);
         let t0 = Instant::now();
         let mut test = self.nextest_prebuilt();
-        test.args(["--profile", "mutants", "--no-tests=fail", "-E"])
-            .arg(filter(tests));
+        // A mutant is caught by its first failing test (retried once): the tests still
+        // running are stopped then, not waited for (a catch in 1 s waited 12 s for a slow
+        // test beside it).
+        test.args([
+            "--profile",
+            "mutants",
+            "--no-tests=fail",
+            "--max-fail=1:immediate",
+            "-E",
+        ])
+        .arg(filter(tests));
         let status = run_logged(test, log, limit)?;
         o.phase_results.push(PhaseResult {
             phase: "Test",
@@ -718,7 +919,7 @@ pub fn run(mut a: RunArgs) -> anyhow::Result<bool> {
         todo.len()
     );
     let in_process = in_process_binaries(&tree)?;
-    let r = Runner {
+    let mut r = Runner {
         a: &a,
         tree,
         target,
@@ -726,27 +927,53 @@ pub fn run(mut a: RunArgs) -> anyhow::Result<bool> {
         in_process,
         killers: Default::default(),
         current: Default::default(),
+        switched: BTreeSet::new(),
+        active: Default::default(),
     };
     let t0 = Instant::now();
+    if !a.no_schemata {
+        r.switched = r.schematize(&todo, &mutants)?;
+    }
     r.warm()?;
     eprintln!(
-        "mutants: unmutated test binaries built in {:.1} s",
+        "mutants: {} of {} mutants in one schema build, the test binaries built in {:.1} s \
+         (log/schemata.log)",
+        r.switched.len(),
+        todo.len(),
         t0.elapsed().as_secs_f64()
     );
-    let failures = run_each(&r, &todo, &raw, &mutants, started)?;
+    let (switched, alone): (Vec<usize>, Vec<usize>) =
+        todo.iter().partition(|i| r.switched.contains(i));
+    let mut outcomes = Vec::new();
+    let mut failures = run_each(&r, &switched, &raw, &mutants, started, &mut outcomes)?;
+    if !alone.is_empty() {
+        if !r.switched.is_empty() {
+            let t0 = Instant::now();
+            sync_tree(&root, &r.tree)?;
+            r.warm()?;
+            eprintln!(
+                "mutants: unmutated test binaries built in {:.1} s for the {} mutants that run alone",
+                t0.elapsed().as_secs_f64(),
+                alone.len()
+            );
+        }
+        failures += run_each(&r, &alone, &raw, &mutants, started, &mut outcomes)?;
+    }
+    write_outcomes(&r.a.out, secs(started.elapsed()), outcomes)?;
     Ok(failures == 0)
 }
 
 /// Runs each mutant of `todo`, one after the other, printing its line and writing the
-/// outcomes so far after each; returns how many ended in `Failure`.
+/// outcomes so far (`outcomes`, which it adds to) after each; returns how many ended in
+/// `Failure`.
 fn run_each(
     r: &Runner<'_>,
     todo: &[usize],
     raw: &[Value],
     mutants: &[crate::Mutant],
     started: Instant,
+    outcomes: &mut Vec<Outcome>,
 ) -> anyhow::Result<usize> {
-    let mut outcomes = Vec::new();
     let mut failures = 0;
     for (done, i) in todo.iter().enumerate() {
         let m = &mutants[*i];
@@ -766,10 +993,7 @@ fn run_each(
         );
         outcomes.push(o);
         // Written after every mutant: a run cut short still has what it did.
-        outcomes = write_outcomes(&r.a.out, secs(started.elapsed()), outcomes)?;
-    }
-    if todo.is_empty() {
-        write_outcomes(&r.a.out, 0.0, outcomes)?;
+        *outcomes = write_outcomes(&r.a.out, secs(started.elapsed()), std::mem::take(outcomes))?;
     }
     Ok(failures)
 }
