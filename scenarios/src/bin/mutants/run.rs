@@ -341,8 +341,17 @@ struct Killer {
     test: TestId,
 }
 
-/// At most this many builds look for a schema build that builds ([`Runner::schematize`]).
-const SCHEMA_ROUNDS: usize = 8;
+/// At most this many builds look for a schema build that builds ([`Runner::schematize`]);
+/// the last but one takes out every mutant of the files the errors are in.
+const SCHEMA_ROUNDS: usize = 12;
+
+/// A place a build error names: a file relative to the tree, a byte offset in it, and the
+/// error's code (`E0004`...) when it has one.
+struct BuildError {
+    file: String,
+    at: usize,
+    code: Option<String>,
+}
 
 fn append(log: &Path, text: &str) -> anyhow::Result<()> {
     use std::io::Write;
@@ -544,14 +553,28 @@ impl Runner<'_> {
             let Some(errors) = errors else {
                 return Ok(placed);
             };
-            let blamed: BTreeSet<usize> = errors
+            let is_arm = |id: usize| mutants.get(id).is_some_and(|m| m.genre == "MatchArm");
+            let mut blamed: BTreeSet<usize> = errors
                 .iter()
-                .filter_map(|(file, at)| schemata::blame(texts.get(file)?, *at))
+                .filter_map(|e| {
+                    let text = texts.get(&e.file)?;
+                    match e.code.as_deref() {
+                        Some("E0004") => schemata::blame_arm(text, e.at, is_arm),
+                        _ => schemata::blame(text, e.at),
+                    }
+                })
                 .collect();
-            append(&log, &format!("round {round}: taken out {blamed:?}\n"))?;
-            if blamed.is_empty() {
-                break;
+            if blamed.is_empty() || round == SCHEMA_ROUNDS - 1 {
+                // The last try: every mutant of the files the errors are in runs alone.
+                let files: BTreeSet<&str> = errors.iter().map(|e| e.file.as_str()).collect();
+                if files.iter().all(|f| !texts.contains_key(*f)) {
+                    break;
+                }
+                for f in files {
+                    blamed.extend(by_file.get(f).into_iter().flatten().map(|w| w.id));
+                }
             }
+            append(&log, &format!("round {round}: taken out {blamed:?}\n"))?;
             out_of_it.extend(blamed);
         }
         append(&log, "no schema build: every mutant runs alone\n")?;
@@ -560,8 +583,8 @@ impl Runner<'_> {
     }
 
     /// `cargo test --no-run` of every test binary with JSON messages: `None` when it built,
-    /// else each error's places (file relative to the tree, byte offset).
-    fn build_json(&self, log: &Path) -> anyhow::Result<Option<Vec<(String, usize)>>> {
+    /// else each error's places.
+    fn build_json(&self, log: &Path) -> anyhow::Result<Option<Vec<BuildError>>> {
         let mut build = self.cargo(&["test", "--no-run", "--message-format=json"]);
         let err = std::fs::OpenOptions::new()
             .create(true)
@@ -601,7 +624,11 @@ impl Runner<'_> {
                 {
                     let file = Path::new(file);
                     let file = file.strip_prefix(&self.tree).unwrap_or(file);
-                    places.push((file.to_string_lossy().into_owned(), at as usize));
+                    places.push(BuildError {
+                        file: file.to_string_lossy().into_owned(),
+                        at: at as usize,
+                        code: msg["code"]["code"].as_str().map(str::to_string),
+                    });
                 }
                 if sp["expansion"]["span"].is_object() {
                     spans.push(&sp["expansion"]["span"]);

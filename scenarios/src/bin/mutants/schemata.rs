@@ -78,6 +78,29 @@ pub fn blame(text: &str, at: usize) -> Option<usize> {
     digits.parse().ok()
 }
 
+/// The mutant an exhaustiveness error (E0004) at byte `at` is blamed on: the first of the
+/// switches after it that `is_arm` accepts. rustc places that error at the `match`'s
+/// scrutinee, before the arms, and a deleted arm (the guard `!ON`) is what can leave a
+/// value uncovered: cargo-mutants deletes an arm beside a wildcard even when the wildcard
+/// has a guard, and such a mutant does not build alone either.
+pub fn blame_arm(text: &str, at: usize, is_arm: impl Fn(usize) -> bool) -> Option<usize> {
+    let mut from = at.min(text.len());
+    while let Some(rel) = text.get(from..)?.find(STATIC_PREFIX) {
+        let pos = from + rel + STATIC_PREFIX.len();
+        let digits: String = text[pos..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        if let Ok(id) = digits.parse() {
+            if is_arm(id) {
+                return Some(id);
+            }
+        }
+        from = pos;
+    }
+    None
+}
+
 /// 1-based (line, column) of a span's start, as cargo-mutants counts.
 fn start(s: Span) -> (usize, usize) {
     at(s.start())
@@ -294,5 +317,21 @@ mod tests {
         let at = text.find("a - b").unwrap();
         assert_eq!(blame(&text, at), Some(4));
         assert_eq!(blame(&text, 3), None);
+    }
+
+    /// An exhaustiveness error at a `match`'s scrutinee is blamed on the first deleted arm
+    /// after it, not on the switch before it.
+    #[test]
+    fn an_exhaustiveness_error_is_blamed_on_the_arm_after_it() {
+        let wants = [
+            want(4, "BinaryOperator", (3, 18), (3, 19), "-"),
+            want(6, "MatchArmGuard", (7, 14), (7, 19), "true"),
+            want(7, "MatchArm", (6, 9), (6, 16), ""),
+        ];
+        let (text, _) = schema(SOURCE, &wants).unwrap();
+        let at = text.find("match a").unwrap();
+        assert_eq!(blame(&text, at), Some(4));
+        assert_eq!(blame_arm(&text, at, |id| id == 7), Some(7));
+        assert_eq!(blame_arm(&text, at, |_| false), None);
     }
 }
