@@ -241,3 +241,20 @@ async fn reinstall(pool: &PgPool, device: &str) -> anyhow::Result<String> {
     }
     Ok(token)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An id is 1 to 64 characters of `A-Z a-z 0-9 . _ -` (the admin CLI refuses any
+    /// other): each bound on its own, the empty id and one a character too long included.
+    #[test]
+    fn an_id_is_one_to_sixty_four_allowed_characters() {
+        for ok in ["a", "A.z_0-9", &"a".repeat(64)] {
+            assert!(check_id("user", ok).is_ok(), "{ok:?} refused");
+        }
+        for bad in ["", &"a".repeat(65), "a b", "a/b", "\u{e9}"] {
+            assert!(check_id("user", bad).is_err(), "{bad:?} taken");
+        }
+    }
+}

@@ -394,6 +394,29 @@ mod tests {
         }
     }
 
+    /// A number at either end of its range is taken; one past either end is refused. (The
+    /// variable's name is put together at run time: it is no `IM_*` name of the table.)
+    #[test]
+    fn a_number_at_either_bound_is_taken_and_one_past_it_refused() {
+        let name = format!("IM_{}", "TEST_NUM_BOUNDS");
+        for (raw, want) in [("5", Some(5)), ("9", Some(9)), ("4", None), ("10", None)] {
+            std::env::set_var(&name, raw);
+            assert_eq!(num::<u32>(&name, 5, 9).ok(), want, "{name}={raw}");
+        }
+        std::env::remove_var(&name);
+    }
+
+    /// `IM_WORKER_THREADS`: 0 (its default) leaves tokio's own count, any other is taken.
+    #[test]
+    fn worker_threads_zero_leaves_the_default_and_a_count_is_taken() {
+        for (raw, want) in [("0", None), ("1", Some(1)), ("2", Some(2))] {
+            std::env::set_var("IM_WORKER_THREADS", raw);
+            assert_eq!(worker_threads().ok(), Some(want), "IM_WORKER_THREADS={raw}");
+        }
+        std::env::remove_var("IM_WORKER_THREADS");
+        assert_eq!(worker_threads().ok(), Some(None));
+    }
+
     /// The numeric defaults parse and lie in their ranges (`from_env` with nothing set).
     #[test]
     fn defaults_come_from_the_table() {

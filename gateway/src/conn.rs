@@ -995,6 +995,30 @@ mod tests {
     use super::*;
     use crate::protocol::{Event, CMID_MAX_BYTES, ID_MAX_BYTES, RID_MAX_BYTES};
 
+    /// A binary frame is refused by what the connection has said: BAD_REQUEST after hello
+    /// (send JSON text), UNAUTHENTICATED before it (say hello first); the connection stays
+    /// either way. One over the frame limit ends it, whether or not it said hello.
+    #[test]
+    fn a_binary_frame_is_refused_by_what_the_connection_has_said() {
+        let binary = |n: usize| Some(Ok(Message::Binary(vec![0u8; n].into())));
+        let code = |r: Read| match r {
+            Read::Refused(e) => format!("refused {}", e.code()),
+            Read::End(c, _) => format!("end {}", u16::from(c)),
+            Read::Text(_) => "text".to_string(),
+            Read::Skip => "skip".to_string(),
+        };
+        assert_eq!(
+            code(classify(binary(4), 16, 1, true)),
+            "refused BAD_REQUEST"
+        );
+        assert_eq!(
+            code(classify(binary(4), 16, 1, false)),
+            "refused UNAUTHENTICATED"
+        );
+        assert_eq!(code(classify(binary(17), 16, 1, true)), "end 1009");
+        assert_eq!(code(classify(binary(17), 16, 1, false)), "end 1009");
+    }
+
     /// The byte budget's promise for syncs: what a sync reserves before its page is read is
     /// at least the frame it can produce, whatever the events hold. The worst page is built
     /// as `store::sync` builds one (events added while the page stays within `page_max`,
