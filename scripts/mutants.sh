@@ -40,9 +40,9 @@
 #      unviable ones are told apart) and counted `missed` with the note "no test reaches it".
 #   4. `target/debug/mutants report`: the judgement and the evidence.
 #
-# The run tests a copy of the tree taken when it starts: edit the tree during a run and the
-# report, which reads the equivalent list and the source lines of the tree as it is then,
-# may disagree with it.
+# The run tests a copy of the tree taken when it starts, and its evidence names the commit
+# (and dirtiness) of that moment: edit the tree during a run and the report, which reads the
+# equivalent list and the source lines of the tree as it is at the end, may disagree with it.
 #
 # Exit status: 0 PASS, 1 FAIL (a missed mutant outside mutants/equivalent.txt, or a kill
 # rate below 0.9), 2 when a step could not run.
@@ -62,6 +62,12 @@ if ! "$CARGO" mutants --version 2>/dev/null | grep -qx "cargo-mutants $VERSION";
   echo "mutants: installing cargo-mutants $VERSION from crates.io"
   "$CARGO" install --locked cargo-mutants --version "$VERSION" || exit 2
 fi
+
+# The commit the run tests and whether the tree differs from it, taken now: the scratch
+# tree is copied from the tree as it is at the start, so a commit made during the run must
+# not be named in its evidence.
+commit=$(git rev-parse HEAD)
+if [ -n "$(git status --porcelain)" ]; then dirty=true; else dirty=false; fi
 
 work=$TARGET/mutants/run
 rm -rf "$work"; mkdir -p "$work"
@@ -115,4 +121,5 @@ files=(); for f in $FILES; do files+=(--file "$f"); done
 "$TARGET/debug/mutants" report --list "$work/list.json" --equivalent mutants/equivalent.txt \
   "${outcomes[@]}" --out "$OUT" "${files[@]}" ${SHARD:+--shard "$SHARD"} \
   ${IN_DIFF:+--in-diff "$IN_DIFF"} --coverage-map "$cov/map.json" \
-  --started-at "$started" --tool "$("$CARGO" mutants --version)"
+  --started-at "$started" --tool "$("$CARGO" mutants --version)" \
+  --commit "$commit" --dirty "$dirty"

@@ -102,6 +102,13 @@ struct ReportArgs {
     /// cargo-mutants' version line.
     #[arg(long)]
     tool: Option<String>,
+    /// The commit the mutants ran at, and whether the tree differed from it, as taken when
+    /// the run started (scripts/mutants.sh): a commit made during a long run must not be
+    /// named as the one it tested. Without them, HEAD and the tree as the report finds them.
+    #[arg(long)]
+    commit: Option<String>,
+    #[arg(long)]
+    dirty: Option<bool>,
     /// The coverage map the run selected its tests by (its timing is recorded).
     #[arg(long)]
     coverage_map: Option<PathBuf>,
@@ -661,8 +668,10 @@ fn report(a: ReportArgs) -> anyhow::Result<bool> {
         generated_by: "make mutants",
         generated_at: scenarios::rfc3339_now(),
         started_at: a.started_at,
-        commit: scenarios::git(&["rev-parse", "HEAD"]),
-        dirty: scenarios::git(&["status", "--porcelain"]).is_some_and(|s| !s.is_empty()),
+        commit: a.commit.or_else(|| scenarios::git(&["rev-parse", "HEAD"])),
+        dirty: a.dirty.unwrap_or_else(|| {
+            scenarios::git(&["status", "--porcelain"]).is_some_and(|s| !s.is_empty())
+        }),
         tool: a.tool,
         nextest_profile: "mutants",
         selection: if info.selected {
