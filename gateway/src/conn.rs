@@ -997,10 +997,12 @@ mod tests {
 
     /// A binary frame is refused by what the connection has said: BAD_REQUEST after hello
     /// (send JSON text), UNAUTHENTICATED before it (say hello first); the connection stays
-    /// either way. One over the frame limit ends it, whether or not it said hello.
+    /// either way. A frame of exactly the limit is served or refused as any other; one byte
+    /// over it ends the connection (1009), whether or not it said hello.
     #[test]
     fn a_binary_frame_is_refused_by_what_the_connection_has_said() {
         let binary = |n: usize| Some(Ok(Message::Binary(vec![0u8; n].into())));
+        let text = |n: usize| Some(Ok(Message::Text("x".repeat(n).into())));
         let code = |r: Read| match r {
             Read::Refused(e) => format!("refused {}", e.code()),
             Read::End(c, _) => format!("end {}", u16::from(c)),
@@ -1017,6 +1019,12 @@ mod tests {
         );
         assert_eq!(code(classify(binary(17), 16, 1, true)), "end 1009");
         assert_eq!(code(classify(binary(17), 16, 1, false)), "end 1009");
+        assert_eq!(
+            code(classify(binary(16), 16, 1, true)),
+            "refused BAD_REQUEST"
+        );
+        assert_eq!(code(classify(text(16), 16, 1, true)), "text");
+        assert_eq!(code(classify(text(17), 16, 1, true)), "end 1009");
     }
 
     /// The byte budget's promise for syncs: what a sync reserves before its page is read is
